@@ -1,0 +1,55 @@
+"""Off-policy corrections for RL on language models: pure, jit-able JAX on [T] / [B, T] arrays.
+
+Importance weights, rejection masks, policy objectives, reductions, advantages, diagnostics, presets, and
+``compute``, the pipeline that composes them. No model, no sharding, no I/O.
+"""
+
+from corrections._advantages import broadcast_to_tokens
+from corrections._advantages import dr_grpo_advantages
+from corrections._advantages import grpo_advantages
+from corrections._advantages import kl_penalty
+from corrections._advantages import reinforce_pp_advantages
+from corrections._advantages import rloo_advantages
+from corrections._config import CorrectionConfig
+from corrections._config import ImportanceWeights
+from corrections._config import Objective
+from corrections._config import RejectionRule
+from corrections._config import config_from_dict
+from corrections._config import config_to_dict
+from corrections._diagnostics import effective_sample_size
+from corrections._diagnostics import mismatch_metrics
+from corrections._diagnostics import rejection_metrics
+from corrections._diagnostics import staleness_metrics
+from corrections._diagnostics import weight_metrics
+from corrections._masked import SAFETY
+from corrections._masked import masked_mean
+from corrections._masked import masked_sum
+from corrections._masked import safe_exp
+from corrections._objectives import cispo_loss
+from corrections._objectives import clip_cov_loss
+from corrections._objectives import cross_entropy_loss
+from corrections._objectives import gspo_loss
+from corrections._objectives import kl_cov_loss
+from corrections._objectives import ppo_clip_loss
+from corrections._objectives import reinforce_loss
+from corrections._objectives import rollout_is_loss
+from corrections._objectives import sapo_loss
+from corrections._pipeline import Corrected
+from corrections._pipeline import check_batch
+from corrections._pipeline import compute
+from corrections._presets import PRESETS
+from corrections._presets import preset
+from corrections._reductions import loss_terms
+from corrections._reductions import reduce_loss
+from corrections._rejection import divergence_mask
+from corrections._rejection import geometric_sequence_mask
+from corrections._rejection import opsm_mask
+from corrections._rejection import outlier_sequence_mask
+from corrections._rejection import product_sequence_mask
+from corrections._rejection import token_mask
+from corrections._weights import batch_normalize_weights
+from corrections._weights import geometric_sequence_weights
+from corrections._weights import icepop_weights
+from corrections._weights import off_policy_is_weights
+from corrections._weights import sequence_tis_weights
+from corrections._weights import token_tis_weights

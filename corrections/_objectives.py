@@ -1,0 +1,171 @@
+"""Per-token policy objectives: each returns ``(loss, aux)`` where ``aux`` maps a metric name to a per-token
+indicator or value whose masked mean the pipeline reports (``pg_clipfrac``, ``ppo_kl``, ...).
+
+Elementwise objectives work on any shape; GSPO needs one sequence ([T]) and is vmapped; clip-cov and kl-cov
+select tokens across the whole batch ([B, T]). All log-ratios are clamped to [-20, 20] before ``exp``.
+Behaviour weights from ``corrections.token_tis_weights`` and friends multiply the returned loss.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from corrections._masked import clamp_log_ratio, masked_count, masked_mean, safe_exp
+
+sg = jax.lax.stop_gradient
+
+
+def _f32(*arrays):
+    return [jnp.asarray(a, jnp.float32) for a in arrays]
+
+
+def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2, dual_clip=None):
+    """PPO clip ``max(-r*A, -clip(r, 1-clip_low, 1+clip_high)*A)`` with optional dual clip for ``A < 0``.
+
+    Dual clip (verl, SkyRL: c = 3.0) bounds the loss of negative-advantage tokens by ``-c*A``.
+
+    >>> import numpy as np
+    >>> loss, aux = ppo_clip_loss(np.log([1.5, 0.5]), np.log([1.0, 1.0]), np.array([1.0, -1.0]))
+    >>> np.asarray(loss, float).round(4).tolist(), aux["pg_clipfrac"].tolist()
+    ([-1.2, 0.8], [1.0, 1.0])
+    """
+    lp, old, adv = _f32(logprobs, old_logprobs, advantages)
+    log_ratio = clamp_log_ratio(lp - old)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = jnp.maximum(unclipped, clipped)
+    aux = {"pg_clipfrac": (clipped > unclipped).astype(jnp.float32), "ppo_kl": -log_ratio}
+    if dual_clip is not None:
+        lower = -adv * dual_clip
+        aux["pg_clipfrac_lower"] = ((loss > lower) & (adv < 0)).astype(jnp.float32)
+        loss = jnp.where(adv < 0, jnp.minimum(loss, lower), loss)
+    return loss, aux
+
+
+def reinforce_loss(logprobs, advantages):
+    """REINFORCE / pure IS base ``-A * lp``; behaviour weights multiply it (verl ``loss_type=reinforce``).
+
+    >>> import numpy as np
+    >>> np.asarray(reinforce_loss(np.log([0.5]), np.array([2.0]))[0], float).round(4).tolist()
+    [1.3863]
+    """
+    lp, adv = _f32(logprobs, advantages)
+    return -adv * lp, {}
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, clip_low=1.0, clip_high=4.0):
+    """CISPO (MiniMax-M1): ``-sg(clip(r, 1-clip_low, 1+clip_high)) * A * lp``; clipfrac counts ``clipped != r``.
+
+    >>> import numpy as np
+    >>> loss, aux = cispo_loss(np.log([6.0, 2.0]), np.log([1.0, 1.0]), np.array([1.0, 1.0]))
+    >>> np.asarray(loss, float).round(4).tolist(), aux["pg_clipfrac"].tolist()
+    ([-8.9588, -1.3863], [1.0, 0.0])
+    """
+    lp, old, adv = _f32(logprobs, old_logprobs, advantages)
+    log_ratio = clamp_log_ratio(lp - old)
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    aux = {"pg_clipfrac": (clipped != ratio).astype(jnp.float32), "ppo_kl": -log_ratio}
+    return -sg(clipped) * adv * lp, aux
+
+
+def sapo_loss(logprobs, old_logprobs, advantages, tau_pos=1.0, tau_neg=1.05):
+    """SAPO soft gate: ``-gate*A``, ``gate = sigmoid(tau*(r-1)) * 4/tau``, tau by the sign of A.
+
+    >>> import numpy as np
+    >>> sapo_loss(np.log([1.0]), np.log([1.0]), np.array([1.0]))[0].tolist()
+    [-2.0]
+    """
+    lp, old, adv = _f32(logprobs, old_logprobs, advantages)
+    log_ratio = clamp_log_ratio(lp - old)
+    tau = jnp.where(adv > 0, tau_pos, tau_neg)
+    gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * 4.0 / tau
+    return -gate * adv, {"ppo_kl": -log_ratio}
+
+
+def rollout_is_loss(logprobs, rollout_logprobs, advantages, clip_low=0.2, clip_high=0.2):
+    """GLM-5 rollout IS (SkyRL ``rollout_is``): ``-sg(where(1-lo < r < 1+hi, r, 0)) * A * lp``, ``r = exp(lp - roll)``.
+
+    >>> import numpy as np
+    >>> loss, aux = rollout_is_loss(np.log([0.55, 0.5]), np.log([0.5, 0.25]), np.array([1.0, 1.0]))
+    >>> np.asarray(loss, float).round(4).tolist(), aux["pg_clipfrac"].tolist()
+    ([0.6576, 0.0], [0.0, 1.0])
+    """
+    lp, roll, adv = _f32(logprobs, rollout_logprobs, advantages)
+    ratio = safe_exp(lp - roll)
+    inside = (ratio > 1.0 - clip_low) & (ratio < 1.0 + clip_high)
+    weight = sg(jnp.where(inside, ratio, 0.0))
+    return -weight * adv * lp, {"pg_clipfrac": (~inside).astype(jnp.float32)}
+
+
+def cross_entropy_loss(logprobs):
+    """Supervised cross entropy ``-lp``."""
+    (lp,) = _f32(logprobs)
+    return -lp, {}
+
+
+def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4, log_ratio_cap=10.0):
+    """GSPO token form for ONE sequence: ``log r_t = sg(mean_valid(lp - old)) + lp - sg(lp)``, capped at
+    ``log_ratio_cap``, then PPO clip. Its value is the sequence ratio, its gradient per token.
+
+    >>> import numpy as np
+    >>> loss, aux = gspo_loss(np.log([1.0, 1.0]), np.log([1.0, 1.0]), np.ones(2), np.array([1, 1]))
+    >>> loss.tolist()
+    [-1.0, -1.0]
+    """
+    lp, old, adv = _f32(logprobs, old_logprobs, advantages)
+    seq_log_ratio = sg(masked_mean(lp - old, mask))
+    log_ratio = jnp.minimum(lp - sg(lp) + seq_log_ratio, log_ratio_cap)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    aux = {"pg_clipfrac": (clipped > unclipped).astype(jnp.float32), "ppo_kl": -clamp_log_ratio(lp - old)}
+    return jnp.maximum(unclipped, clipped), aux
+
+
+def _centered_covariance(advantages, logprobs, mask):
+    lp = sg(logprobs)
+    return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
+
+
+def _ranked_selection(score, eligible, count, key=None):
+    """Boolean [B, T] selecting the ``count`` eligible entries of highest score (random ones if key is given)."""
+    if key is not None:
+        score = jax.random.uniform(key, score.shape)
+    flat = jnp.where(eligible, score, -jnp.inf).reshape(-1)
+    rank = jnp.empty_like(flat, dtype=jnp.int32).at[jnp.argsort(-flat)].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return (rank < count).reshape(score.shape) & eligible
+
+
+def clip_cov_loss(logprobs, old_logprobs, advantages, mask, key, clip_low=0.2, clip_high=0.2,
+                  clip_cov_ratio=2e-4, clip_cov_low=1.0, clip_cov_high=5.0):
+    """Clip-Cov over a [B, T] batch (verl/SkyRL): PPO clip, then cut the gradient of
+    ``max(int(ratio * n_valid), 1)`` random unclipped tokens whose centred covariance of A and lp lies strictly
+    inside ``(clip_cov_low, clip_cov_high)``.
+    """
+    lp, old, adv = _f32(logprobs, old_logprobs, advantages)
+    valid = jnp.asarray(mask).astype(bool)
+    ratio = safe_exp(lp - old)
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped_by_origin = (clipped > unclipped) & valid
+    cov = _centered_covariance(adv, lp, valid)
+    eligible = valid & ~clipped_by_origin & (cov > clip_cov_low) & (cov < clip_cov_high)
+    count = jnp.maximum(jnp.floor(clip_cov_ratio * masked_count(valid)), 1.0)
+    cut = _ranked_selection(cov, eligible, count, key)
+    loss = jnp.maximum(unclipped, clipped) * jnp.where(cut, 0.0, 1.0)
+    return loss, {"pg_clipfrac": cut.astype(jnp.float32), "ppo_kl": -clamp_log_ratio(lp - old)}
+
+
+def kl_cov_loss(logprobs, old_logprobs, advantages, mask, kl_cov_ratio=2e-3, kl_cov_coef=1.0):
+    """KL-Cov over a [B, T] batch (verl/SkyRL): ``-A*r``, plus ``coef * |lp - old|`` on the
+    ``max(1, int(n_valid * ratio))`` valid tokens of largest centred covariance of A and lp.
+    """
+    lp, old, adv = _f32(logprobs, old_logprobs, advantages)
+    valid = jnp.asarray(mask).astype(bool)
+    log_ratio = clamp_log_ratio(lp - old)
+    loss = -adv * jnp.exp(log_ratio)
+    count = jnp.maximum(jnp.floor(masked_count(valid) * kl_cov_ratio), 1.0)
+    chosen = _ranked_selection(_centered_covariance(adv, lp, valid), valid, count)
+    loss = jnp.where(chosen, loss + kl_cov_coef * jnp.abs(lp - old), loss)
+    return loss, {"pg_clipfrac": chosen.astype(jnp.float32), "ppo_kl": -log_ratio}

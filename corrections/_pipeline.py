@@ -1,0 +1,265 @@
+"""The one entry point: rollout, proximal and current logprobs in; weights, mask, loss and metrics out.
+
+Order (SkyRL's is the reference), per sequence and vmapped over the batch unless marked [batch]:
+
+1. Inputs are checked (shapes with chex; values when ``config.check_values``) and every padded position is
+   zeroed, so NaN or inf in padding never reaches an output or a gradient.
+2. ``old`` is the proximal logprobs (decoupled) or the rollout logprobs (bypass). The behaviour log-ratio is
+   ``lr = old - roll`` (decoupled) or ``sg(lp) - roll`` (bypass).
+3. Outlier (veto) rules on the original mask, then token rules.
+4. Importance weights over the surviving tokens (a sequence weight sums only survivors).
+5. Sequence rules (k-family, geometric, product) over the surviving tokens; OPSM from valid tokens.
+   A row already fully masked counts as kept.
+6. [batch] Weight normalisation by the batch mean, if configured.
+7. The objective's per-token loss, times the weights; plus ``kl_coef * KL(lp || ref)`` and minus
+   ``entropy_coef * entropy``.
+8. [batch] Reduction over the final mask, divided by the original or the kept mask's count.
+9. [batch] Metrics, always on the original mask.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from corrections import _diagnostics, _objectives, _rejection, _weights
+from corrections._advantages import kl_penalty
+from corrections._config import CorrectionConfig
+from corrections._masked import masked_mean, safe_exp
+from corrections._reductions import divide_loss, loss_terms
+
+sg = jax.lax.stop_gradient
+
+NEEDS_OLD = ("ppo", "gspo", "cispo", "sapo", "clip_cov", "kl_cov")
+
+
+class Corrected(NamedTuple):
+    """What ``compute`` returns (a pytree: fine to return from jit)."""
+
+    weights: jax.Array  # [B, T] stop-gradient behaviour weights (1 where none are configured, 0 at padding).
+    mask: jax.Array  # [B, T] float32 final loss mask: the response mask AND every rejection rule.
+    per_token_loss: jax.Array  # [B, T] weighted per-token loss, 0 outside the final mask.
+    loss: jax.Array  # scalar: loss_numerator / max(loss_denominator, 1).
+    loss_numerator: jax.Array  # scalar; sum it over micro-batches for a global reduction.
+    loss_denominator: jax.Array  # scalar, no gradient; sum it over micro-batches.
+    metrics: dict  # flat dict of float32 scalars: ``rollout_corr/...`` and ``actor/...``.
+
+
+def check_batch(mask, rollout_logprobs=None, **logprobs) -> None:
+    """Value checks (chex): ``mask`` is 0/1 and every given logprob array is finite where the mask is 1.
+
+    Eager by default; inside jit, wrap the caller with ``chex.chexify``.
+
+    >>> import numpy as np
+    >>> check_batch(np.array([[1, 0]]), rollout_logprobs=np.array([[-1.0, np.nan]]))
+    >>> check_batch(np.array([[1, 2]]))
+    Traceback (most recent call last):
+    ...
+    AssertionError: ...mask must hold only 0 and 1...
+    """
+    mask = jnp.asarray(mask)
+    chex.assert_trees_all_equal(
+        jnp.all((mask == 0) | (mask == 1)), jnp.array(True), custom_message="mask must hold only 0 and 1"
+    )
+    arrays = dict(logprobs, rollout_logprobs=rollout_logprobs)
+    for name, array in arrays.items():
+        if array is not None:
+            valid = jnp.where(mask.astype(bool), jnp.asarray(array, jnp.float32), 0.0)
+            chex.assert_tree_all_finite(valid, custom_message=f"{name} must be finite where the mask is 1")
+
+
+def _check_inputs(config: CorrectionConfig, logprobs, mask, advantages, proximal, rollout, ref, entropy):
+    chex.assert_rank(logprobs, 2)
+    chex.assert_equal_shape([logprobs, mask] + [a for a in (proximal, rollout, ref, entropy) if a is not None])
+    if advantages.ndim not in (1, 2) or advantages.shape != logprobs.shape[: advantages.ndim]:
+        raise ValueError(f"advantages: shape {advantages.shape} must be [B] or [B, T] of logprobs {logprobs.shape}.")
+    if config.needs_rollout_logprobs and rollout is None:
+        why = "bypass mode" if config.mode == "bypass" else "importance weights / rejection / rollout_is"
+        raise ValueError(f"rollout_logprobs is required by {why}; pass the server's logprobs or drop that setting.")
+    if config.mode == "decoupled" and config.objective.name in NEEDS_OLD and proximal is None:
+        raise ValueError(
+            f"proximal_logprobs is required by objective {config.objective.name!r} in decoupled mode; pass the "
+            "recomputed logprobs, or use mode='bypass' (proximal := rollout)."
+        )
+    if config.kl_coef > 0 and ref is None:
+        raise ValueError("ref_logprobs is required when kl_coef > 0; pass the reference policy's logprobs.")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy is required when entropy_coef > 0; pass the per-token entropy.")
+
+
+def _phases(config: CorrectionConfig):
+    """Rejection rules in application order: outlier vetoes, token rules, then sequence rules."""
+    rules = config.rejection
+    vetoes = tuple(rule for rule in rules if rule.name == "outlier")
+    token_rules = tuple(rule for rule in rules if not rule.sequence_level)
+    sequence_rules = tuple(rule for rule in rules if rule.sequence_level and rule.name != "outlier")
+    return vetoes + token_rules, sequence_rules
+
+
+def _rule_labels(config: CorrectionConfig) -> list[str]:
+    """Metric labels of the per-rule keep masks, in the order ``_sequence_decisions`` returns them."""
+    early, late = _phases(config)
+    names = [rule.name for rule in early + late] + (["opsm"] if config.opsm_delta is not None else [])
+    return [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+
+
+def _sequence_decisions(log_ratio, logprobs, old, advantages, mask, config: CorrectionConfig):
+    """Steps 3-5 for one sequence: (keep [T] bool, raw ratio [T], weights [T], per-rule keeps)."""
+    valid = mask.astype(bool)
+    keep = valid
+    rule_keeps = []
+    early, late = _phases(config)
+
+    def apply(rule, keep):
+        if rule.name == "outlier":
+            rule_keep = _rejection.outlier_sequence_mask(log_ratio, valid, rule.low, rule.high)
+        else:
+            rule_keep = _rejection.divergence_mask(log_ratio, keep, rule.name, rule.low, rule.high)
+        return rule_keep | ~jnp.any(keep)  # a row already fully masked counts as kept
+
+    for rule in early:
+        rule_keeps.append(apply(rule, keep))
+        keep = keep & rule_keeps[-1]
+    weights, raw = _importance(log_ratio, keep, config)
+    for rule in late:
+        rule_keeps.append(apply(rule, keep))
+        keep = keep & rule_keeps[-1]
+    if config.opsm_delta is not None:
+        rule_keeps.append(_rejection.opsm_mask(logprobs, old, advantages, valid, config.opsm_delta))
+        keep = keep & rule_keeps[-1]
+    return keep, raw, jnp.where(valid, weights, 0.0), tuple(rule_keeps)
+
+
+def _importance(log_ratio, keep, config: CorrectionConfig):
+    """Importance weights over the surviving tokens, and the raw (unbounded) ratios for metrics."""
+    spec = config.importance
+    if spec is None:
+        return jnp.where(keep, 1.0, 0.0), safe_exp(log_ratio)
+    weight_fn = _weights.SEQUENCE_WEIGHTS[spec.level]
+    raw = weight_fn(log_ratio, keep, high=None, low=0.0)
+    return weight_fn(log_ratio, keep, high=spec.high, low=spec.low, overflow=spec.overflow), raw
+
+
+def _objective_loss(config: CorrectionConfig, lp, old, roll, adv, mask, key):
+    objective = config.objective
+    name = objective.name
+    if name == "ppo":
+        return _objectives.ppo_clip_loss(lp, old, adv, objective.clip_low, objective.clip_high, objective.dual_clip)
+    if name == "reinforce":
+        return _objectives.reinforce_loss(lp, adv)
+    if name == "cispo":
+        return _objectives.cispo_loss(lp, old, adv, objective.clip_low, objective.clip_high)
+    if name == "sapo":
+        return _objectives.sapo_loss(lp, old, adv, objective.tau_pos, objective.tau_neg)
+    if name == "rollout_is":
+        return _objectives.rollout_is_loss(lp, roll, adv, objective.clip_low, objective.clip_high)
+    if name == "cross_entropy":
+        return _objectives.cross_entropy_loss(lp)
+    if name == "gspo":
+        gspo = jax.vmap(_objectives.gspo_loss, in_axes=(0, 0, 0, 0, None, None, None))
+        return gspo(lp, old, adv, mask, objective.clip_low, objective.clip_high, objective.log_ratio_cap)
+    if name == "clip_cov":
+        return _objectives.clip_cov_loss(
+            lp, old, adv, mask, key, objective.clip_low, objective.clip_high,
+            objective.clip_cov_ratio, objective.clip_cov_low, objective.clip_cov_high,
+        )
+    return _objectives.kl_cov_loss(lp, old, adv, mask, objective.kl_cov_ratio, objective.kl_cov_coef)
+
+
+def compute(
+    logprobs,
+    advantages,
+    mask,
+    config: CorrectionConfig = CorrectionConfig(),
+    *,
+    proximal_logprobs=None,
+    rollout_logprobs=None,
+    ref_logprobs=None,
+    entropy=None,
+    policy_lag=None,
+    key=None,
+) -> Corrected:
+    """Applies the configured corrections and objective to a [B, T] batch.
+
+    Args:
+      logprobs: [B, T] current-policy logprobs of the sampled tokens (the only input with gradient).
+      advantages: [B] (broadcast over tokens) or [B, T].
+      mask: [B, T] response mask, 1 on generated tokens that count.
+      config: a ``CorrectionConfig`` (static under jit).
+      proximal_logprobs: [B, T] recomputed old-policy logprobs; required in decoupled mode by clipped objectives.
+      rollout_logprobs: [B, T] logprobs the server sampled with; required by bypass, weights and rejection.
+      ref_logprobs: [B, T] reference-policy logprobs, for ``kl_coef > 0``.
+      entropy: [B, T] per-token entropy, for ``entropy_coef > 0`` and the entropy metric.
+      policy_lag: [B] or [B, T] learner version minus token version, for the staleness metric.
+      key: PRNG key, used by clip-cov's random token choice (a fixed key if None).
+
+    Returns:
+      ``Corrected``: weights, final mask, per-token loss, the reduced loss with its numerator and denominator,
+      and the metrics. Inputs may be NumPy or JAX, float32 or bfloat16; everything is computed in float32.
+
+    >>> import numpy as np
+    >>> from corrections import CorrectionConfig, ImportanceWeights
+    >>> lp = np.log([[0.5, 0.5, 1.0]]); m = np.array([[1, 1, 0]])
+    >>> out = compute(lp, np.array([1.0]), m, CorrectionConfig(importance=ImportanceWeights("token", high=2.0)),
+    ...               proximal_logprobs=lp, rollout_logprobs=np.log([[0.2, 0.5, 1.0]]))
+    >>> out.weights.tolist(), round(float(out.loss), 4)
+    ([[2.0, 1.0, 0.0]], -1.5)
+    """
+    lp = jnp.asarray(logprobs)
+    lp = lp.astype(jnp.float32) if lp.dtype != jnp.float32 else lp
+    mask = jnp.asarray(mask)
+    arrays = [None if a is None else jnp.asarray(a) for a in (proximal_logprobs, rollout_logprobs, ref_logprobs, entropy)]
+    adv = jnp.asarray(advantages, jnp.float32)
+    _check_inputs(config, lp, mask, adv, *arrays)
+    if config.check_values:
+        check_batch(mask, rollout_logprobs=arrays[1], proximal_logprobs=arrays[0], ref_logprobs=arrays[2])
+    valid = mask.astype(bool)
+    zero_padding = lambda a: None if a is None else jnp.where(valid, a.astype(jnp.float32), 0.0)  # noqa: E731
+    lp = zero_padding(lp)
+    proximal, roll, ref, entropy = map(zero_padding, arrays)
+    adv = zero_padding(jnp.broadcast_to(adv[:, None], lp.shape) if adv.ndim == 1 else adv)
+    old = roll if config.mode == "bypass" else proximal
+    if old is None:
+        old = sg(lp)
+    metrics = {}
+    if roll is not None:
+        trainer = sg(lp) if config.mode == "bypass" else old
+        decide = jax.vmap(_sequence_decisions, in_axes=(0, 0, 0, 0, 0, None))
+        keep, raw, weights, rule_keeps = decide(trainer - roll, lp, old, adv, mask, config)
+        if config.importance is not None and config.importance.batch_normalize:
+            weights = _weights.batch_normalize_weights(weights, valid, config.importance.level)
+        cap = config.importance.high if config.importance is not None and config.importance.high else 2.0
+        metrics.update(_diagnostics.mismatch_metrics(trainer, roll, valid))
+        metrics.update(_diagnostics.weight_metrics(weights, raw, valid, cap))
+        for label, rule_keep in zip(_rule_labels(config), rule_keeps):
+            metrics.update(_diagnostics.rejection_metrics(f"rollout_rs_{label}", rule_keep, valid))
+    else:
+        keep, weights = valid, jnp.where(valid, 1.0, 0.0)
+    weights = sg(weights)
+    key = jax.random.key(0) if key is None else key
+    loss, aux = _objective_loss(config, lp, old, roll, adv, mask, key)
+    per_token = loss * weights
+    if config.kl_coef > 0:
+        kl = kl_penalty(lp, ref, config.kl_estimator)
+        per_token = per_token + config.kl_coef * kl
+        metrics["actor/kl_loss"] = masked_mean(kl, keep)
+    if entropy is not None:
+        metrics["actor/entropy"] = masked_mean(entropy, valid)
+        if config.entropy_coef > 0:
+            per_token = per_token - config.entropy_coef * entropy
+    final_mask = keep.astype(jnp.float32)
+    per_token = jnp.where(keep, per_token, 0.0)
+    denominator_mask = valid if config.denominator == "original" else keep
+    numerator, denominator = loss_terms(per_token, keep, denominator_mask, config.reduction)
+    reduced = divide_loss(numerator, denominator)
+    metrics["actor/pg_loss"] = reduced
+    for name, values in aux.items():
+        metrics[f"actor/{name}"] = masked_mean(values, keep)
+    metrics.update(_diagnostics.count_metrics(valid, keep))
+    if policy_lag is not None:
+        metrics.update(_diagnostics.staleness_metrics(policy_lag, valid))
+    metrics = {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
+    return Corrected(weights, final_mask, per_token, reduced, numerator, sg(denominator), metrics)

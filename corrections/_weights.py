@@ -1,0 +1,106 @@
+"""Truncated importance weights for ONE sequence ([T] arrays); ``jax.vmap`` them over the batch.
+
+``log_ratio`` is ``old - roll`` (decoupled) or ``stop_gradient(lp) - roll`` (bypass, slime's off-policy IS).
+Weights are always stop-gradient and 0 at padded positions.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from corrections._masked import masked_mean, masked_sum, safe_exp
+
+
+def bound_weights(ratio: jax.Array, low: float, high: float | None, overflow: str) -> jax.Array:
+    """Applies ``[low, high]`` to ratios: ``"truncate"`` clips, ``"mask"`` zeroes what falls outside (inclusive)."""
+    high = jnp.inf if high is None else high
+    if overflow == "truncate":
+        return jnp.clip(ratio, low, high)
+    return jnp.where((ratio >= low) & (ratio <= high), ratio, 0.0)
+
+
+def _finish(weights: jax.Array, mask: jax.Array) -> jax.Array:
+    return jax.lax.stop_gradient(jnp.where(mask.astype(bool), weights, 0.0))
+
+
+def token_tis_weights(log_ratio, mask, high=2.0, low=0.0, overflow="truncate") -> jax.Array:
+    """Per-token truncated IS: ``clip(exp(clamp(lr)), low, high)`` (verl/SkyRL token TIS, slime vanilla_tis).
+
+    >>> import numpy as np
+    >>> token_tis_weights(np.log(np.array([0.5, 3.0, 1.0])), np.array([1, 1, 0])).tolist()
+    [0.5, 2.0, 0.0]
+    """
+    log_ratio = jnp.asarray(log_ratio, jnp.float32)
+    return _finish(bound_weights(safe_exp(log_ratio), low, high, overflow), mask)
+
+
+def sequence_tis_weights(log_ratio, mask, high=5.0, low=0.0, overflow="truncate") -> jax.Array:
+    """Sequence TIS: ``clip(exp(clamp(sum_t m*lr)), low, high)`` broadcast to every valid token.
+
+    >>> import numpy as np
+    >>> sequence_tis_weights(np.log(np.array([2.0, 2.0, 9.0])), np.array([1, 1, 0])).tolist()
+    [4.0, 4.0, 0.0]
+    """
+    log_ratio = jnp.asarray(log_ratio, jnp.float32)
+    weight = bound_weights(safe_exp(masked_sum(log_ratio, mask)), low, high, overflow)
+    return _finish(jnp.broadcast_to(weight, log_ratio.shape), mask)
+
+
+def geometric_sequence_weights(log_ratio, mask, high=None, low=0.0, overflow="truncate") -> jax.Array:
+    """Geometric-mean sequence weight ``exp(clamp(masked_mean(lr)))`` (slime mis.py, AReaL), optionally bounded.
+
+    >>> import numpy as np
+    >>> geometric_sequence_weights(np.log(np.array([2.0, 8.0, 1.0])), np.array([1, 1, 0])).round(5).tolist()
+    [4.0, 4.0, 0.0]
+    """
+    log_ratio = jnp.asarray(log_ratio, jnp.float32)
+    weight = bound_weights(safe_exp(masked_mean(log_ratio, mask)), low, high, overflow)
+    return _finish(jnp.broadcast_to(weight, log_ratio.shape), mask)
+
+
+def icepop_weights(log_ratio, mask, low=0.5, high=5.0) -> jax.Array:
+    """IcePop: the ratio where ``low <= rho <= high`` (inclusive), else 0; the loss mask is unchanged.
+
+    >>> import numpy as np
+    >>> icepop_weights(np.log(np.array([0.4, 1.5, 6.0])), np.array([1, 1, 1])).round(5).tolist()
+    [0.0, 1.5, 0.0]
+    """
+    return token_tis_weights(log_ratio, mask, high=high, low=low, overflow="mask")
+
+
+def off_policy_is_weights(logprobs, rollout_logprobs, mask, low=0.0, high=2.0) -> jax.Array:
+    """slime's off-policy IS (PR #2084): ``clip(exp(sg(lp) - roll), low, high)``, one weight for mismatch and
+    staleness; with a REINFORCE base ``-w*A*lp`` this is CISPO.
+
+    >>> import numpy as np
+    >>> off_policy_is_weights(np.log([0.5, 0.5]), np.log([0.25, 0.5]), np.array([1, 1])).tolist()
+    [2.0, 1.0]
+    """
+    log_ratio = jax.lax.stop_gradient(jnp.asarray(logprobs, jnp.float32)) - jnp.asarray(rollout_logprobs, jnp.float32)
+    return token_tis_weights(log_ratio, mask, high=high, low=low)
+
+
+SEQUENCE_WEIGHTS = {
+    "token": token_tis_weights,
+    "sequence": sequence_tis_weights,
+    "geometric": geometric_sequence_weights,
+}
+
+
+def batch_normalize_weights(weights, mask, level: str = "token") -> jax.Array:
+    """Divides [B, T] weights by their batch mean (verl ``rollout_is_batch_normalize``, slime mis.py).
+
+    The mean is the masked token mean for token weights, and the mean over non-empty rows of per-row masked
+    means for sequence-level weights. Skipped (weights returned as they are) if that mean is <= 1e-8.
+
+    >>> import numpy as np
+    >>> batch_normalize_weights(np.array([[1.0, 3.0], [2.0, 0.0]]), np.array([[1, 1], [1, 0]])).tolist()
+    [[0.5, 1.5], [1.0, 0.0]]
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+    if level == "token":
+        mean = masked_mean(weights, mask)
+    else:
+        row_valid = jnp.any(jnp.asarray(mask).astype(bool), axis=-1)
+        mean = masked_mean(masked_mean(weights, mask, axis=-1), row_valid)
+    normalized = jnp.where(mean > 1e-8, weights / jnp.where(mean > 1e-8, mean, 1.0), weights)
+    return jax.lax.stop_gradient(normalized)
