@@ -112,7 +112,7 @@ class Objective:
     clip_cov_ratio: float = 2e-4  # clip-cov: fraction of tokens whose gradient is cut.
     clip_cov_low: float = 1.0  # clip-cov: covariance window lower edge.
     clip_cov_high: float = 5.0  # clip-cov: covariance window upper edge.
-    kl_cov_ratio: float = 2e-3  # kl-cov: fraction of tokens that get the |log-ratio| penalty.
+    kl_cov_ratio: float = 2e-4  # kl-cov: fraction of tokens that get the |log-ratio| penalty (verl; SkyRL: 0.2).
     kl_cov_coef: float = 1.0  # kl-cov: penalty coefficient.
 
     def __post_init__(self):

@@ -28,9 +28,10 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     """Train/inference mismatch between ``old`` (trainer) and ``roll`` (server) logprobs on [B, T].
 
     ``kl = masked_mean(roll - old)``; ``k3_kl = masked_mean(exp(lr) - lr - 1)`` with ``lr = clamp(old - roll)``
-    (verl does not clamp there and can emit inf); per-row log-perplexities ``mt_b = -masked_mean_b(old)``,
-    ``mr_b = -masked_mean_b(roll)`` give ``training_ppl = mean_b exp(mt_b)``, ``rollout_ppl``,
-    ``log_ppl_diff = mean_b(mr_b - mt_b)``, its abs mean, max and min, ``ppl_ratio = mean_b exp(mr_b - mt_b)``;
+    (verl does not clamp there and can emit inf); per-row mean logprobs ``mt_b = masked_mean_b(old)``,
+    ``mr_b = masked_mean_b(roll)`` give ``training_ppl = mean_b exp(-mt_b)``, ``training_log_ppl = mean_b(-mt_b)``,
+    the rollout ones likewise, ``log_ppl_diff = mean_b(mr_b - mt_b)`` (verl's sign: training log-ppl minus
+    rollout log-ppl), its abs mean, max and min, ``ppl_ratio = mean_b exp(mr_b - mt_b)``;
     ``chi2_token = masked_mean(exp(lr)^2) - 1``, ``chi2_seq = mean_b exp(2*clamp(sum_b lr)) - 1``; logprob abs
     difference (mean, max) and the Pearson correlation of the two logprobs over valid tokens.
 
@@ -44,8 +45,8 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     mask = jnp.asarray(mask)
     rows = _rows(mask)
     lr = clamp_log_ratio(jnp.where(mask.astype(bool), old - roll, 0.0))
-    mt = -masked_mean(old, mask, axis=-1)
-    mr = -masked_mean(roll, mask, axis=-1)
+    mt = masked_mean(old, mask, axis=-1)
+    mr = masked_mean(roll, mask, axis=-1)
     diff = mr - mt
     abs_diff = jnp.abs(old - roll)
     old_centered = old - masked_mean(old, mask)
@@ -56,8 +57,10 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     metrics = {
         "kl": masked_mean(roll - old, mask),
         "k3_kl": masked_mean(jnp.expm1(lr) - lr, mask),
-        "training_ppl": masked_mean(jnp.exp(mt), rows),
-        "rollout_ppl": masked_mean(jnp.exp(mr), rows),
+        "training_ppl": masked_mean(jnp.exp(-mt), rows),
+        "training_log_ppl": masked_mean(-mt, rows),
+        "rollout_ppl": masked_mean(jnp.exp(-mr), rows),
+        "rollout_log_ppl": masked_mean(-mr, rows),
         "log_ppl_diff": masked_mean(diff, rows),
         "log_ppl_abs_diff": masked_mean(jnp.abs(diff), rows),
         "log_ppl_diff_max": masked_max(diff, rows),

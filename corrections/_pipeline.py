@@ -236,6 +236,7 @@ def compute(
         metrics.update(_diagnostics.weight_metrics(weights, raw, valid, cap))
         for label, rule_keep in zip(_rule_labels(config), rule_keeps):
             metrics.update(_diagnostics.rejection_metrics(f"rollout_rs_{label}", rule_keep, valid))
+        metrics.update(_diagnostics.rejection_metrics("rollout_rs", keep, valid))
     else:
         keep, weights = valid, jnp.where(valid, 1.0, 0.0)
     weights = sg(weights)

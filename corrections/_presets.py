@@ -51,7 +51,7 @@ PRESETS: dict[str, dict] = {
     "bypass_ppo_clip": _merge(_VERL, {"mode": "bypass"}),
     "bypass_ppo_clip_geo_rs": _merge(_VERL, {"mode": "bypass", "rejection": [_GEO_RS]}),
     "bypass_ppo_clip_k3_rs": _merge(_VERL, {"mode": "bypass", "rejection": [_K3_RS]}),
-    "bypass_pg_is": _merge(_VERL_BYPASS_PG, {"importance": _TOKEN_IS}),
+    "bypass_pg_is": _merge(_VERL_BYPASS_PG, {"importance": _SEQ_IS}),
     "bypass_pg_geo_rs": _merge(_VERL_BYPASS_PG, {"rejection": [_GEO_RS]}),
     "bypass_pg_geo_rs_token_tis": _merge(_VERL_BYPASS_PG, {"importance": _TOKEN_IS, "rejection": [_GEO_RS]}),
     "bypass_pg_geo_rs_seq_tis": _merge(_VERL_BYPASS_PG, {"importance": _SEQ_IS, "rejection": [_GEO_RS]}),

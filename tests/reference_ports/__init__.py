@@ -1,0 +1,1 @@
+"""NumPy float64 transcriptions of reference frameworks' off-policy correction code (verl, SkyRL, slime, AReaL)."""
