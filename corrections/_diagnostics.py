@@ -1,27 +1,103 @@
 """Batch diagnostics of the train/inference mismatch, importance weights, rejection and staleness.
 
-All statistics use the ORIGINAL response mask. Per-sequence statistics skip empty rows (no valid token) and
-are 0 when every row is empty. Keys follow verl's ``rollout_corr/`` names. Every value is a float32 scalar
-device array, finite even for an all-rejected or all-padding batch.
+Each diagnostic is split into a per-sequence pass (``*_row_stats``: sums, counts, extrema and centred moments
+of ONE sequence, vmapped over the batch) and a batch combination (``*_from_rows``) on [B] arrays. The pipeline
+runs the per-sequence passes inside its own per-sequence pass, so every [B, T] array is read once; the public
+``*_metrics`` functions compose the two for standalone use.
+
+All statistics use the ORIGINAL response mask. Per-sequence statistics skip empty rows (no valid token) and are
+0 when every row is empty. Keys follow verl's ``rollout_corr/`` names. Every value is a float32 scalar, finite
+even for an all-rejected or all-padding batch.
 """
 
+import jax
 import jax.numpy as jnp
 
-from corrections._masked import (
-    clamp_log_ratio,
-    masked_count,
-    masked_max,
-    masked_mean,
-    masked_min,
-    masked_sum,
-    safe_exp,
-)
+from corrections._masked import clamp_log_ratio, masked_count, masked_max, masked_min, masked_sum, safe_exp
 
 PREFIX = "rollout_corr/"
 
 
-def _rows(mask):
-    return jnp.any(jnp.asarray(mask).astype(bool), axis=-1)
+def _ratio(numerator, denominator):
+    """``numerator / denominator``, 0 where the denominator is 0."""
+    return jnp.where(denominator > 0, numerator / jnp.where(denominator > 0, denominator, 1.0), 0.0)
+
+
+def _pooled_moments(count, mean, m2):
+    """Chan's parallel combination of per-row (count, mean, sum of squared deviations) -> (total, mean, m2)."""
+    total = jnp.sum(count)
+    pooled_mean = _ratio(jnp.sum(count * mean), total)
+    return total, pooled_mean, jnp.sum(m2) + jnp.sum(count * (mean - pooled_mean) ** 2)
+
+
+def _correlation(comoment, m2_x, m2_y, count, min_variance=1e-10):
+    """Pearson correlation from pooled moments; 0 when either side is constant (variance below float32 noise)."""
+    constant = (m2_x <= min_variance * count) | (m2_y <= min_variance * count)
+    return jnp.where(constant, 0.0, _ratio(comoment, jnp.sqrt(m2_x * m2_y)))
+
+
+def _row_moments(x, mask):
+    count = masked_count(mask)
+    mean = _ratio(masked_sum(x, mask), count)
+    return count, mean, masked_sum((x - mean) ** 2, mask)
+
+
+def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> dict:
+    """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays)."""
+    old = jnp.asarray(old_logprobs, jnp.float32)
+    roll = jnp.asarray(rollout_logprobs, jnp.float32)
+    valid = jnp.asarray(mask).astype(bool)
+    old, roll = jnp.where(valid, old, 0.0), jnp.where(valid, roll, 0.0)
+    lr = clamp_log_ratio(old - roll)
+    count, mean_old, m2_old = _row_moments(old, valid)
+    _, mean_roll, m2_roll = _row_moments(roll, valid)
+    abs_diff = jnp.abs(old - roll)
+    return {
+        "count": count,
+        "sum_kl": masked_sum(roll - old, valid),
+        "sum_k3": masked_sum(jnp.expm1(lr) - lr, valid),
+        "sum_rho2": masked_sum(jnp.exp(2.0 * lr), valid),
+        "seq_log_ratio": clamp_log_ratio(masked_sum(lr, valid)),
+        "mean_old": mean_old,
+        "mean_roll": mean_roll,
+        "m2_old": m2_old,
+        "m2_roll": m2_roll,
+        "comoment": masked_sum((old - mean_old) * (roll - mean_roll), valid),
+        "sum_abs_diff": masked_sum(abs_diff, valid),
+        "max_abs_diff": masked_max(abs_diff, valid),
+    }
+
+
+def mismatch_from_rows(stats: dict) -> dict:
+    """Combines [B] ``mismatch_row_stats`` into the batch metrics (see ``mismatch_metrics``)."""
+    count = stats["count"]
+    rows = count > 0
+    tokens = jnp.sum(count)
+    mt, mr = stats["mean_old"], stats["mean_roll"]
+    diff = mr - mt
+    _, pooled_old, m2_old = _pooled_moments(count, mt, stats["m2_old"])
+    _, pooled_roll, m2_roll = _pooled_moments(count, mr, stats["m2_roll"])
+    comoment = jnp.sum(stats["comoment"]) + jnp.sum(count * (mt - pooled_old) * (mr - pooled_roll))
+    row_mean = lambda x: _ratio(masked_sum(x, rows), jnp.sum(rows))  # noqa: E731
+    metrics = {
+        "kl": _ratio(jnp.sum(stats["sum_kl"]), tokens),
+        "k3_kl": _ratio(jnp.sum(stats["sum_k3"]), tokens),
+        "training_ppl": row_mean(jnp.exp(-mt)),
+        "training_log_ppl": row_mean(-mt),
+        "rollout_ppl": row_mean(jnp.exp(-mr)),
+        "rollout_log_ppl": row_mean(-mr),
+        "log_ppl_diff": row_mean(diff),
+        "log_ppl_abs_diff": row_mean(jnp.abs(diff)),
+        "log_ppl_diff_max": masked_max(diff, rows),
+        "log_ppl_diff_min": masked_min(diff, rows),
+        "ppl_ratio": row_mean(safe_exp(diff)),
+        "chi2_token": jnp.where(tokens > 0, _ratio(jnp.sum(stats["sum_rho2"]), tokens) - 1.0, 0.0),
+        "chi2_seq": jnp.where(jnp.any(rows), row_mean(jnp.exp(2.0 * stats["seq_log_ratio"])) - 1.0, 0.0),
+        "logprob_abs_diff_mean": _ratio(jnp.sum(stats["sum_abs_diff"]), tokens),
+        "logprob_abs_diff_max": masked_max(stats["max_abs_diff"], rows),
+        "logprob_pearson_corr": _correlation(comoment, m2_old, m2_roll, tokens),
+    }
+    return {PREFIX + k: v.astype(jnp.float32) for k, v in metrics.items()}
 
 
 def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
@@ -40,82 +116,85 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     >>> float(m["rollout_corr/kl"]), float(m["rollout_corr/chi2_token"]), float(m["rollout_corr/training_ppl"])
     (0.0, 0.0, 2.0)
     """
-    old = jnp.asarray(old_logprobs, jnp.float32)
-    roll = jnp.asarray(rollout_logprobs, jnp.float32)
-    mask = jnp.asarray(mask)
-    rows = _rows(mask)
-    lr = clamp_log_ratio(jnp.where(mask.astype(bool), old - roll, 0.0))
-    mt = masked_mean(old, mask, axis=-1)
-    mr = masked_mean(roll, mask, axis=-1)
-    diff = mr - mt
-    abs_diff = jnp.abs(old - roll)
-    old_centered = old - masked_mean(old, mask)
-    roll_centered = roll - masked_mean(roll, mask)
-    covariance = masked_mean(old_centered * roll_centered, mask)
-    spread = jnp.sqrt(masked_mean(old_centered**2, mask) * masked_mean(roll_centered**2, mask))
-    seq_lr = clamp_log_ratio(masked_sum(lr, mask, axis=-1))
-    metrics = {
-        "kl": masked_mean(roll - old, mask),
-        "k3_kl": masked_mean(jnp.expm1(lr) - lr, mask),
-        "training_ppl": masked_mean(jnp.exp(-mt), rows),
-        "training_log_ppl": masked_mean(-mt, rows),
-        "rollout_ppl": masked_mean(jnp.exp(-mr), rows),
-        "rollout_log_ppl": masked_mean(-mr, rows),
-        "log_ppl_diff": masked_mean(diff, rows),
-        "log_ppl_abs_diff": masked_mean(jnp.abs(diff), rows),
-        "log_ppl_diff_max": masked_max(diff, rows),
-        "log_ppl_diff_min": masked_min(diff, rows),
-        "ppl_ratio": masked_mean(safe_exp(diff), rows),
-        "chi2_token": jnp.where(jnp.any(mask), masked_mean(jnp.exp(2.0 * lr), mask) - 1.0, 0.0),
-        "chi2_seq": jnp.where(jnp.any(rows), masked_mean(jnp.exp(2.0 * seq_lr), rows) - 1.0, 0.0),
-        "logprob_abs_diff_mean": masked_mean(abs_diff, mask),
-        "logprob_abs_diff_max": masked_max(abs_diff, mask),
-        "logprob_pearson_corr": jnp.where(spread > 0, covariance / jnp.where(spread > 0, spread, 1.0), 0.0),
+    return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old_logprobs, rollout_logprobs, mask))
+
+
+def weight_row_stats(weights, raw_ratios, mask, cap: float) -> dict:
+    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence."""
+    weights = jnp.asarray(weights, jnp.float32)
+    raw_ratios = jnp.asarray(raw_ratios, jnp.float32)
+    valid = jnp.asarray(mask).astype(bool)
+    count, mean, m2 = _row_moments(weights, valid)
+    return {
+        "count": count,
+        "mean": mean,
+        "m2": m2,
+        "sum_squares": masked_sum(weights**2, valid),
+        "max": masked_max(weights, valid),
+        "min": masked_min(weights, valid),
+        "above_cap": masked_count(valid & (raw_ratios > cap)),
+        "below_inverse_cap": masked_count(valid & (raw_ratios < 1.0 / cap)),
     }
-    return {PREFIX + k: v.astype(jnp.float32) for k, v in metrics.items()}
 
 
-def effective_sample_size(weights, mask) -> jnp.ndarray:
-    """``1 / masked_mean(n^2)`` with ``n = w / masked_mean(w)``: the fraction of the batch the weights are
-    worth. 0 when every weight is 0 (verl raises ZeroDivisionError there, open PR #7559).
-
-    >>> import numpy as np
-    >>> float(effective_sample_size(np.array([[1.0, 1.0]]), np.ones((1, 2)))), float(effective_sample_size(np.zeros((1, 2)), np.ones((1, 2))))
-    (1.0, 0.0)
-    """
-    weights = jnp.asarray(weights, jnp.float32)
-    mean = masked_mean(weights, mask)
-    normalized = weights / jnp.where(mean > 0, mean, 1.0)
-    second_moment = masked_mean(normalized**2, mask)
-    return jnp.where((mean > 0) & (second_moment > 0), 1.0 / jnp.where(second_moment > 0, second_moment, 1.0), 0.0)
-
-
-def weight_metrics(weights, raw_ratios, mask, cap: float) -> dict:
-    """Importance-weight statistics over valid tokens: mean, std, max, min of the final weights, the fraction
-    of raw ratios above ``cap`` and below ``1/cap``, and the effective sample size."""
-    weights = jnp.asarray(weights, jnp.float32)
-    mean = masked_mean(weights, mask)
+def weight_from_rows(stats: dict, scale=1.0) -> dict:
+    """Combines [B] ``weight_row_stats`` of weights that are then divided by ``scale`` (batch normalisation)."""
+    count = stats["count"]
+    rows = count > 0
+    total, mean, m2 = _pooled_moments(count, stats["mean"], stats["m2"])
+    mean_square = _ratio(jnp.sum(stats["sum_squares"]), total)
     metrics = {
-        "rollout_is_mean": mean,
-        "rollout_is_std": jnp.sqrt(jnp.maximum(masked_mean((weights - mean) ** 2, mask), 0.0)),
-        "rollout_is_max": masked_max(weights, mask),
-        "rollout_is_min": masked_min(weights, mask),
-        "rollout_is_ratio_fraction_high": masked_mean((raw_ratios > cap).astype(jnp.float32), mask),
-        "rollout_is_ratio_fraction_low": masked_mean((raw_ratios < 1.0 / cap).astype(jnp.float32), mask),
-        "rollout_is_eff_sample_size": effective_sample_size(weights, mask),
+        "rollout_is_mean": mean / scale,
+        "rollout_is_std": jnp.sqrt(_ratio(m2, total)) / scale,
+        "rollout_is_max": masked_max(stats["max"], rows) / scale,
+        "rollout_is_min": masked_min(stats["min"], rows) / scale,
+        "rollout_is_ratio_fraction_high": _ratio(jnp.sum(stats["above_cap"]), total),
+        "rollout_is_ratio_fraction_low": _ratio(jnp.sum(stats["below_inverse_cap"]), total),
+        "rollout_is_eff_sample_size": jnp.where(mean > 0, _ratio(mean * mean, mean_square), 0.0),
     }
     return {PREFIX + k: v for k, v in metrics.items()}
 
 
+def weight_metrics(weights, raw_ratios, mask, cap: float) -> dict:
+    """Importance-weight statistics over valid tokens: mean, std, max, min of the final weights, the fraction
+    of raw ratios above ``cap`` and below ``1/cap``, and the effective sample size (see
+    ``effective_sample_size``)."""
+    return weight_from_rows(jax.vmap(weight_row_stats, in_axes=(0, 0, 0, None))(weights, raw_ratios, mask, cap))
+
+
+def effective_sample_size(weights, mask) -> jax.Array:
+    """``1 / masked_mean(n^2)`` with ``n = w / masked_mean(w)``, i.e. ``mean(w)^2 / mean(w^2)``: the fraction of
+    the batch the weights are worth. 0 when every weight is 0 (verl raises ZeroDivisionError there, PR #7559).
+
+    >>> import numpy as np
+    >>> float(effective_sample_size(np.array([[1.0, 1.0]]), np.ones((1, 2))))
+    1.0
+    >>> float(effective_sample_size(np.zeros((1, 2)), np.ones((1, 2))))
+    0.0
+    """
+    weights = jnp.asarray(weights, jnp.float32)
+    return weight_metrics(weights, weights, mask, 1.0)[PREFIX + "rollout_is_eff_sample_size"]
+
+
+def rejection_row_stats(keep, mask) -> dict:
+    """For ONE sequence: valid tokens a rule rejected, and whether it touched the sequence."""
+    valid = jnp.asarray(mask).astype(bool)
+    rejected = masked_count(valid & ~jnp.asarray(keep).astype(bool))
+    return {"count": masked_count(valid), "rejected": rejected, "touched": (rejected > 0).astype(jnp.float32)}
+
+
+def rejection_from_rows(name: str, stats: dict) -> dict:
+    """Combines [B] ``rejection_row_stats`` into ``{name}_masked_fraction`` and ``{name}_seq_masked_fraction``."""
+    rows = (stats["count"] > 0).astype(jnp.float32)
+    return {
+        f"{PREFIX}{name}_masked_fraction": _ratio(jnp.sum(stats["rejected"]), jnp.sum(stats["count"])),
+        f"{PREFIX}{name}_seq_masked_fraction": _ratio(jnp.sum(stats["touched"] * rows), jnp.sum(rows)),
+    }
+
+
 def rejection_metrics(name: str, keep, mask) -> dict:
     """For one rule: the fraction of valid tokens it rejects, and of non-empty sequences it touches."""
-    mask = jnp.asarray(mask).astype(bool)
-    rejected = mask & ~jnp.asarray(keep).astype(bool)
-    touched = jnp.any(rejected, axis=-1)
-    return {
-        f"{PREFIX}{name}_masked_fraction": masked_mean(rejected.astype(jnp.float32), mask),
-        f"{PREFIX}{name}_seq_masked_fraction": masked_mean(touched.astype(jnp.float32), _rows(mask)),
-    }
+    return rejection_from_rows(name, jax.vmap(rejection_row_stats)(keep, mask))
 
 
 def staleness_metrics(policy_lag, mask) -> dict:
@@ -129,15 +208,7 @@ def staleness_metrics(policy_lag, mask) -> dict:
     mask = jnp.asarray(mask)
     if lag.ndim == 1:
         lag = jnp.broadcast_to(lag[:, None], mask.shape)
-    return {PREFIX + "staleness_mean": masked_mean(lag, mask), PREFIX + "staleness_max": masked_max(lag, mask)}
-
-
-def count_metrics(mask, final_mask) -> dict:
-    """Token counts before and after rejection, and a 0/1 warning when every valid token was rejected."""
-    valid = masked_count(mask)
-    kept = masked_count(final_mask)
     return {
-        PREFIX + "valid_tokens": valid,
-        PREFIX + "kept_tokens": kept,
-        PREFIX + "all_rejected": ((valid > 0) & (kept == 0)).astype(jnp.float32),
+        PREFIX + "staleness_mean": _ratio(masked_sum(lag, mask), masked_count(mask)),
+        PREFIX + "staleness_max": masked_max(lag, mask),
     }

@@ -15,10 +15,15 @@ Order (SkyRL's is the reference), per sequence and vmapped over the batch unless
    ``entropy_coef * entropy``.
 8. [batch] Reduction over the final mask, divided by the original or the kept mask's count.
 9. [batch] Metrics, always on the original mask.
+
+Steps 1-7 run as ONE per-sequence pass that also emits each sequence's partial statistics (sums, counts,
+extrema, centred moments); the batch steps combine those [B] statistics. On CPU the pass walks the batch in
+chunks of rows that stay in cache (``rows_per_chunk``); elsewhere it is a plain ``vmap``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import chex
@@ -28,8 +33,9 @@ import jax.numpy as jnp
 from corrections import _diagnostics, _objectives, _rejection, _weights
 from corrections._advantages import kl_penalty
 from corrections._config import CorrectionConfig
-from corrections._masked import masked_mean, safe_exp
-from corrections._reductions import divide_loss, loss_terms
+from corrections._diagnostics import PREFIX
+from corrections._masked import masked_count, masked_sum, safe_exp
+from corrections._reductions import divide_loss, loss_terms_from_rows
 
 sg = jax.lax.stop_gradient
 
@@ -143,7 +149,12 @@ def _importance(log_ratio, keep, config: CorrectionConfig):
     return weight_fn(log_ratio, keep, high=spec.high, low=spec.low, overflow=spec.overflow), raw
 
 
+ROW_OBJECTIVES = ("ppo", "reinforce", "cispo", "sapo", "rollout_is", "cross_entropy", "gspo")
+DEFAULT_ROWS_PER_CHUNK = {"cpu": 8}
+
+
 def _objective_loss(config: CorrectionConfig, lp, old, roll, adv, mask, key):
+    """The objective's (loss, aux) on one sequence ([T]) or, for clip-cov and kl-cov, on the whole batch."""
     objective = config.objective
     name = objective.name
     if name == "ppo":
@@ -159,14 +170,82 @@ def _objective_loss(config: CorrectionConfig, lp, old, roll, adv, mask, key):
     if name == "cross_entropy":
         return _objectives.cross_entropy_loss(lp)
     if name == "gspo":
-        gspo = jax.vmap(_objectives.gspo_loss, in_axes=(0, 0, 0, 0, None, None, None))
-        return gspo(lp, old, adv, mask, objective.clip_low, objective.clip_high, objective.log_ratio_cap)
+        return _objectives.gspo_loss(lp, old, adv, mask, objective.clip_low, objective.clip_high,
+                                     objective.log_ratio_cap)
     if name == "clip_cov":
         return _objectives.clip_cov_loss(
             lp, old, adv, mask, key, objective.clip_low, objective.clip_high,
             objective.clip_cov_ratio, objective.clip_cov_low, objective.clip_cov_high,
         )
     return _objectives.kl_cov_loss(lp, old, adv, mask, objective.kl_cov_ratio, objective.kl_cov_coef)
+
+
+def _sequence_pass(row: dict, config: CorrectionConfig):
+    """Steps 3-7 for ONE sequence: per-token outputs and the sequence's partial statistics."""
+    lp, old, roll, adv, valid = row["lp"], row["old"], row["roll"], row["adv"], row["valid"]
+    stats = {"valid": masked_count(valid)}
+    if roll is not None:
+        trainer = sg(lp) if config.mode == "bypass" else old
+        keep, raw, weights, rule_keeps = _sequence_decisions(trainer - roll, lp, old, adv, valid, config)
+        cap = config.importance.high if config.importance is not None and config.importance.high else 2.0
+        stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, roll, valid)
+        stats["weights"] = _diagnostics.weight_row_stats(weights, raw, valid, cap)
+        stats["rules"] = tuple(_diagnostics.rejection_row_stats(rule_keep, valid) for rule_keep in rule_keeps)
+        stats["rejection"] = _diagnostics.rejection_row_stats(keep, valid)
+    else:
+        keep, weights = valid, jnp.where(valid, 1.0, 0.0)
+    if "loss" in row:
+        loss, aux = row["loss"], row["aux"]
+    else:
+        loss, aux = _objective_loss(config, lp, old, roll, adv, valid, None)
+    extra = jnp.zeros_like(lp)
+    if config.kl_coef > 0:
+        kl = kl_penalty(lp, row["ref"], config.kl_estimator)
+        extra = extra + config.kl_coef * kl
+        stats["kl_loss"] = masked_sum(kl, keep)
+    if row["entropy"] is not None:
+        stats["entropy"] = masked_sum(row["entropy"], valid)
+        extra = extra - config.entropy_coef * row["entropy"]
+    weights = sg(weights)
+    policy_loss = jnp.where(keep, loss * weights, 0.0)
+    extra = jnp.where(keep, extra, 0.0)
+    stats.update(
+        kept=masked_count(keep),
+        policy_loss_sum=jnp.sum(policy_loss),
+        extra_loss_sum=jnp.sum(extra),
+        aux={name: masked_sum(values, keep) for name, values in aux.items()},
+    )
+    return {"weights": weights, "keep": keep, "policy_loss": policy_loss, "extra_loss": extra}, stats
+
+
+def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
+    if rows_per_chunk is None:
+        rows_per_chunk = DEFAULT_ROWS_PER_CHUNK.get(jax.default_backend(), 0)
+    if rows_per_chunk <= 0:
+        return jax.vmap(fn)(rows)
+    return jax.lax.map(fn, rows, batch_size=rows_per_chunk)
+
+
+def _batch_metrics(config: CorrectionConfig, stats: dict, weight_scale) -> dict:
+    """Step 9: combines the [B] partial statistics into the flat metrics dict."""
+    metrics = {}
+    kept, valid = jnp.sum(stats["kept"]), jnp.sum(stats["valid"])
+    if "mismatch" in stats:
+        metrics.update(_diagnostics.mismatch_from_rows(stats["mismatch"]))
+        metrics.update(_diagnostics.weight_from_rows(stats["weights"], weight_scale))
+        for label, rule_stats in zip(_rule_labels(config), stats["rules"]):
+            metrics.update(_diagnostics.rejection_from_rows(f"rollout_rs_{label}", rule_stats))
+        metrics.update(_diagnostics.rejection_from_rows("rollout_rs", stats["rejection"]))
+    for name, sums in stats["aux"].items():
+        metrics[f"actor/{name}"] = jnp.sum(sums) / jnp.maximum(kept, 1.0)
+    if "kl_loss" in stats:
+        metrics["actor/kl_loss"] = jnp.sum(stats["kl_loss"]) / jnp.maximum(kept, 1.0)
+    if "entropy" in stats:
+        metrics["actor/entropy"] = jnp.sum(stats["entropy"]) / jnp.maximum(valid, 1.0)
+    metrics[PREFIX + "valid_tokens"] = valid
+    metrics[PREFIX + "kept_tokens"] = kept
+    metrics[PREFIX + "all_rejected"] = ((valid > 0) & (kept == 0)).astype(jnp.float32)
+    return metrics
 
 
 def compute(
@@ -181,6 +260,7 @@ def compute(
     entropy=None,
     policy_lag=None,
     key=None,
+    rows_per_chunk: int | None = None,
 ) -> Corrected:
     """Applies the configured corrections and objective to a [B, T] batch.
 
@@ -195,6 +275,8 @@ def compute(
       entropy: [B, T] per-token entropy, for ``entropy_coef > 0`` and the entropy metric.
       policy_lag: [B] or [B, T] learner version minus token version, for the staleness metric.
       key: PRNG key, used by clip-cov's random token choice (a fixed key if None).
+      rows_per_chunk: rows per chunk of the per-sequence pass; 0 vmaps the whole batch at once. Default: 8 on
+        CPU (a chunk stays in cache), 0 elsewhere. Results do not depend on it.
 
     Returns:
       ``Corrected``: weights, final mask, per-token loss, the reduced loss with its numerator and denominator,
@@ -222,45 +304,29 @@ def compute(
     proximal, roll, ref, entropy = map(zero_padding, arrays)
     adv = zero_padding(jnp.broadcast_to(adv[:, None], lp.shape) if adv.ndim == 1 else adv)
     old = roll if config.mode == "bypass" else proximal
-    if old is None:
-        old = sg(lp)
-    metrics = {}
-    if roll is not None:
-        trainer = sg(lp) if config.mode == "bypass" else old
-        decide = jax.vmap(_sequence_decisions, in_axes=(0, 0, 0, 0, 0, None))
-        keep, raw, weights, rule_keeps = decide(trainer - roll, lp, old, adv, mask, config)
-        if config.importance is not None and config.importance.batch_normalize:
-            weights = _weights.batch_normalize_weights(weights, valid, config.importance.level)
-        cap = config.importance.high if config.importance is not None and config.importance.high else 2.0
-        metrics.update(_diagnostics.mismatch_metrics(trainer, roll, valid))
-        metrics.update(_diagnostics.weight_metrics(weights, raw, valid, cap))
-        for label, rule_keep in zip(_rule_labels(config), rule_keeps):
-            metrics.update(_diagnostics.rejection_metrics(f"rollout_rs_{label}", rule_keep, valid))
-        metrics.update(_diagnostics.rejection_metrics("rollout_rs", keep, valid))
-    else:
-        keep, weights = valid, jnp.where(valid, 1.0, 0.0)
-    weights = sg(weights)
-    key = jax.random.key(0) if key is None else key
-    loss, aux = _objective_loss(config, lp, old, roll, adv, mask, key)
-    per_token = loss * weights
-    if config.kl_coef > 0:
-        kl = kl_penalty(lp, ref, config.kl_estimator)
-        per_token = per_token + config.kl_coef * kl
-        metrics["actor/kl_loss"] = masked_mean(kl, keep)
-    if entropy is not None:
-        metrics["actor/entropy"] = masked_mean(entropy, valid)
-        if config.entropy_coef > 0:
-            per_token = per_token - config.entropy_coef * entropy
-    final_mask = keep.astype(jnp.float32)
-    per_token = jnp.where(keep, per_token, 0.0)
-    denominator_mask = valid if config.denominator == "original" else keep
-    numerator, denominator = loss_terms(per_token, keep, denominator_mask, config.reduction)
+    old = sg(lp) if old is None else old
+    rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "valid": valid, "ref": ref, "entropy": entropy}
+    if config.objective.name not in ROW_OBJECTIVES:
+        key = jax.random.key(0) if key is None else key
+        rows["loss"], rows["aux"] = _objective_loss(config, lp, old, roll, adv, valid, key)
+    per_token, stats = _map_rows(functools.partial(_sequence_pass, config=config), rows, rows_per_chunk)
+    weights, keep = per_token["weights"], per_token["keep"]
+    scale = jnp.float32(1.0)
+    if config.importance is not None and config.importance.batch_normalize:
+        weight_stats = stats["weights"]
+        scale = _weights.normalizer(
+            _weights.batch_mean_weight(weight_stats["mean"], weight_stats["count"], config.importance.level)
+        )
+        weights = weights / scale
+    per_token_loss = per_token["policy_loss"] / scale + per_token["extra_loss"]
+    row_sums = stats["policy_loss_sum"] / scale + stats["extra_loss_sum"]
+    row_counts = stats["valid"] if config.denominator == "original" else stats["kept"]
+    numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1])
     reduced = divide_loss(numerator, denominator)
+    metrics = _batch_metrics(config, stats, scale)
     metrics["actor/pg_loss"] = reduced
-    for name, values in aux.items():
-        metrics[f"actor/{name}"] = masked_mean(values, keep)
-    metrics.update(_diagnostics.count_metrics(valid, keep))
     if policy_lag is not None:
         metrics.update(_diagnostics.staleness_metrics(policy_lag, valid))
     metrics = {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
-    return Corrected(weights, final_mask, per_token, reduced, numerator, sg(denominator), metrics)
+    final_mask = keep.astype(jnp.float32)
+    return Corrected(sg(weights), final_mask, per_token_loss, reduced, numerator, sg(denominator), metrics)

@@ -33,7 +33,11 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
     mask = jnp.asarray(mask)
     denominator_mask = mask if denominator_mask is None else jnp.asarray(denominator_mask)
     row_sums = masked_sum(loss, mask, axis=-1)
-    row_counts = masked_count(denominator_mask, axis=-1)
+    return loss_terms_from_rows(row_sums, masked_count(denominator_mask, axis=-1), mode, max_len or loss.shape[-1])
+
+
+def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int):
+    """``loss_terms`` from per-row loss sums and per-row denominator counts ([B] arrays)."""
     rows = jnp.sum((row_counts > 0).astype(jnp.float32))
     if mode == "token-mean":
         return jnp.sum(row_sums), jnp.sum(row_counts)
@@ -42,7 +46,7 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
     if mode == "seq-mean-token-sum":
         return jnp.sum(row_sums), rows
     if mode == "seq-mean-token-sum-norm":
-        return jnp.sum(row_sums), jnp.float32(loss.shape[0] * (max_len or loss.shape[-1]))
+        return jnp.sum(row_sums), jnp.float32(row_sums.shape[0] * max_len)
     if mode == "token-sum":
         return jnp.sum(row_sums), jnp.float32(1.0)
     raise ValueError(f"reduction mode={mode!r} is not an option.")

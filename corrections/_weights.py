@@ -86,6 +86,15 @@ SEQUENCE_WEIGHTS = {
 }
 
 
+def batch_mean_weight(row_means, row_counts, level: str = "token") -> jax.Array:
+    """The batch mean weight from per-row masked means and valid counts ([B] arrays): the token mean for token
+    weights, the mean over non-empty rows of the row means for sequence-level weights."""
+    row_counts = jnp.asarray(row_counts, jnp.float32)
+    if level == "token":
+        return masked_sum(row_means * row_counts, row_counts > 0) / jnp.maximum(jnp.sum(row_counts), 1.0)
+    return masked_mean(row_means, row_counts > 0)
+
+
 def batch_normalize_weights(weights, mask, level: str = "token") -> jax.Array:
     """Divides [B, T] weights by their batch mean (verl ``rollout_is_batch_normalize``, slime mis.py).
 
@@ -97,10 +106,10 @@ def batch_normalize_weights(weights, mask, level: str = "token") -> jax.Array:
     [[0.5, 1.5], [1.0, 0.0]]
     """
     weights = jnp.asarray(weights, jnp.float32)
-    if level == "token":
-        mean = masked_mean(weights, mask)
-    else:
-        row_valid = jnp.any(jnp.asarray(mask).astype(bool), axis=-1)
-        mean = masked_mean(masked_mean(weights, mask, axis=-1), row_valid)
-    normalized = jnp.where(mean > 1e-8, weights / jnp.where(mean > 1e-8, mean, 1.0), weights)
-    return jax.lax.stop_gradient(normalized)
+    mean = batch_mean_weight(masked_mean(weights, mask, axis=-1), jnp.sum(jnp.asarray(mask, jnp.float32), -1), level)
+    return jax.lax.stop_gradient(weights / normalizer(mean))
+
+
+def normalizer(mean) -> jax.Array:
+    """The divisor of batch normalisation: the mean, or 1 where the mean is <= 1e-8 (normalisation skipped)."""
+    return jnp.where(mean > 1e-8, mean, 1.0)

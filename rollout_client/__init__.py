@@ -1,0 +1,47 @@
+"""rollout_client: the rollout.v1 protocol, its client, batching and validation of rollouts.
+
+The reference inference server lives in `rollout_client.server`
+(``python -m rollout_client.server``).
+"""
+
+from rollout_client.batching import RolloutBatch
+from rollout_client.batching import collate
+from rollout_client.buffer import RolloutBuffer
+from rollout_client.client import AsyncRolloutClient
+from rollout_client.client import ClientConfig
+from rollout_client.client import RolloutRequest
+from rollout_client.errors import InvalidRolloutError
+from rollout_client.errors import ProtocolError
+from rollout_client.errors import RolloutDeadlineError
+from rollout_client.errors import RolloutError
+from rollout_client.errors import RolloutUnavailableError
+from rollout_client.errors import ServerNotReadyError
+from rollout_client.sampling_params import FinishReason
+from rollout_client.sampling_params import LogprobMode
+from rollout_client.sampling_params import PauseMode
+from rollout_client.sampling_params import SamplingParams
+from rollout_client.samples import Sample
+from rollout_client.sync_client import RolloutClient
+from rollout_client.validation import ValidationConfig
+
+__all__ = [
+    "AsyncRolloutClient",
+    "ClientConfig",
+    "FinishReason",
+    "InvalidRolloutError",
+    "LogprobMode",
+    "PauseMode",
+    "ProtocolError",
+    "RolloutBatch",
+    "RolloutBuffer",
+    "RolloutClient",
+    "RolloutDeadlineError",
+    "RolloutError",
+    "RolloutRequest",
+    "RolloutUnavailableError",
+    "Sample",
+    "SamplingParams",
+    "ServerNotReadyError",
+    "ValidationConfig",
+    "collate",
+]

@@ -1,0 +1,416 @@
+"""Decoder-only transformer (Llama / Qwen2 layout) in Flax NNX, with a KV cache for inference.
+
+The model is the same code for the learner (full forward over right-padded sequences) and the inference server
+(prefill + decode through a KV cache). Hugging Face Llama / Qwen2 checkpoints load into it
+(see `learner.safetensors_io`).
+
+Full forward (learner)::
+
+    model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+    hidden = model(tokens, positions, attention_mask)   # [B, T, D], after the final RMSNorm
+    logits = model.logits(hidden)                       # [B, T, V] float32 (chunk it: learner.logprobs)
+
+``tokens`` and ``positions`` are int32 ``[B, T]``; ``attention_mask`` is ``[B, T]`` (True / 1 = real token).
+Sequences are right-padded; a query attends to key ``s`` iff ``s <= t`` (causal by index) and key ``s`` is real.
+Outputs at padded positions are finite but meaningless.
+
+KV cache (inference server)::
+
+    cache = model.init_cache(batch_size, max_len, dtype=jnp.bfloat16)  # tuple of LayerKVCache(k, v), zeros
+    # Prefill: prompts right-padded to T, row b has prompt_len[b] real tokens.
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    cache_valid = jnp.arange(max_len)[None, :] < prompt_len[:, None]      # [B, max_len] bool
+    hidden, cache = model.forward_cached(prompts, positions, cache, cache_valid)
+    last = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+    next_logits = model.logits(last)                                      # [B, V] float32
+    # Decode one token per row at position p[b] (= current length of row b):
+    cache_valid = cache_valid | (jnp.arange(max_len)[None, :] == p[:, None])
+    hidden, cache = model.forward_cached(next_tokens[:, None], p[:, None], cache, cache_valid)
+
+Cache contract (everything is explicit; the cache holds nothing but keys and values):
+
+* ``cache`` is a tuple with one `LayerKVCache` per layer; ``k`` and ``v`` are ``[B, max_len, num_kv_heads,
+  head_dim]``. Slot ``s`` holds the (RoPE-rotated) key / value of the token at position ``s``.
+* ``cache_valid[b, s]`` says slot ``s`` of row ``b`` holds a real token AFTER this call's writes, i.e. the caller
+  marks the slots of the new tokens too. A new token is written iff ``cache_valid[b, positions[b, t]]``; padding
+  tokens (slot not marked) and positions ``>= max_len`` are not written.
+* A token at position ``p`` attends to slots ``s <= p`` with ``cache_valid[b, s]``.
+* ``forward_cached`` returns the final hidden states ``[B, T, D]`` (not logits, so a long prefill never builds
+  ``[B, T, V]``) and the new cache. It is pure: jit it with the cache donated.
+
+Dtypes: parameters are stored in ``config.param_dtype``; activations and matmuls run in ``config.dtype``; RMSNorm,
+RoPE, softmax and logits are computed in float32. `cast_model` makes a copy in another dtype (e.g. a bfloat16 server
+against a float32 learner).
+
+Parameter paths (used by the sharding rules and the safetensors name map), with shapes::
+
+    embed/embedding                 [V, D]
+    layers/{i}/attn_norm/scale      [D]
+    layers/{i}/attn/q_proj/kernel   [D, H, Dh]     (bias [H, Dh] when qkv_bias)
+    layers/{i}/attn/k_proj/kernel   [D, K, Dh]     (bias [K, Dh] when qkv_bias)
+    layers/{i}/attn/v_proj/kernel   [D, K, Dh]     (bias [K, Dh] when qkv_bias)
+    layers/{i}/attn/o_proj/kernel   [H, Dh, D]
+    layers/{i}/mlp_norm/scale       [D]
+    layers/{i}/mlp/gate_proj/kernel [D, F]
+    layers/{i}/mlp/up_proj/kernel   [D, F]
+    layers/{i}/mlp/down_proj/kernel [F, D]
+    final_norm/scale                [D]
+    lm_head/kernel                  [D, V]         (absent when tie_embeddings)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer.
+
+    Example:
+        >>> ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+        ...             num_kv_heads=1, head_dim=8).num_query_groups
+        2
+    """
+
+    vocab_size: int  # Number of token ids (rows of the embedding, columns of the logits).
+    hidden_size: int  # Width D of the residual stream.
+    intermediate_size: int  # Width F of the SwiGLU MLP.
+    num_layers: int  # Number of transformer blocks.
+    num_heads: int  # Query heads H.
+    num_kv_heads: int  # Key/value heads K (grouped-query attention); must divide num_heads.
+    head_dim: int  # Width Dh of one attention head (need not equal hidden_size / num_heads); even, for RoPE.
+    rope_theta: float = 10_000.0  # RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6).
+    rms_norm_eps: float = 1e-6  # Epsilon inside RMSNorm's rsqrt.
+    tie_embeddings: bool = False  # If True the output projection is the transposed token embedding.
+    qkv_bias: bool = False  # If True q/k/v projections have a bias (Qwen2); o_proj never has one.
+    max_seq_len: int = 2048  # Longest sequence (prompt + completion) the model is configured for.
+    param_dtype: str = "float32"  # Storage dtype of the parameters: float32, bfloat16 or float16.
+    dtype: str = "float32"  # Compute dtype of activations and matmuls (norms, softmax, logits stay float32).
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if self.rope_theta <= 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+
+_NAMED_CONFIGS = {
+    # Tests and the default CPU run: exercises GQA, q/k/v bias and an untied head.
+    "tiny": ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, qkv_bias=True, max_seq_len=256),
+    # ~19M parameters: quick CPU / single-accelerator experiments.
+    "small": ModelConfig(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_layers=8, num_heads=6,
+                         num_kv_heads=2, head_dim=64, max_seq_len=1024),
+    # ~100M parameters.
+    "100m": ModelConfig(vocab_size=32_000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+                        num_kv_heads=4, head_dim=64, tie_embeddings=True, max_seq_len=2048),
+    # Qwen2-0.5B(-Instruct) shapes; loads the Hugging Face checkpoint.
+    "qwen2-0.5b": ModelConfig(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                              num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                              tie_embeddings=True, qkv_bias=True, max_seq_len=32_768),
+    # Llama-3.2-1B shapes (without Llama 3.1's rope_scaling: exact for sequences within the original context).
+    "llama-1b": ModelConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                            num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                            tie_embeddings=True, max_seq_len=8192),
+    # Llama-3-8B shapes.
+    "llama-8b": ModelConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_layers=32,
+                            num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                            max_seq_len=8192),
+}
+
+
+def model_config(name: str, **overrides) -> ModelConfig:
+    """Returns the named configuration, with optional field overrides.
+
+    Args:
+        name: one of "tiny", "small", "100m", "qwen2-0.5b", "llama-1b", "llama-8b".
+        **overrides: ModelConfig fields to replace (e.g. ``dtype="bfloat16"``).
+
+    Example:
+        >>> model_config("tiny", num_layers=1).num_layers
+        1
+    """
+    if name not in _NAMED_CONFIGS:
+        raise ValueError(f"unknown model config {name!r}; known: {sorted(_NAMED_CONFIGS)}")
+    return dataclasses.replace(_NAMED_CONFIGS[name], **overrides)
+
+
+class LayerKVCache(NamedTuple):
+    """Keys and values of one layer, ``[B, max_len, num_kv_heads, head_dim]``, slot = token position."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+KVCache = tuple[LayerKVCache, ...]
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], stddev: float, dtype: str) -> nnx.Param:
+    return nnx.Param((stddev * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x^2) + eps) * scale``, computed in float32 (Llama's RMSNorm)."""
+
+    def __init__(self, config: ModelConfig):
+        self.scale = nnx.Param(jnp.ones((config.hidden_size,), config.param_dtype))
+        self.eps = config.rms_norm_eps
+        self.dtype = config.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Projection(nnx.Module):
+    """Linear map contracting the trailing ``in_shape`` axes of x with a kernel of shape ``in_shape + out_shape``."""
+
+    def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], *, use_bias: bool,
+                 config: ModelConfig, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, in_shape + out_shape, 1.0 / math.sqrt(math.prod(in_shape)), config.param_dtype)
+        self.bias = nnx.Param(jnp.zeros(out_shape, config.param_dtype)) if use_bias else None
+        self.num_in_axes = len(in_shape)
+        self.dtype = config.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=self.num_in_axes)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, Hugging Face "rotate half" convention.
+
+    Args:
+        x: ``[B, T, heads, head_dim]``.
+        positions: ``[B, T]`` integer positions.
+        theta: RoPE base frequency.
+
+    Returns:
+        x rotated, in x's dtype (computed in float32).
+
+    Example:
+        >>> x = jnp.ones((1, 1, 1, 4))
+        >>> bool(jnp.allclose(apply_rope(x, jnp.zeros((1, 1), jnp.int32), 1e4), x))
+        True
+    """
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and optional q/k/v bias."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = Projection((d,), (h, dh), use_bias=config.qkv_bias, config=config, rngs=rngs)
+        self.k_proj = Projection((d,), (k, dh), use_bias=config.qkv_bias, config=config, rngs=rngs)
+        self.v_proj = Projection((d,), (k, dh), use_bias=config.qkv_bias, config=config, rngs=rngs)
+        self.o_proj = Projection((h, dh), (d,), use_bias=False, config=config, rngs=rngs)
+        self.config = config
+
+    def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array,
+                 layer_cache: LayerKVCache | None = None, write_slots: jax.Array | None = None,
+                 ) -> tuple[jax.Array, LayerKVCache | None]:
+        """Attends x ``[B, T, D]`` to itself, or to the cache after writing x's keys/values at ``write_slots``.
+
+        ``allowed`` is ``[B, T, S]`` bool (S = T without cache, max_len with cache).
+        """
+        cfg = self.config
+        q = apply_rope(self.q_proj(x), positions, cfg.rope_theta)
+        k = apply_rope(self.k_proj(x), positions, cfg.rope_theta)
+        v = self.v_proj(x)
+        if layer_cache is not None:
+            rows = jnp.arange(x.shape[0])[:, None]
+            layer_cache = LayerKVCache(
+                k=layer_cache.k.at[rows, write_slots].set(k.astype(layer_cache.k.dtype), mode="drop"),
+                v=layer_cache.v.at[rows, write_slots].set(v.astype(layer_cache.v.dtype), mode="drop"))
+            k, v = layer_cache.k.astype(cfg.dtype), layer_cache.v.astype(cfg.dtype)
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_query_groups, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(cfg.head_dim)
+        scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        return self.o_proj(out), layer_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Projection((d,), (f,), use_bias=False, config=config, rngs=rngs)
+        self.up_proj = Projection((d,), (f,), use_bias=False, config=config, rngs=rngs)
+        self.down_proj = Projection((f,), (d,), use_bias=False, config=config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None):
+        attn_out, layer_cache = self.attn(self.attn_norm(x), positions, allowed, layer_cache, write_slots)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), layer_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer; see the module docstring for the call forms and the cache contract.
+
+    Example:
+        >>> model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+        >>> tokens = jnp.zeros((2, 5), jnp.int32)
+        >>> positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+        >>> model.logits(model(tokens, positions, jnp.ones((2, 5), bool))).shape
+        (2, 5, 128)
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.dtype,
+                               param_dtype=config.param_dtype,
+                               embedding_init=nnx.initializers.normal(1.0 / math.sqrt(config.hidden_size)),
+                               rngs=rngs)
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config)
+        self.lm_head = (None if config.tie_embeddings else
+                        Projection((config.hidden_size,), (config.vocab_size,), use_bias=False, config=config,
+                                   rngs=rngs))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None,
+                 ) -> jax.Array:
+        """Final hidden states ``[B, T, D]`` (after the final RMSNorm) of right-padded sequences.
+
+        Args:
+            tokens: ``[B, T]`` int token ids.
+            positions: ``[B, T]`` int positions (RoPE), usually ``arange(T)`` per row.
+            attention_mask: ``[B, T]`` bool or 0/1, True for real tokens; None means all real.
+        """
+        t = tokens.shape[1]
+        key_valid = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        allowed = causal[None, :, :] & key_valid[:, None, :]
+        x = self.embed(tokens)
+        for block in self.layers:
+            x, _ = block(x, positions, allowed)
+        return self.final_norm(x)
+
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, cache_valid: jax.Array,
+                       ) -> tuple[jax.Array, KVCache]:
+        """Runs new tokens against the KV cache: writes their keys/values, returns ``(hidden, new_cache)``.
+
+        Args:
+            tokens: ``[B, T]`` new token ids (T = prompt length for prefill, 1 for decode).
+            positions: ``[B, T]`` their positions = cache slots.
+            cache: from `init_cache` or a previous call.
+            cache_valid: ``[B, max_len]`` bool, slots holding real tokens including the new ones.
+
+        Returns:
+            Final hidden states ``[B, T, D]`` and the updated cache.
+        """
+        max_len = cache_valid.shape[1]
+        slot_ids = jnp.arange(max_len)
+        is_real = jnp.take_along_axis(cache_valid, jnp.clip(positions, 0, max_len - 1), axis=1)
+        is_real &= (positions >= 0) & (positions < max_len)
+        write_slots = jnp.where(is_real, positions, max_len)  # max_len is out of bounds: dropped
+        allowed = cache_valid[:, None, :] & (slot_ids[None, None, :] <= positions[:, :, None])
+        x = self.embed(tokens)
+        new_cache = []
+        for block, layer_cache in zip(self.layers, cache, strict=True):
+            x, layer_cache = block(x, positions, allowed, layer_cache, write_slots)
+            new_cache.append(layer_cache)
+        return self.final_norm(x), tuple(new_cache)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """Zero KV cache: one `LayerKVCache` of ``[batch_size, max_len, num_kv_heads, head_dim]`` per layer.
+
+        Args:
+            batch_size: rows B.
+            max_len: slots per row (longest prompt + completion).
+            dtype: cache dtype; defaults to the compute dtype.
+        """
+        cfg = self.config
+        shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+        dtype = dtype or cfg.dtype
+        return tuple(LayerKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+
+    def output_kernel(self) -> jax.Array:
+        """The ``[D, V]`` output projection in the compute dtype (the transposed embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T.astype(self.config.dtype)
+        return self.lm_head.kernel[...].astype(self.config.dtype)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits ``[..., V]`` of final hidden states ``[..., D]``."""
+        return jnp.einsum("...d,dv->...v", hidden.astype(self.config.dtype), self.output_kernel(),
+                          preferred_element_type=jnp.float32)
+
+
+def cast_model(model: Transformer, dtype: str) -> Transformer:
+    """Copy of the model with parameters stored and computed in ``dtype`` (e.g. a bfloat16 inference copy).
+
+    Example:
+        >>> model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+        >>> cast_model(model, "bfloat16").embed.embedding[...].dtype
+        dtype(bfloat16)
+    """
+    config = dataclasses.replace(model.config, param_dtype=dtype, dtype=dtype)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    state = jax.tree.map(lambda x: x.astype(dtype), nnx.state(model))
+    return nnx.merge(graphdef, state)
+
+
+def count_params(config: ModelConfig) -> int:
+    """Number of parameters of a model with this config (no memory allocated).
+
+    Example:
+        >>> count_params(model_config("tiny"))
+        90688
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

@@ -1,0 +1,127 @@
+"""Device mesh and parameter partition rules (big_vision style: regex over the parameter path -> PartitionSpec).
+
+One mesh with axes ``("data", "fsdp", "tensor")``: batches are split over ``("data", "fsdp")``, parameters over
+``fsdp`` (their hidden axis, ZeRO-3 style) and ``tensor`` (heads, MLP width, vocabulary: Megatron style).
+
+Axis types are passed explicitly as ``AxisType.Auto``: the model code carries no sharding annotations, and with Auto
+axes ``jax.jit(in_shardings=..., out_shardings=...)`` is enough, the compiler propagates shardings through the
+program. ``Explicit`` axes (the jax 0.10 default of ``jax.make_mesh``) would make shardings part of every array's
+type and require annotating ops whose output sharding is ambiguous (e.g. contractions over a sharded axis).
+
+A parameter dimension that its mesh axes do not divide evenly is replicated over those axes instead (e.g. a
+vocabulary of 151,936 over ``tensor=3``), so every rule set works on every mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+Rules = Sequence[tuple[str, P]]
+
+# Paths are "/"-joined parameter paths of learner.model.Transformer (see its module docstring).
+DEFAULT_RULES: Rules = (
+    (r"^embed/embedding$", P("tensor", "fsdp")),  # [V, D]
+    (r"/attn/[qkv]_proj/kernel$", P("fsdp", "tensor", None)),  # [D, heads, Dh]
+    (r"/attn/[qkv]_proj/bias$", P("tensor", None)),  # [heads, Dh]
+    (r"/attn/o_proj/kernel$", P("tensor", None, "fsdp")),  # [H, Dh, D]
+    (r"/mlp/(gate|up)_proj/kernel$", P("fsdp", "tensor")),  # [D, F]
+    (r"/mlp/down_proj/kernel$", P("tensor", "fsdp")),  # [F, D]
+    (r"^lm_head/kernel$", P("fsdp", "tensor")),  # [D, V]
+    (r".*", P()),  # norms and anything else: replicated
+)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, devices: Sequence[jax.Device] | None = None
+              ) -> Mesh:
+    """Mesh over ``("data", "fsdp", "tensor")`` with Auto axis types; one size may be -1 (the rest of the devices).
+
+    Example:
+        >>> dict(make_mesh(fsdp=2, tensor=2).shape)
+        {'data': 2, 'fsdp': 2, 'tensor': 2}
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes data={data}, fsdp={fsdp}, tensor={tensor}: positive, at most one -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices are not divisible by fsdp*tensor*data sizes {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}")
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def _axis_size(mesh: Mesh, axes) -> int:
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def partition_spec(path: str, shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAULT_RULES) -> P:
+    """PartitionSpec of the first rule whose regex matches ``path`` (``re.search``), fitted to ``shape``.
+
+    Dimensions not divisible by their axes' total size are replicated.
+
+    Example:
+        >>> mesh = make_mesh(data=2, tensor=4)
+        >>> partition_spec("lm_head/kernel", (64, 128), mesh), partition_spec("lm_head/kernel", (64, 6), mesh)
+        (P('fsdp', 'tensor'), P('fsdp', None))
+    """
+    for pattern, spec in rules:
+        if re.search(pattern, path):
+            break
+    else:
+        raise ValueError(f"no partition rule matches parameter {path!r}")
+    if len(spec) > len(shape):
+        raise ValueError(f"rule {pattern!r} gives {spec} for {path!r} of rank {len(shape)}")
+    fitted = [axes if dim % _axis_size(mesh, axes) == 0 else None for dim, axes in zip(shape, spec)]
+    return P(*fitted)
+
+
+def _path_str(key_path) -> str:
+    parts = []
+    for key in key_path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+    return "/".join(parts)  # attribute keys (Variable.value) are not part of the parameter path
+
+
+def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Tree of NamedShardings with the structure of ``state`` (an nnx.State or any pytree of arrays).
+
+    Example:
+        >>> from flax import nnx
+        >>> from learner.model import Transformer, model_config
+        >>> state = nnx.state(nnx.eval_shape(lambda: Transformer(model_config("tiny"), rngs=nnx.Rngs(0))))
+        >>> state_shardings(state, make_mesh(data=4, tensor=2))["embed"]["embedding"].get_value().spec
+        P('tensor', 'fsdp')
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, partition_spec(_path_str(path), x.shape, mesh, rules)), state)
+
+
+def shard_state(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """Places ``state`` on the mesh according to the rules."""
+    return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of ``[B, ...]`` batch arrays: the batch axis over ``("data", "fsdp")``, the rest replicated.
+
+    Example:
+        >>> batch_sharding(make_mesh()).spec
+        P(('data', 'fsdp'),)
+    """
+    return NamedSharding(mesh, P(BATCH_AXES))

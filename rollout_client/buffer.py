@@ -1,0 +1,77 @@
+"""A bounded, ordered buffer of in-flight requests for asynchronous RL.
+
+While the learner trains on one group, up to `max_in_flight` further requests are
+being generated. Groups come out in submission order (deterministic given the
+request stream), and samples whose oldest token is more than `max_staleness`
+versions behind the learner are dropped and counted.
+"""
+
+import collections
+import concurrent.futures
+from collections.abc import Iterator
+
+from rollout_client.client import RolloutRequest
+from rollout_client.samples import Sample
+from rollout_client.sync_client import RolloutClient
+
+
+class RolloutBuffer:
+    """Keeps `max_in_flight` requests from `requests` running on `client`.
+
+    Args:
+      client: where requests run.
+      requests: the stream of requests to issue, in order.
+      max_in_flight: how many requests run while the learner works (k).
+      max_staleness: largest allowed learner version - oldest token version.
+    """
+
+    def __init__(self, client: RolloutClient, requests: Iterator[RolloutRequest], max_in_flight: int,
+                 max_staleness: int):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+        self._client = client
+        self._requests = requests
+        self._max_in_flight = max_in_flight
+        self._max_staleness = max_staleness
+        self._in_flight: collections.deque[concurrent.futures.Future] = collections.deque()
+        self.stale_dropped = 0
+        self.fill()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def fill(self) -> None:
+        """Submits requests until `max_in_flight` run (or the request stream ends)."""
+        while len(self._in_flight) < self._max_in_flight:
+            request = next(self._requests, None)
+            if request is None:
+                return
+            self._in_flight.append(self._client.submit(request))
+
+    def get(self, learner_version: int, timeout_s: float | None = None) -> list[Sample]:
+        """The oldest request's fresh samples; refills the buffer.
+
+        Raises:
+          StopIteration: nothing in flight and the request stream is exhausted.
+          Whatever the request raised (e.g. RolloutError), and TimeoutError.
+        """
+        if not self._in_flight:
+            raise StopIteration("rollout buffer: request stream exhausted")
+        future = self._in_flight.popleft()
+        self.fill()
+        samples = future.result(timeout_s)
+        fresh = [s for s in samples if learner_version - s.oldest_version <= self._max_staleness]
+        self.stale_dropped += len(samples) - len(fresh)
+        return fresh
+
+    def metrics(self) -> dict[str, int]:
+        return {"buffer/in_flight": len(self._in_flight), "buffer/stale_dropped": self.stale_dropped}
+
+    def close(self) -> None:
+        """Cancels what is still in flight."""
+        for future in self._in_flight:
+            future.cancel()
+        self._in_flight.clear()

@@ -1,0 +1,281 @@
+"""The asynchronous rollout.v1 client (grpc.aio).
+
+Retries: a Generate that fails with UNAVAILABLE before any message arrived is
+retried with exponential backoff. One that breaks after messages arrived keeps the
+samples that completed and asks again for exactly the missing sample indices under
+the same request id (the server supersedes what is left of the old call), so a
+retried request never yields a sample twice and never loses one. Other status codes
+fail at once.
+"""
+
+import asyncio
+import dataclasses
+import secrets
+import uuid
+from collections.abc import Mapping
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2_grpc
+
+from rollout_client import errors
+from rollout_client.protocol import CLIENT_OPTIONS
+from rollout_client.protocol import SERVICE_NAME
+from rollout_client.protocol import bearer
+from rollout_client.protocol import pb
+from rollout_client.protocol import pb_grpc
+from rollout_client.sampling_params import LogprobMode
+from rollout_client.sampling_params import PauseMode
+from rollout_client.sampling_params import SamplingParams
+from rollout_client.samples import Sample
+from rollout_client.samples import StreamAssembler
+from rollout_client.samples import build_sample
+from rollout_client.validation import ValidationCounters
+from rollout_client.validation import ValidationConfig
+from rollout_client.validation import find_problem
+from rollout_client.weight_chunks import split_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """How to reach the server and how patient to be."""
+
+    target: str  # "host:port".
+    auth_token: str | None = None  # Sent as "authorization: Bearer <token>".
+    tls_root_certificates: bytes | None = None  # PEM; TLS when set.
+    tls_server_name: str | None = None  # Overrides the name checked against the certificate.
+    ready_timeout_s: float = 60.0  # How long `wait_ready` waits for SERVING.
+    deadline_base_s: float = 30.0  # Generate deadline = base + per_token * max_new_tokens.
+    deadline_per_token_s: float = 0.05
+    control_deadline_s: float = 120.0  # Pause, resume, info, abort, weight updates.
+    max_attempts: int = 5  # Generate attempts on UNAVAILABLE.
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    validation: ValidationConfig = ValidationConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt to sample `num_samples` completions of."""
+
+    prompt_token_ids: np.ndarray | list[int]
+    sampling: SamplingParams = SamplingParams()
+    num_samples: int = 1
+    logprob_mode: LogprobMode = LogprobMode.PROCESSED
+    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    min_policy_version: int | None = None  # Server must be at least this; tokens below are invalid.
+    stream_chunk_tokens: int = 0  # 0 or >= 64.
+
+    def to_proto(self, sample_indices: list[int] | None = None) -> pb.GenerateRequest:
+        """The wire request; `sample_indices` restricts it to those samples."""
+        message = pb.GenerateRequest(
+            request_id=self.request_id,
+            prompt_token_ids=np.asarray(self.prompt_token_ids, np.int32).tolist(),
+            sampling=self.sampling.to_proto(),
+            num_samples=self.num_samples,
+            sample_indices=sample_indices or [],
+            logprob_mode=int(self.logprob_mode),
+            stream_chunk_tokens=self.stream_chunk_tokens,
+        )
+        if self.min_policy_version is not None:
+            message.min_policy_version = self.min_policy_version
+        return message
+
+
+class AsyncRolloutClient:
+    """A client of one rollout server; create, then `await connect()`."""
+
+    def __init__(self, config: ClientConfig):
+        self.config = config
+        self.counters = ValidationCounters()
+        self.retries = 0
+        self._metadata = bearer(config.auth_token) if config.auth_token else ()
+        options = list(CLIENT_OPTIONS)
+        if config.tls_root_certificates or config.tls_server_name:
+            if config.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+            credentials = grpc.ssl_channel_credentials(config.tls_root_certificates)
+            self._channel = grpc.aio.secure_channel(config.target, credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(config.target, options=options)
+        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._info: pb.ServerInfo | None = None
+
+    async def connect(self) -> pb.ServerInfo:
+        """Waits for SERVING, then fetches the server info."""
+        await self.wait_ready()
+        return await self.server_info()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Polls health until rollout.v1 is SERVING.
+
+        Raises:
+          ServerNotReadyError: not SERVING within the timeout.
+        """
+        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        last = "no answer"
+        while loop.time() < give_up:
+            try:
+                reply = await self._health.Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                    timeout=max(0.1, min(2.0, give_up - loop.time())), wait_for_ready=True)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as error:
+                last = f"{error.code().name}: {error.details()}"
+            await asyncio.sleep(min(0.1, max(0.0, give_up - loop.time())))
+        raise errors.ServerNotReadyError(
+            f"rollout server at {self.config.target} not SERVING after {timeout_s:.1f}s (last: {last})")
+
+    async def server_info(self) -> pb.ServerInfo:
+        """Fetches (and caches) policy version, vocabulary size, eos ids, config hash."""
+        self._info = await self._control(self._stub.GetServerInfo, pb.GetServerInfoRequest())
+        return self._info
+
+    def generate_deadline_s(self, request: RolloutRequest) -> float:
+        """Deadline of one Generate attempt, sized from max_new_tokens."""
+        max_new_tokens = request.sampling.max_new_tokens or (self._info.max_seq_len if self._info else 4096)
+        return self.config.deadline_base_s + self.config.deadline_per_token_s * max_new_tokens
+
+    async def generate(self, request: RolloutRequest) -> list[Sample]:
+        """Samples `request`; returns the valid samples ordered by sample index.
+
+        Raises:
+          InvalidRolloutError: a sample is invalid and validation says "raise".
+          RolloutDeadlineError, RolloutUnavailableError, ProtocolError, grpc.aio.AioRpcError.
+        """
+        if self._info is None:
+            await self.server_info()
+        if request.sampling.seed is None:  # Fixed here so that a retried sample is the same draw.
+            request = dataclasses.replace(
+                request, sampling=dataclasses.replace(request.sampling, seed=secrets.randbits(63)))
+        prompt = np.asarray(request.prompt_token_ids, np.int32)
+        results: dict[int, Sample | None] = {}  # None: received and dropped.
+        deadline_s = self.generate_deadline_s(request)
+        failures = 0
+        while len(results) < request.num_samples:
+            missing = [i for i in range(request.num_samples) if i not in results]
+            received_before = len(results)
+            try:
+                await self._generate_once(request, prompt, missing, results, deadline_s)
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise errors.RolloutDeadlineError(
+                        f"Generate {request.request_id}: no result within {deadline_s:.1f}s "
+                        f"(max_new_tokens={request.sampling.max_new_tokens})") from error
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                failures = 0 if len(results) > received_before else failures + 1
+                if failures >= self.config.max_attempts:
+                    raise errors.RolloutUnavailableError(
+                        f"Generate {request.request_id}: server {self.config.target} unavailable after "
+                        f"{failures} attempts: {error.details()}") from error
+                self.retries += 1
+                await asyncio.sleep(min(self.config.max_backoff_s,
+                                        self.config.initial_backoff_s * 2 ** max(failures - 1, 0)))
+                continue
+            if len(results) < request.num_samples:
+                raise errors.ProtocolError(
+                    f"Generate {request.request_id}: stream ended without samples "
+                    f"{sorted(set(missing) - set(results))}")
+        return [results[i] for i in sorted(results) if results[i] is not None]
+
+    async def _generate_once(self, request: RolloutRequest, prompt: np.ndarray, indices: list[int],
+                             results: dict[int, Sample | None], deadline_s: float) -> None:
+        """One Generate call for `indices`; stores each final sample in `results`."""
+        subset = indices if len(indices) < request.num_samples else None
+        call = self._stub.Generate(request.to_proto(subset), timeout=deadline_s, metadata=self._metadata)
+        assembler = StreamAssembler()
+        async for response in call:
+            raw = assembler.add(response)
+            if raw is None or response.sample_index in results:
+                continue
+            if response.sample_index not in indices:
+                raise errors.ProtocolError(
+                    f"Generate {request.request_id}: unexpected sample_index {response.sample_index}")
+            problem = find_problem(raw, self._info.vocab_size, request.min_policy_version)
+            if problem is not None:
+                name, detail = problem
+                if self.config.validation.on_invalid == "raise":
+                    call.cancel()
+                    raise errors.InvalidRolloutError(
+                        f"request {request.request_id} sample {response.sample_index}: {name}: {detail}")
+                self.counters.dropped[name] += 1
+                results[response.sample_index] = None
+                continue
+            self.counters.accepted += 1
+            results[response.sample_index] = build_sample(
+                raw, request.request_id, response.sample_index, prompt, request.logprob_mode)
+
+    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> int:
+        """Pauses generation; returns the server's policy version."""
+        reply = await self._control(self._stub.PauseGeneration, pb.PauseGenerationRequest(mode=int(mode)))
+        return reply.policy_version
+
+    async def resume(self) -> int:
+        """Resumes generation; returns the server's policy version."""
+        reply = await self._control(self._stub.ResumeGeneration, pb.ResumeGenerationRequest())
+        return reply.policy_version
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Aborts requests; returns those that were active."""
+        reply = await self._control(self._stub.Abort, pb.AbortRequest(request_ids=request_ids))
+        return list(reply.aborted_request_ids)
+
+    async def update_weights_from_path(self, policy_version: int, path: str,
+                                       weights_format: int = pb.WEIGHTS_FORMAT_SAFETENSORS) -> int:
+        """Has the (paused) server load weights from its file system; returns its new version."""
+        request = pb.UpdateWeightsRequest(policy_version=policy_version, path=path, format=weights_format)
+        return (await self._control(self._stub.UpdateWeights, request)).policy_version
+
+    async def stream_weights(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
+        """Streams weights to the (paused) server in chunks; returns its new version."""
+        call = self._stub.StreamWeights(split_weights(weights, policy_version),
+                                        timeout=self.config.control_deadline_s, metadata=self._metadata)
+        return (await call).policy_version
+
+    async def publish_weights(self, policy_version: int, *, weights: Mapping[str, np.ndarray] | None = None,
+                              path: str | None = None, weights_format: int = pb.WEIGHTS_FORMAT_SAFETENSORS,
+                              pause_mode: PauseMode = PauseMode.KEEP) -> int:
+        """Pause -> update (streamed `weights`, or `path` on the server) -> resume, then confirm.
+
+        The server resumes even when the update fails (it keeps its old weights).
+
+        Raises:
+          RolloutError: the server does not report `policy_version` afterwards.
+        """
+        if (weights is None) == (path is None):
+            raise ValueError("publish_weights: pass exactly one of weights or path")
+        await self.pause(pause_mode)
+        try:
+            if weights is not None:
+                await self.stream_weights(policy_version, weights)
+            else:
+                await self.update_weights_from_path(policy_version, path, weights_format)
+        finally:
+            await self.resume()
+        info = await self.server_info()
+        if info.policy_version != policy_version:
+            raise errors.RolloutError(
+                f"publish_weights: server reports policy version {info.policy_version}, expected {policy_version}")
+        return info.policy_version
+
+    def metrics(self) -> dict[str, int]:
+        """Validation counters and the retry count."""
+        return {**self.counters.as_dict(), "generate/retries": self.retries}
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _control(self, method, request):
+        try:
+            return await method(request, timeout=self.config.control_deadline_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise errors.RolloutDeadlineError(f"{type(request).__name__}: {error.details()}") from error
+            raise

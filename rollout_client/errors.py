@@ -1,0 +1,25 @@
+"""Errors the client raises; each message says what failed and where."""
+
+
+class RolloutError(Exception):
+    """Base class of the client's errors."""
+
+
+class ServerNotReadyError(RolloutError, TimeoutError):
+    """The server did not report SERVING within the start-up timeout."""
+
+
+class RolloutDeadlineError(RolloutError, TimeoutError):
+    """A call ran past its deadline."""
+
+
+class RolloutUnavailableError(RolloutError):
+    """The server stayed unreachable through every retry."""
+
+
+class InvalidRolloutError(RolloutError):
+    """A sample failed validation and the client is configured to fail, not drop."""
+
+
+class ProtocolError(RolloutError):
+    """The server broke the protocol (e.g. ended a stream with samples missing)."""

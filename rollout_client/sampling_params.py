@@ -1,0 +1,81 @@
+"""Sampling parameters as the learner sees them, and their wire form.
+
+Every field is optional: `None` means the server default, which the server
+resolves and echoes back with every sample so the learner can replay it.
+"""
+
+import dataclasses
+import enum
+
+from rollout_client.protocol import pb
+
+
+class LogprobMode(enum.IntEnum):
+    """Which distribution the returned logprobs are of."""
+
+    RAW = pb.LOGPROB_MODE_RAW  # log_softmax of the model's logits.
+    PROCESSED = pb.LOGPROB_MODE_PROCESSED  # Of the sampling distribution.
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sample ended (values equal the wire enum)."""
+
+    STOP = pb.FINISH_REASON_STOP
+    LENGTH = pb.FINISH_REASON_LENGTH
+    ABORT = pb.FINISH_REASON_ABORT
+
+
+class PauseMode(enum.IntEnum):
+    """What a pause does to active requests."""
+
+    ABORT = pb.PAUSE_MODE_ABORT
+    WAIT = pb.PAUSE_MODE_WAIT
+    KEEP = pb.PAUSE_MODE_KEEP
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters; the server applies temperature, top-k, top-p, min-p in order.
+
+    Attributes:
+      temperature: divides the logits; > 0.
+      top_k: keeps the k largest logits; None or 0 disables.
+      top_p: keeps the smallest prefix (by probability) whose mass reaches top_p.
+      min_p: keeps tokens whose probability is >= min_p times the largest.
+      max_new_tokens: completion length limit; None means the server's limit.
+      stop_token_ids: None means the server's eos ids; () means never stop.
+      seed: sample i of a request is drawn with a key derived from (seed, i).
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    max_new_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    seed: int | None = None
+
+    def to_proto(self) -> pb.SamplingParams:
+        """The wire message; unset fields stay unset."""
+        message = pb.SamplingParams()
+        for name in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(message, name, value)
+        if self.stop_token_ids is not None:
+            message.stop_token_ids.token_ids.extend(self.stop_token_ids)
+        return message
+
+    @classmethod
+    def from_proto(cls, message: pb.SamplingParams) -> "SamplingParams":
+        """Inverse of `to_proto`.
+
+        >>> SamplingParams.from_proto(SamplingParams(top_k=5, stop_token_ids=()).to_proto())
+        SamplingParams(temperature=None, top_k=5, top_p=None, min_p=None, max_new_tokens=None, stop_token_ids=(), seed=None)
+        """
+        values = {
+            name: getattr(message, name) if message.HasField(name) else None
+            for name in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens", "seed")
+        }
+        stop = tuple(message.stop_token_ids.token_ids) if message.HasField("stop_token_ids") else None
+        return cls(stop_token_ids=stop, **values)

@@ -1,0 +1,1 @@
+"""The reference inference server: ``python -m rollout_client.server``."""

@@ -1,0 +1,78 @@
+"""Builds and runs the grpc.aio server: rollout.v1, health, reflection, auth, TLS, drain.
+
+The server binds 127.0.0.1 unless told otherwise, prints
+``rollout-server listening on HOST:PORT`` once it serves (so a parent process that
+asked for port 0 learns the bound port), and on SIGTERM or SIGINT reports
+NOT_SERVING, stops taking calls and lets active ones finish within the grace period.
+"""
+
+import asyncio
+import dataclasses
+import pathlib
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health
+from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rollout_client.protocol import SERVER_OPTIONS
+from rollout_client.protocol import SERVICE_NAME
+from rollout_client.protocol import pb_grpc
+from rollout_client.server.auth import TokenAuthInterceptor
+from rollout_client.server.generator import Generator
+from rollout_client.server.scheduler import Scheduler
+from rollout_client.server.service import RolloutServicer
+
+LISTENING_PREFIX = "rollout-server listening on "
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Network settings of the reference server."""
+
+    host: str = "127.0.0.1"  # Loopback unless the operator opens it up.
+    port: int = 0  # 0 picks a free port; the bound one is printed.
+    port_file: pathlib.Path | None = None  # Also written here, if set.
+    auth_token: str | None = None  # Shared token required on rollout.v1 calls.
+    tls_cert_chain: bytes | None = None  # PEM; TLS when set together with the key.
+    tls_private_key: bytes | None = None
+    drain_grace_s: float = 10.0  # How long active calls may finish after SIGTERM.
+    policy_version: int = 0  # Version of the initial weights.
+
+
+async def serve(config: ServerConfig, generator: Generator,
+                servicer_class: type[RolloutServicer] = RolloutServicer) -> None:
+    """Serves until SIGTERM or SIGINT, then drains."""
+    scheduler = Scheduler(generator, config.policy_version)
+    interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    pb_grpc.add_RolloutServiceServicer_to_server(servicer_class(scheduler, generator.info), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert_chain and config.tls_private_key:
+        credentials = grpc.ssl_server_credentials([(config.tls_private_key, config.tls_cert_chain)])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if config.port_file:
+        config.port_file.write_text(str(port))
+    print(f"{LISTENING_PREFIX}{config.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    print("rollout-server draining", file=sys.stderr, flush=True)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.drain_grace_s)
+    scheduler.close()

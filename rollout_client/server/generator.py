@@ -1,0 +1,144 @@
+"""The pluggable generation engine behind the reference server.
+
+A `Generator` advances a batch of sequences; everything else (queueing, batching
+of concurrent requests, stop and length rules, pause / resume, policy-version
+stamping, streaming) is the `Scheduler`'s. The model engine, the benchmark's
+precomputed stream and the tests' scripted engines all implement this interface.
+"""
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from rollout_client.protocol import pb
+from rollout_client.sampling_params import FinishReason
+from rollout_client.sampling_params import LogprobMode
+
+
+class PreconditionError(Exception):
+    """The server is not in a state that allows the call (FAILED_PRECONDITION)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedSampling:
+    """Sampling parameters with every default filled in; echoed to the client."""
+
+    temperature: float
+    top_k: int  # 0 disables.
+    top_p: float
+    min_p: float
+    max_new_tokens: int  # Already clipped to the server's context.
+    stop_token_ids: tuple[int, ...]
+    seed: int
+
+    def to_proto(self) -> pb.SamplingParams:
+        """The wire message with every field set."""
+        message = pb.SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+        )
+        message.stop_token_ids.token_ids.extend(self.stop_token_ids)
+        return message
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSpec:
+    """One sample to generate."""
+
+    prompt_token_ids: np.ndarray  # int32 [P], P >= 1.
+    sampling: ResolvedSampling
+    sample_index: int
+    logprob_mode: LogprobMode
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceOutput:
+    """What the scheduler delivers for a sequence: a chunk, or the final piece.
+
+    Version spans are (start, end, policy_version) over the whole completion; the
+    final piece lists all of them, a chunk those that overlap its tokens.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    version_spans: tuple[tuple[int, int, int], ...]
+    finish_reason: FinishReason | None = None  # None for a chunk.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float = 0.0
+    generate_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorInfo:
+    """What the server reports about the model."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_config_hash: str
+    dtype: str
+    max_seq_len: int
+    max_batch_size: int
+
+
+class Generator(abc.ABC):
+    """Advances sequences; called from the scheduler's thread only, never concurrently."""
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> GeneratorInfo:
+        """Static facts about the served model."""
+
+    @abc.abstractmethod
+    def add(self, sequence_id: int, spec: SequenceSpec) -> None:
+        """Admits a sequence; at most `info.max_batch_size` are active at once."""
+
+    @abc.abstractmethod
+    def remove(self, sequence_id: int) -> None:
+        """Frees a finished or aborted sequence."""
+
+    @abc.abstractmethod
+    def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Advances every active sequence by one or more tokens.
+
+        Returns:
+          For each active sequence, its new token ids (int32) and their logprobs
+          (float32) in the sequence's logprob mode. The scheduler truncates at stop
+          tokens and length limits, so a generator may overshoot.
+        """
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Replaces the weights, all or nothing.
+
+        Raises:
+          ValueError: naming the first tensor whose name, shape or dtype is wrong;
+            the old weights keep serving.
+        """
+
+
+def check_weights_match(expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+                        weights: Mapping[str, np.ndarray]) -> None:
+    """Raises ValueError unless `weights` has exactly the expected names, shapes and dtypes.
+
+    >>> check_weights_match({"w": ((2,), np.dtype("float32"))}, {"w": np.zeros(3, np.float32)})
+    Traceback (most recent call last):
+    ...
+    ValueError: weights['w']: shape (3,) != expected (2,)
+    """
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, (shape, dtype) in expected.items():
+        array = weights[name]
+        if tuple(array.shape) != tuple(shape):
+            raise ValueError(f"weights[{name!r}]: shape {tuple(array.shape)} != expected {tuple(shape)}")
+        if np.dtype(array.dtype) != np.dtype(dtype):
+            raise ValueError(f"weights[{name!r}]: dtype {array.dtype} != expected {np.dtype(dtype)}")

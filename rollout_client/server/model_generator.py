@@ -1,0 +1,198 @@
+"""The model engine: the learner's own transformer with a jitted prefill and KV-cache decode.
+
+Sequences occupy fixed slots of one batched KV cache (`max_batch_size` rows of
+`max_seq_len` slots), so concurrent requests decode together. A new sequence is
+prefilled alone into its row; every `step` then runs `decode_steps_per_call` decode
+steps for all rows in one jitted `lax.scan` (fewer Python round trips; pauses take
+effect at that granularity). The token at position x of sample i is drawn with
+key ``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
+sequences share the batch. Weights are received in the learner's parameter dtype
+and cast to the serving dtype; kept sequences keep their cached keys and values
+across a weight update.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import pathlib
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from learner.model import Transformer
+from learner.model import cast_model
+from learner.model import model_config
+from rollout_client.sampling_params import LogprobMode
+from rollout_client.server.generator import Generator
+from rollout_client.server.generator import GeneratorInfo
+from rollout_client.server.generator import SequenceSpec
+from rollout_client.server.generator import check_weights_match
+from rollout_client.server.sampling import sample_token
+from rollout_client.server.weights_io import load_weights
+
+
+def parameter_names(state) -> tuple[list[str], jax.tree_util.PyTreeDef]:
+    """Parameter paths joined by "/" (as in learner/model.py), in leaf order, and the tree structure."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    names = [jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value") for path, _ in leaves]
+    return names, treedef
+
+
+def sample_key(seed: int, sample_index: int) -> np.ndarray:
+    """The uint32[2] key of one sample."""
+    key = jax.random.fold_in(jax.random.PRNGKey(seed & 0xFFFFFFFF), seed >> 32)
+    return np.asarray(jax.random.fold_in(key, sample_index))
+
+
+class ModelGenerator(Generator):
+    """Serves a `learner.model.Transformer`.
+
+    Args:
+      model: the model in the learner's parameter dtype (defines accepted weights).
+      dtype: serving dtype ("float32", "bfloat16", "float16").
+      max_batch_size: slots in the KV cache.
+      max_seq_len: slots per row; at most the model's max_seq_len.
+      decode_steps_per_call: decode steps fused into one jitted call.
+      eos_token_ids: default stop tokens.
+    """
+
+    def __init__(self, model: Transformer, dtype: str = "float32", max_batch_size: int = 16,
+                 max_seq_len: int | None = None, decode_steps_per_call: int = 8,
+                 eos_token_ids: tuple[int, ...] = (0,)):
+        config = model.config
+        self._learner_dtype = np.dtype(config.param_dtype)
+        served = model if dtype == config.param_dtype else cast_model(model, dtype)
+        self._graphdef, self._params = nnx.split(served)
+        self._names, self._treedef = parameter_names(self._params)
+        self._expected = {name: (leaf.shape, self._learner_dtype)
+                          for name, leaf in zip(self._names, jax.tree.leaves(self._params))}
+        self._dtype = dtype
+        self._steps = decode_steps_per_call
+        max_len = min(max_seq_len or config.max_seq_len, config.max_seq_len)
+        self._info = GeneratorInfo(
+            vocab_size=config.vocab_size,
+            eos_token_ids=tuple(eos_token_ids),
+            model_config_hash=hashlib.sha256(repr(dataclasses.asdict(config)).encode()).hexdigest()[:16],
+            dtype=dtype,
+            max_seq_len=max_len,
+            max_batch_size=max_batch_size,
+        )
+        self._cache = served.init_cache(max_batch_size, max_len, dtype)
+        self._valid = jnp.zeros((max_batch_size, max_len), bool)
+        rows = max_batch_size
+        self._tokens = np.zeros(rows, np.int32)  # Last sampled token of each row, not yet in the cache.
+        self._positions = np.zeros(rows, np.int32)  # Its position.
+        self._active = np.zeros(rows, bool)
+        self._keys = np.zeros((rows, 2), np.uint32)
+        self._temperature = np.ones(rows, np.float32)
+        self._top_k = np.zeros(rows, np.int32)
+        self._top_p = np.ones(rows, np.float32)
+        self._min_p = np.zeros(rows, np.float32)
+        self._processed = np.zeros(rows, bool)
+        self._slots: dict[int, int] = {}
+        self._first_tokens: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._prefill = jax.jit(functools.partial(_prefill, self._graphdef), donate_argnums=(1, 2))
+        self._decode = jax.jit(functools.partial(_decode, self._graphdef, self._steps), donate_argnums=(1, 2))
+
+    @classmethod
+    def from_args(cls, args) -> "ModelGenerator":
+        """Built from the server's command line (random weights unless --weights)."""
+        model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
+        generator = cls(model, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                        decode_steps_per_call=args.decode_steps_per_call)
+        if args.weights:
+            weights_format = 1 if pathlib.Path(args.weights).suffix == ".safetensors" else 2
+            generator.load_weights(load_weights(args.weights, weights_format))
+        return generator
+
+    @property
+    def info(self) -> GeneratorInfo:
+        return self._info
+
+    def add(self, sequence_id: int, spec: SequenceSpec) -> None:
+        slot = int(np.flatnonzero(~self._active)[0])
+        self._slots[sequence_id] = slot
+        sampling = spec.sampling
+        self._keys[slot] = sample_key(sampling.seed, spec.sample_index)
+        self._temperature[slot] = sampling.temperature
+        self._top_k[slot] = sampling.top_k
+        self._top_p[slot] = sampling.top_p
+        self._min_p[slot] = sampling.min_p
+        self._processed[slot] = spec.logprob_mode == LogprobMode.PROCESSED
+        prompt_len = spec.prompt_token_ids.size
+        bucket = min(max(16, 1 << (prompt_len - 1).bit_length()), self._info.max_seq_len)
+        prompt = np.zeros((1, bucket), np.int32)
+        prompt[0, :prompt_len] = spec.prompt_token_ids
+        self._cache, self._valid, token, logprob = self._prefill(
+            self._params, self._cache, self._valid, slot, prompt, prompt_len, self._keys[slot],
+            self._temperature[slot], self._top_k[slot], self._top_p[slot], self._min_p[slot], self._processed[slot])
+        token, logprob = np.asarray(token), np.asarray(logprob)
+        self._tokens[slot], self._positions[slot], self._active[slot] = token, prompt_len, True
+        self._first_tokens[sequence_id] = (token.reshape(1), logprob.reshape(1))
+
+    def remove(self, sequence_id: int) -> None:
+        slot = self._slots.pop(sequence_id)
+        self._first_tokens.pop(sequence_id, None)
+        self._active[slot] = False
+
+    def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        self._cache, self._valid, tokens, logprobs = self._decode(
+            self._params, self._cache, self._valid, self._tokens, self._positions, self._active, self._keys,
+            self._temperature, self._top_k, self._top_p, self._min_p, self._processed)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self._tokens[self._active] = tokens[self._active, -1]
+        self._positions[self._active] += self._steps
+        outputs = {}
+        for sequence_id, slot in self._slots.items():
+            first_token, first_logprob = self._first_tokens.pop(sequence_id, (tokens[:0, 0], logprobs[:0, 0]))
+            outputs[sequence_id] = (np.concatenate([first_token, tokens[slot]]),
+                                    np.concatenate([first_logprob, logprobs[slot]]))
+        return outputs
+
+    def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        check_weights_match(self._expected, weights)
+        leaves = [jnp.asarray(weights[name], self._dtype) for name in self._names]
+        self._params = jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+
+def _prefill(graphdef, params, cache, valid, slot, prompt, prompt_len, key, temperature, top_k, top_p, min_p,
+             processed):
+    """Writes one prompt into row `slot` of the cache and samples its first completion token."""
+    model = nnx.merge(graphdef, params)
+    max_len = valid.shape[1]
+    row = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, 0), cache)
+    row_valid = jnp.arange(max_len)[None, :] < prompt_len
+    positions = jnp.arange(prompt.shape[1])[None, :]
+    hidden, row = model.forward_cached(prompt, positions, row, row_valid)
+    logits = model.logits(hidden[0, prompt_len - 1])
+    token, logprob = sample_token(logits, jax.random.fold_in(key, prompt_len), temperature, top_k, top_p, min_p,
+                                  processed)
+    cache = jax.tree.map(lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r, slot, 0), cache, row)
+    valid = jax.lax.dynamic_update_slice_in_dim(valid, row_valid, slot, 0)
+    return cache, valid, token, logprob
+
+
+def _decode(graphdef, num_steps, params, cache, valid, tokens, positions, active, keys, temperature, top_k, top_p,
+            min_p, processed):
+    """`num_steps` decode steps for every row; inactive rows write nothing."""
+    model = nnx.merge(graphdef, params)
+    max_len = valid.shape[1]
+    slot_ids = jnp.arange(max_len)[None, :]
+
+    def one_step(carry, _):
+        cache, valid, tokens, positions = carry
+        write_positions = jnp.where(active, positions, max_len)
+        valid = valid | (slot_ids == write_positions[:, None])
+        hidden, cache = model.forward_cached(tokens[:, None], write_positions[:, None], cache, valid)
+        logits = model.logits(hidden[:, 0])
+        step_keys = jax.vmap(jax.random.fold_in)(keys, positions + 1)
+        new_tokens, logprobs = jax.vmap(sample_token)(logits, step_keys, temperature, top_k, top_p, min_p,
+                                                      processed)
+        return (cache, valid, new_tokens, positions + 1), (new_tokens, logprobs)
+
+    (cache, valid, _, _), (new_tokens, logprobs) = jax.lax.scan(
+        one_step, (cache, valid, tokens, positions), None, length=num_steps)
+    return cache, valid, new_tokens.T, logprobs.T

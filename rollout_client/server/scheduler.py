@@ -1,0 +1,240 @@
+"""Batches concurrent sequences through a `Generator` on one thread.
+
+The scheduler owns what every engine needs the same way: a queue of admitted
+sequences, stop and length rules, pause (abort / wait / keep) and resume, weight
+updates while paused, and the policy version stamped on each generated token.
+Outputs go to a per-sequence callback, called with the scheduler's lock held, so
+callbacks must only hand the output over (e.g. `loop.call_soon_threadsafe`).
+"""
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from rollout_client.sampling_params import FinishReason
+from rollout_client.sampling_params import PauseMode
+from rollout_client.server.generator import Generator
+from rollout_client.server.generator import PreconditionError
+from rollout_client.server.generator import SequenceOutput
+from rollout_client.server.generator import SequenceSpec
+
+OutputSink = Callable[[SequenceOutput], None]
+
+
+@dataclasses.dataclass
+class _Sequence:
+    spec: SequenceSpec
+    sink: OutputSink
+    chunk_tokens: int
+    stop_token_ids: np.ndarray
+    arrived: float
+    started: float = 0.0
+    generated: int = 0
+    emitted: int = 0
+    pending_tokens: list = dataclasses.field(default_factory=list)
+    pending_logprobs: list = dataclasses.field(default_factory=list)
+    spans: list = dataclasses.field(default_factory=list)  # [start, end, version] lists.
+
+
+class Scheduler:
+    """Runs the generation loop on a daemon thread.
+
+    Args:
+      generator: the engine that advances sequences.
+      policy_version: version of the generator's initial weights.
+    """
+
+    def __init__(self, generator: Generator, policy_version: int = 0):
+        self._generator = generator
+        self._policy_version = policy_version
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._queued: collections.OrderedDict[int, _Sequence] = collections.OrderedDict()
+        self._active: dict[int, _Sequence] = {}
+        self._to_remove: list[int] = []
+        self._paused = False
+        self._draining = False
+        self._stepping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="rollout-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def submit(self, spec: SequenceSpec, sink: OutputSink, chunk_tokens: int = 0) -> int:
+        """Queues a sequence; returns its id. Outputs go to `sink`."""
+        sequence = _Sequence(
+            spec=spec,
+            sink=sink,
+            chunk_tokens=chunk_tokens,
+            stop_token_ids=np.asarray(spec.sampling.stop_token_ids, np.int32),
+            arrived=time.monotonic(),
+        )
+        with self._cond:
+            sequence_id = next(self._ids)
+            self._queued[sequence_id] = sequence
+            self._cond.notify_all()
+        return sequence_id
+
+    def cancel(self, sequence_id: int) -> bool:
+        """Finishes a queued or active sequence with ABORT; False if it already finished."""
+        with self._cond:
+            return self._finish(sequence_id, FinishReason.ABORT)
+
+    def pause(self, mode: PauseMode, timeout_s: float | None = None) -> None:
+        """Stops generation as `mode` says; returns once no step is running.
+
+        Raises:
+          TimeoutError: WAIT mode and active sequences did not finish in time.
+        """
+        with self._cond:
+            if mode == PauseMode.WAIT:
+                self._draining = True
+                drained = self._cond.wait_for(lambda: not self._active or self._closed, timeout_s)
+                self._draining = False
+                if not drained:
+                    raise TimeoutError(f"pause(WAIT): {len(self._active)} sequences still active")
+            self._paused = True
+            self._cond.wait_for(lambda: not self._stepping)
+            if mode == PauseMode.ABORT:
+                for sequence_id in list(self._active) + list(self._queued):
+                    self._finish(sequence_id, FinishReason.ABORT)
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        """Lets generation continue; kept sequences continue where they stopped."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def update_weights(self, weights: Mapping[str, np.ndarray], policy_version: int) -> None:
+        """Loads new weights; tokens generated from now on carry `policy_version`.
+
+        Raises:
+          PreconditionError: not paused.
+          ValueError: the version does not increase, or the weights do not match.
+        """
+        with self._cond:
+            if not self._paused:
+                raise PreconditionError("UpdateWeights: generation must be paused first")
+            if policy_version <= self._policy_version:
+                raise ValueError(
+                    f"policy_version: {policy_version} must exceed the server's {self._policy_version}")
+            self._generator.load_weights(weights)
+            self._policy_version = policy_version
+
+    def close(self) -> None:
+        """Aborts everything and stops the thread."""
+        with self._cond:
+            for sequence_id in list(self._active) + list(self._queued):
+                self._finish(sequence_id, FinishReason.ABORT)
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def _finish(self, sequence_id: int, reason: FinishReason) -> bool:
+        sequence = self._queued.pop(sequence_id, None)
+        if sequence is None:
+            sequence = self._active.pop(sequence_id, None)
+            if sequence is None:
+                return False
+            self._to_remove.append(sequence_id)
+        now = time.monotonic()
+        started = sequence.started or now
+        tokens, logprobs = _take_pending(sequence)
+        sequence.sink(SequenceOutput(
+            token_ids=tokens,
+            logprobs=logprobs,
+            version_spans=tuple(tuple(span) for span in sequence.spans),
+            finish_reason=reason,
+            prompt_tokens=len(sequence.spec.prompt_token_ids),
+            completion_tokens=sequence.generated,
+            queue_s=started - sequence.arrived,
+            generate_s=now - started,
+        ))
+        self._cond.notify_all()
+        return True
+
+    def _has_work(self) -> bool:
+        if self._to_remove or self._closed:
+            return True
+        if self._paused:
+            return False
+        return bool(self._active) or (bool(self._queued) and not self._draining)
+
+    def _run(self) -> None:
+        capacity = self._generator.info.max_batch_size
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._closed:
+                    return
+                for sequence_id in self._to_remove:
+                    self._generator.remove(sequence_id)
+                self._to_remove.clear()
+                if self._paused:
+                    continue
+                while self._queued and len(self._active) < capacity and not self._draining:
+                    sequence_id, sequence = self._queued.popitem(last=False)
+                    sequence.started = time.monotonic()
+                    self._generator.add(sequence_id, sequence.spec)
+                    self._active[sequence_id] = sequence
+                if not self._active:
+                    continue
+                self._stepping = True
+                version = self._policy_version
+            try:
+                outputs = self._generator.step()
+            finally:
+                with self._cond:
+                    self._stepping = False
+                    self._cond.notify_all()
+            with self._cond:
+                for sequence_id, (tokens, logprobs) in outputs.items():
+                    if sequence_id in self._active:
+                        self._append(sequence_id, tokens, logprobs, version)
+
+    def _append(self, sequence_id: int, tokens: np.ndarray, logprobs: np.ndarray, version: int) -> None:
+        sequence = self._active[sequence_id]
+        limit = sequence.spec.sampling.max_new_tokens - sequence.generated
+        stops = np.flatnonzero(np.isin(tokens[:limit], sequence.stop_token_ids))
+        count = min(limit, len(tokens), stops[0] + 1 if stops.size else len(tokens))
+        if count:
+            start = sequence.generated
+            if sequence.spans and sequence.spans[-1][2] == version:
+                sequence.spans[-1][1] = start + count
+            else:
+                sequence.spans.append([start, start + count, version])
+            sequence.pending_tokens.append(tokens[:count])
+            sequence.pending_logprobs.append(logprobs[:count])
+            sequence.generated += count
+        if stops.size and stops[0] < count:
+            self._finish(sequence_id, FinishReason.STOP)
+        elif sequence.generated >= sequence.spec.sampling.max_new_tokens:
+            self._finish(sequence_id, FinishReason.LENGTH)
+        elif sequence.chunk_tokens and sequence.generated - sequence.emitted >= sequence.chunk_tokens:
+            start = sequence.emitted
+            tokens, logprobs = _take_pending(sequence)
+            spans = tuple((max(s, start), e, v) for s, e, v in sequence.spans if e > start)
+            sequence.sink(SequenceOutput(token_ids=tokens, logprobs=logprobs, version_spans=spans))
+
+
+def _take_pending(sequence: _Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """Pops the tokens not yet delivered."""
+    tokens = np.concatenate(sequence.pending_tokens or [np.zeros(0, np.int32)]).astype(np.int32, copy=False)
+    logprobs = np.concatenate(sequence.pending_logprobs or [np.zeros(0, np.float32)]).astype(np.float32, copy=False)
+    sequence.pending_tokens.clear()
+    sequence.pending_logprobs.clear()
+    sequence.emitted = sequence.generated
+    return tokens, logprobs

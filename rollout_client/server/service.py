@@ -1,0 +1,158 @@
+"""The rollout.v1 servicer: turns RPCs into scheduler calls and outputs into messages.
+
+Runs on the grpc.aio event loop. Blocking scheduler calls (pause, weight loading)
+go to worker threads so the loop keeps streaming other requests.
+"""
+
+import asyncio
+import functools
+
+import grpc
+
+from rollout_client.protocol import pb
+from rollout_client.protocol import pb_grpc
+from rollout_client.sampling_params import PauseMode
+from rollout_client.server.generator import PreconditionError
+from rollout_client.server.generator import SequenceOutput
+from rollout_client.server.generator import SequenceSpec
+from rollout_client.server.request_resolution import resolve_request
+from rollout_client.server.scheduler import Scheduler
+from rollout_client.server.weights_io import load_weights
+from rollout_client.weight_chunks import assemble_weights
+
+PAUSE_WAIT_TIMEOUT_S = 600.0
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    """Implements rollout.v1 on top of a `Scheduler`."""
+
+    def __init__(self, scheduler: Scheduler, info):
+        self._scheduler = scheduler
+        self._info = info
+        self._requests: dict[str, list[int]] = {}
+        self._weights_lock = asyncio.Lock()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            specs = resolve_request(request, self._info)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if request.HasField("min_policy_version") and self._scheduler.policy_version < request.min_policy_version:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"min_policy_version: {request.min_policy_version} is above the server's "
+                                f"{self._scheduler.policy_version}")
+        self._cancel(request.request_id)  # A repeated id supersedes the earlier request.
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def deliver(spec: SequenceSpec, output: SequenceOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, (spec, output))
+
+        sequence_ids = [self._scheduler.submit(spec, functools.partial(deliver, spec), request.stream_chunk_tokens)
+                        for spec in specs]
+        self._requests[request.request_id] = sequence_ids
+        try:
+            unfinished = len(sequence_ids)
+            while unfinished:
+                spec, output = await outputs.get()
+                if output.finish_reason is None:
+                    yield self.chunk_message(spec, output)
+                else:
+                    unfinished -= 1
+                    yield self.final_message(spec, output)
+        finally:
+            for sequence_id in sequence_ids:
+                self._scheduler.cancel(sequence_id)
+            if self._requests.get(request.request_id) is sequence_ids:
+                del self._requests[request.request_id]
+
+    def chunk_message(self, spec: SequenceSpec, output: SequenceOutput) -> pb.GenerateResponse:
+        """The wire form of a chunk."""
+        return pb.GenerateResponse(sample_index=spec.sample_index, chunk=pb.SampleChunk(
+            token_ids=output.token_ids.tolist(), logprobs=output.logprobs.tolist(),
+            version_spans=_spans(output.version_spans)))
+
+    def final_message(self, spec: SequenceSpec, output: SequenceOutput) -> pb.GenerateResponse:
+        """The wire form of a sample's final message."""
+        return pb.GenerateResponse(sample_index=spec.sample_index, final=pb.SampleResult(
+            token_ids=output.token_ids.tolist(),
+            logprobs=output.logprobs.tolist(),
+            version_spans=_spans(output.version_spans),
+            finish_reason=int(output.finish_reason),
+            prompt_tokens=output.prompt_tokens,
+            completion_tokens=output.completion_tokens,
+            timings=pb.Timings(queue_s=output.queue_s, generate_s=output.generate_s),
+            sampling=spec.sampling.to_proto(),
+        ))
+
+    async def GetServerInfo(self, request, context) -> pb.ServerInfo:
+        return pb.ServerInfo(
+            policy_version=self._scheduler.policy_version,
+            vocab_size=self._info.vocab_size,
+            eos_token_ids=self._info.eos_token_ids,
+            model_config_hash=self._info.model_config_hash,
+            dtype=self._info.dtype,
+            max_seq_len=self._info.max_seq_len,
+            paused=self._scheduler.paused,
+        )
+
+    async def PauseGeneration(self, request, context) -> pb.PauseGenerationResponse:
+        if request.mode not in (pb.PAUSE_MODE_ABORT, pb.PAUSE_MODE_WAIT, pb.PAUSE_MODE_KEEP):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"mode: must be ABORT, WAIT or KEEP, got {pb.PauseMode.Name(request.mode)}")
+        try:
+            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), PAUSE_WAIT_TIMEOUT_S)
+        except TimeoutError as error:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
+        return pb.PauseGenerationResponse(policy_version=self._scheduler.policy_version)
+
+    async def ResumeGeneration(self, request, context) -> pb.ResumeGenerationResponse:
+        self._scheduler.resume()
+        return pb.ResumeGenerationResponse(policy_version=self._scheduler.policy_version)
+
+    async def UpdateWeights(self, request, context) -> pb.UpdateWeightsResponse:
+        async def load():
+            return await asyncio.to_thread(load_weights, request.path, request.format)
+
+        return await self._update(request.policy_version, load, context)
+
+    async def StreamWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
+        chunks = [chunk async for chunk in request_iterator]
+        try:
+            version, weights = await asyncio.to_thread(assemble_weights, chunks)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+        async def given():
+            return weights
+
+        return await self._update(version, given, context)
+
+    async def _update(self, policy_version: int, get_weights, context) -> pb.UpdateWeightsResponse:
+        async with self._weights_lock:
+            if not self._scheduler.paused:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "UpdateWeights: generation must be paused first")
+            try:
+                weights = await get_weights()
+                await asyncio.to_thread(self._scheduler.update_weights, weights, policy_version)
+            except PreconditionError as error:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            except ValueError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.UpdateWeightsResponse(policy_version=self._scheduler.policy_version)
+
+    async def Abort(self, request, context) -> pb.AbortResponse:
+        aborted = [request_id for request_id in request.request_ids if self._cancel(request_id)]
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    def _cancel(self, request_id: str) -> bool:
+        """Aborts the samples of an active request; False if there is none."""
+        sequence_ids = self._requests.pop(request_id, None)
+        for sequence_id in sequence_ids or ():
+            self._scheduler.cancel(sequence_id)
+        return sequence_ids is not None
+
+
+def _spans(spans) -> list[pb.VersionSpan]:
+    return [pb.VersionSpan(start=start, end=end, policy_version=version) for start, end, version in spans]

@@ -1,0 +1,130 @@
+"""Model: config validation, named configs, masking, KV-cache decode equals the full forward, dtype casting."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from learner.model import Transformer, cast_model, count_params, model_config
+
+PROMPT_LENS = np.array([3, 6, 1])  # right-padded rows of different lengths
+TOTAL_LENS = PROMPT_LENS + 4  # each row decodes 4 more tokens
+
+
+@jax.jit
+def _logits(model, tokens, positions, mask):
+    return model.logits(model(tokens, positions, mask))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+
+
+def _right_padded_batch(lengths, seq_len, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=(len(lengths), seq_len)).astype(np.int32)
+    mask = np.arange(seq_len)[None, :] < np.asarray(lengths)[:, None]
+    tokens = np.where(mask, tokens, 0)
+    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), tokens.shape)
+    return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("field, value", [("num_kv_heads", 3), ("head_dim", 7), ("hidden_size", 0),
+                                          ("dtype", "float64"), ("rope_theta", -1.0)])
+def test_invalid_config_error_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        model_config("tiny", **{field: value})
+
+
+def test_unknown_named_config_lists_known_names():
+    with pytest.raises(ValueError, match="tiny"):
+        model_config("huge")
+
+
+@pytest.mark.parametrize("name, low, high", [("small", 10e6, 20e6), ("100m", 90e6, 110e6),
+                                             ("qwen2-0.5b", 490e6, 500e6), ("llama-8b", 7.9e9, 8.1e9)])
+def test_named_config_parameter_counts(name, low, high):
+    assert low <= count_params(model_config(name)) <= high
+
+
+def test_padding_does_not_change_real_positions(tiny_model):
+    tokens, positions, mask = _right_padded_batch([5, 5], 8, 128)
+    other_padding = jnp.where(mask, tokens, 77)
+    a = _logits(tiny_model, tokens, positions, mask)[:, :5]
+    b = _logits(tiny_model, other_padding, positions, mask)[:, :5]
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_causal_future_tokens_do_not_change_past(tiny_model):
+    tokens, positions, mask = _right_padded_batch([8], 8, 128)
+    changed = tokens.at[0, 6].set((tokens[0, 6] + 1) % 128)
+    a = _logits(tiny_model, tokens, positions, mask)
+    b = _logits(tiny_model, changed, positions, mask)
+    np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-6)
+    assert not np.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_logits_are_float32_with_vocab_axis(tiny_model):
+    tokens, positions, mask = _right_padded_batch([4], 4, 128)
+    logits = _logits(tiny_model, tokens, positions, mask)
+    assert logits.shape == (1, 4, 128) and logits.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_prefill_then_decode_matches_full_forward(tie):
+    model = Transformer(model_config("tiny", tie_embeddings=tie), rngs=nnx.Rngs(1))
+    max_len = int(TOTAL_LENS.max()) + 2
+    full_tokens, full_positions, full_mask = _right_padded_batch(TOTAL_LENS, max_len, 128, seed=3)
+    expected = _logits(model, full_tokens, full_positions, full_mask)
+
+    prefill_len = int(PROMPT_LENS.max())
+    slots = jnp.arange(max_len)[None, :]
+    cache_valid = slots < PROMPT_LENS[:, None]
+    prompt_tokens = jnp.where(cache_valid[:, :prefill_len], full_tokens[:, :prefill_len], 0)
+    forward_cached = jax.jit(Transformer.forward_cached)
+    hidden, cache = forward_cached(model, prompt_tokens, full_positions[:, :prefill_len],
+                                   model.init_cache(3, max_len), cache_valid)
+    prompt_logits = model.logits(hidden)
+    for b, n in enumerate(PROMPT_LENS):
+        np.testing.assert_allclose(prompt_logits[b, :n], expected[b, :n], atol=1e-5, rtol=1e-5)
+
+    lengths = jnp.asarray(PROMPT_LENS)
+    for _ in range(4):
+        next_tokens = jnp.take_along_axis(full_tokens, lengths[:, None], axis=1)
+        cache_valid = cache_valid | (slots == lengths[:, None])
+        hidden, cache = forward_cached(model, next_tokens, lengths[:, None], cache, cache_valid)
+        step_logits = model.logits(hidden[:, 0])
+        want = jnp.take_along_axis(expected, lengths[:, None, None], axis=1)[:, 0]
+        np.testing.assert_allclose(step_logits, want, atol=1e-5, rtol=1e-5)
+        lengths = lengths + 1
+
+
+def test_cache_is_plain_pytree_of_keys_and_values(tiny_model):
+    cache = tiny_model.init_cache(2, 16, jnp.bfloat16)
+    cfg = tiny_model.config
+    assert len(cache) == cfg.num_layers
+    assert [leaf.shape for leaf in jax.tree.leaves(cache)] == [(2, 16, cfg.num_kv_heads, cfg.head_dim)] * 4
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(cache))
+
+
+def test_padding_tokens_are_not_written_to_cache(tiny_model):
+    tokens, positions, _ = _right_padded_batch([2], 4, 128)
+    cache_valid = jnp.arange(8)[None, :] < 2
+    cache = tiny_model.init_cache(1, 8)
+    _, cache = jax.jit(Transformer.forward_cached)(tiny_model, tokens, positions, cache, cache_valid)
+    assert np.all(np.asarray(cache[0].k[0, 2:]) == 0) and np.any(np.asarray(cache[0].k[0, :2]) != 0)
+
+
+def test_bfloat16_copy_is_close_to_float32(tiny_model):
+    tokens, positions, mask = _right_padded_batch([6, 3], 6, 128)
+    bf16 = cast_model(tiny_model, "bfloat16")
+    assert bf16.config == dataclasses.replace(tiny_model.config, dtype="bfloat16", param_dtype="bfloat16")
+    want = _logits(tiny_model, tokens, positions, mask)
+    got = _logits(bf16, tokens, positions, mask)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got[0], want[0], atol=0.1)
+    assert not np.array_equal(got, want)

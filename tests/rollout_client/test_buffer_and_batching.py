@@ -1,0 +1,102 @@
+"""The in-flight buffer (real server), batch collation and validation (in process)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from rollout_client import FinishReason
+from rollout_client import LogprobMode
+from rollout_client import RolloutBuffer
+from rollout_client import RolloutRequest
+from rollout_client import Sample
+from rollout_client import SamplingParams
+from rollout_client import collate
+from rollout_client.protocol import pb
+from rollout_client.samples import RawSample
+from rollout_client.validation import find_problem
+
+PARAMS = SamplingParams(max_new_tokens=20, stop_token_ids=())
+
+
+def requests():
+    for i in itertools.count():
+        yield RolloutRequest([5, 6], PARAMS, num_samples=2, request_id=f"req-{i}")
+
+
+def test_buffer_keeps_k_in_flight_and_returns_groups_in_order(client):
+    buffer = RolloutBuffer(client, requests(), max_in_flight=3, max_staleness=1)
+    assert buffer.in_flight == 3
+    groups = [buffer.get(learner_version=0, timeout_s=10) for _ in range(4)]
+    assert [group[0].request_id for group in groups] == ["req-0", "req-1", "req-2", "req-3"]
+    assert [len(group) for group in groups] == [2, 2, 2, 2]
+    assert buffer.in_flight == 3
+    buffer.close()
+
+
+def test_buffer_drops_samples_older_than_max_staleness(client):
+    buffer = RolloutBuffer(client, requests(), max_in_flight=2, max_staleness=1)
+    assert len(buffer.get(learner_version=1, timeout_s=10)) == 2  # Staleness 1 - 0 = 1: kept.
+    assert buffer.get(learner_version=2, timeout_s=10) == []  # Staleness 2: dropped.
+    assert buffer.metrics() == {"buffer/in_flight": 2, "buffer/stale_dropped": 2}
+    buffer.close()
+
+
+def make_sample(prompt, completion, versions, mode=LogprobMode.RAW) -> Sample:
+    n = len(completion)
+    return Sample(request_id="r", sample_index=0, prompt_token_ids=np.array(prompt, np.int32),
+                  completion_token_ids=np.array(completion, np.int32),
+                  logprobs=-np.arange(1, n + 1, dtype=np.float32), policy_versions=np.array(versions, np.int64),
+                  finish_reason=FinishReason.STOP,
+                  sampling=SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0), logprob_mode=mode)
+
+
+def test_collate_aligns_per_token_arrays_with_tokens():
+    batch = collate([make_sample([1, 2], [3, 4, 5], [0, 0, 1]), make_sample([7], [8], [2])], pad_to_multiple=4)
+    np.testing.assert_array_equal(batch.tokens, [[1, 2, 3, 4, 5, 0, 0, 0], [7, 8, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch.loss_mask, [[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch.rollout_logprobs[0, :5], [0, 0, -1, -2, -3])
+    np.testing.assert_array_equal(batch.policy_versions[0], [-1, -1, 0, 0, 1, -1, -1, -1])
+    np.testing.assert_array_equal(batch.completion_lengths, [3, 1])
+    np.testing.assert_array_equal(batch.temperature, [0.5, 0.5])
+    assert batch.logprob_mode == LogprobMode.RAW
+
+
+def test_collate_refuses_mixed_logprob_modes():
+    with pytest.raises(ValueError, match="mixed logprob modes"):
+        collate([make_sample([1], [2], [0]), make_sample([1], [2], [0], LogprobMode.PROCESSED)])
+
+
+def raw(tokens, logprobs, spans, completion_tokens=None):
+    final = pb.SampleResult(finish_reason=pb.FINISH_REASON_STOP,
+                            completion_tokens=len(tokens) if completion_tokens is None else completion_tokens)
+    return RawSample(np.array(tokens, np.int32), np.array(logprobs, np.float32), spans, final)
+
+
+@pytest.mark.parametrize("sample, floor, problem", [
+    (raw([1, 2], [-1.0, -1.0], [(0, 2, 0)]), None, None),
+    (raw([1, 2], [-1.0], [(0, 2, 0)]), None, "length_mismatch"),
+    (raw([], [], []), None, "empty_completion"),
+    (raw([1, 2], [-1.0, -1.0], [(0, 1, 0)]), None, "bad_version_spans"),
+    (raw([1, 2], [-1.0, np.inf], [(0, 2, 0)]), None, "non_finite_logprobs"),
+    (raw([1, 10], [-1.0, -1.0], [(0, 2, 0)]), None, "token_out_of_vocab"),
+    (raw([1, 2], [-1.0, -1.0], [(0, 1, 0), (1, 2, 1)]), 1, "version_below_floor"),
+])
+def test_find_problem(sample, floor, problem):
+    found = find_problem(sample, vocab_size=10, version_floor=floor)
+    assert (found and found[0]) == problem
+
+
+def test_batch_from_server_passes_corrections_checks(client):
+    import corrections
+
+    samples = client.generate(RolloutRequest([5, 6, 7], PARAMS, num_samples=4))
+    batch = collate(samples)
+    learner_version = 1
+    policy_lag = np.where(batch.loss_mask == 1, learner_version - batch.policy_versions, 0).astype(np.float32)
+    corrections.check_batch(batch.loss_mask, rollout_logprobs=batch.rollout_logprobs)
+    result = corrections.compute(batch.rollout_logprobs, np.zeros(len(samples), np.float32), batch.loss_mask,
+                                 proximal_logprobs=batch.rollout_logprobs, rollout_logprobs=batch.rollout_logprobs,
+                                 policy_lag=policy_lag)
+    assert np.isfinite(float(result.loss))
+    np.testing.assert_array_equal(np.asarray(result.mask), batch.loss_mask)

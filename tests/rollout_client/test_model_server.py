@@ -1,0 +1,113 @@
+"""The model engine against the learner's own logprobs, as a real server process."""
+
+import signal
+import sys
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from learner.model import Transformer
+from learner.model import model_config
+from rollout_client import ClientConfig
+from rollout_client import LogprobMode
+from rollout_client import RolloutClient
+from rollout_client import RolloutRequest
+from rollout_client import SamplingParams
+from rollout_client import collate
+from rollout_client.server.model_generator import parameter_names
+from rollout_client.server.sampling import processed_logprobs
+from tests.rollout_client.conftest import ServerProcess
+
+PROMPTS = ([3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
+PROCESSED = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, max_new_tokens=24, stop_token_ids=())
+RAW = SamplingParams(max_new_tokens=24, stop_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def learner_model():
+    return Transformer(model_config("tiny"), rngs=nnx.Rngs(7))
+
+
+def learner_weights(model) -> dict[str, np.ndarray]:
+    state = nnx.state(model)
+    names, _ = parameter_names(state)
+    return {name: np.asarray(leaf) for name, leaf in zip(names, jax.tree.leaves(state))}
+
+
+def serve_learner_model(tmp_path_factory, learner_model, dtype):
+    server = ServerProcess([sys.executable, "-m", "rollout_client.server", "--engine", "model", "--dtype", dtype,
+                            "--max-batch-size", "4", "--max-seq-len", "64", "--decode-steps-per-call", "8"],
+                           tmp_path_factory.mktemp(f"model-{dtype}"))
+    client = RolloutClient(ClientConfig(target=server.target, ready_timeout_s=60))
+    client.publish_weights(1, weights=learner_weights(learner_model))
+    return server, client
+
+
+@pytest.fixture(scope="module")
+def float32_server(tmp_path_factory, learner_model):
+    server, client = serve_learner_model(tmp_path_factory, learner_model, "float32")
+    yield client
+    client.close()
+    server.stop(signal.SIGKILL)
+
+
+def learner_logprobs(model, batch, sampling: SamplingParams | None) -> np.ndarray:
+    """Per-token logprobs aligned like `batch.rollout_logprobs`; PROCESSED when `sampling` is given."""
+    tokens = jnp.asarray(batch.tokens)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits = model.logits(model(tokens, positions, jnp.ones(tokens.shape, bool)))
+    if sampling is None:
+        logp = jax.nn.log_softmax(logits)
+    else:
+        transform = lambda row: processed_logprobs(row, sampling.temperature, sampling.top_k, sampling.top_p,
+                                                   sampling.min_p)
+        logp = jax.vmap(jax.vmap(transform))(logits)
+    per_token = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    return np.where(batch.loss_mask == 1, np.asarray(jnp.pad(per_token, ((0, 0), (1, 0)))), 0.0)
+
+
+def generate_batch(client, sampling, mode):
+    samples = [s for prompt in PROMPTS
+               for s in client.generate(RolloutRequest(prompt, sampling, num_samples=2, logprob_mode=mode))]
+    return collate(samples, pad_to_multiple=8)
+
+
+@pytest.mark.parametrize("sampling, mode", [(RAW, LogprobMode.RAW), (PROCESSED, LogprobMode.PROCESSED)])
+def test_float32_server_logprobs_equal_learner_recomputation(float32_server, learner_model, sampling, mode):
+    batch = generate_batch(float32_server, sampling, mode)
+    assert batch.loss_mask.sum() == 4 * 24 and (batch.policy_versions[batch.loss_mask == 1] == 1).all()
+    expected = learner_logprobs(learner_model, batch, sampling if mode == LogprobMode.PROCESSED else None)
+    np.testing.assert_allclose(batch.rollout_logprobs, expected, atol=1e-5)
+
+
+def test_wrong_shape_weights_are_refused_and_old_weights_keep_serving(float32_server, learner_model):
+    request = RolloutRequest(PROMPTS[0], SamplingParams(max_new_tokens=8, stop_token_ids=(), seed=1))
+    (before,) = float32_server.generate(request)
+    weights = learner_weights(learner_model)
+    weights["final_norm/scale"] = np.ones(3, np.float32)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        float32_server.publish_weights(2, weights=weights)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "final_norm/scale" in caught.value.details()
+    (after,) = float32_server.generate(request)
+    np.testing.assert_array_equal(after.completion_token_ids, before.completion_token_ids)
+    np.testing.assert_array_equal(after.logprobs, before.logprobs)
+
+
+def test_bfloat16_server_has_measurable_mismatch(tmp_path_factory, learner_model, record_property):
+    server, client = serve_learner_model(tmp_path_factory, learner_model, "bfloat16")
+    try:
+        batch = generate_batch(client, RAW, LogprobMode.RAW)
+    finally:
+        client.close()
+        server.stop(signal.SIGKILL)
+    expected = learner_logprobs(learner_model, batch, None)
+    mismatch = np.abs(batch.rollout_logprobs - expected)[batch.loss_mask == 1]
+    record_property("bf16_mean_abs_logprob_mismatch", float(mismatch.mean()))
+    record_property("bf16_max_abs_logprob_mismatch", float(mismatch.max()))
+    print(f"bfloat16 server vs float32 learner: mean |dlogp| {mismatch.mean():.2e}, max {mismatch.max():.2e}")
+    assert 1e-4 < mismatch.mean() < 0.5
