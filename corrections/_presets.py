@@ -34,7 +34,7 @@ def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict:
 
 PRESETS: dict[str, dict] = {
     # verl (rollout_corr presets), decoupled: PPO vs recomputed proximal logprobs, behaviour weights vs rollout.
-    "disabled": {},
+    "disabled": _merge(_VERL, {}),
     "decoupled_token_is": _merge(_VERL, {"importance": _TOKEN_IS}),
     "decoupled_seq_is": _merge(_VERL, {"importance": _SEQ_IS}),
     "decoupled_seq_is_rs": _merge(
