@@ -82,9 +82,9 @@ def mismatch_from_rows(stats: dict) -> dict:
     metrics = {
         "kl": _ratio(jnp.sum(stats["sum_kl"]), tokens),
         "k3_kl": _ratio(jnp.sum(stats["sum_k3"]), tokens),
-        "training_ppl": row_mean(jnp.exp(-mt)),
+        "training_ppl": row_mean(safe_exp(-mt)),
         "training_log_ppl": row_mean(-mt),
-        "rollout_ppl": row_mean(jnp.exp(-mr)),
+        "rollout_ppl": row_mean(safe_exp(-mr)),
         "rollout_log_ppl": row_mean(-mr),
         "log_ppl_diff": row_mean(diff),
         "log_ppl_abs_diff": row_mean(jnp.abs(diff)),
@@ -105,7 +105,7 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
 
     ``kl = masked_mean(roll - old)``; ``k3_kl = masked_mean(exp(lr) - lr - 1)`` with ``lr = clamp(old - roll)``
     (verl does not clamp there and can emit inf); per-row mean logprobs ``mt_b = masked_mean_b(old)``,
-    ``mr_b = masked_mean_b(roll)`` give ``training_ppl = mean_b exp(-mt_b)``, ``training_log_ppl = mean_b(-mt_b)``,
+    ``mr_b = masked_mean_b(roll)`` give ``training_ppl = mean_b exp(-mt_b)`` (exponent clamped to 20), ``training_log_ppl = mean_b(-mt_b)``,
     the rollout ones likewise, ``log_ppl_diff = mean_b(mr_b - mt_b)`` (verl's sign: training log-ppl minus
     rollout log-ppl), its abs mean, max and min, ``ppl_ratio = mean_b exp(mr_b - mt_b)``;
     ``chi2_token = masked_mean(exp(lr)^2) - 1``, ``chi2_seq = mean_b exp(2*clamp(sum_b lr)) - 1``; logprob abs

@@ -220,7 +220,8 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
 
 def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
     if rows_per_chunk is None:
-        rows_per_chunk = DEFAULT_ROWS_PER_CHUNK.get(jax.default_backend(), 0)
+        traced = isinstance(rows["lp"], jax.core.Tracer)  # eager calls would recompile the loop every time
+        rows_per_chunk = DEFAULT_ROWS_PER_CHUNK.get(jax.default_backend(), 0) if traced else 0
     if rows_per_chunk <= 0:
         return jax.vmap(fn)(rows)
     return jax.lax.map(fn, rows, batch_size=rows_per_chunk)
@@ -275,8 +276,8 @@ def compute(
       entropy: [B, T] per-token entropy, for ``entropy_coef > 0`` and the entropy metric.
       policy_lag: [B] or [B, T] learner version minus token version, for the staleness metric.
       key: PRNG key, used by clip-cov's random token choice (a fixed key if None).
-      rows_per_chunk: rows per chunk of the per-sequence pass; 0 vmaps the whole batch at once. Default: 8 on
-        CPU (a chunk stays in cache), 0 elsewhere. Results do not depend on it.
+      rows_per_chunk: rows per chunk of the per-sequence pass; 0 vmaps the whole batch at once. Default: 8 under
+        jit on CPU (a chunk stays in cache), 0 elsewhere. Results do not depend on it.
 
     Returns:
       ``Corrected``: weights, final mask, per-token loss, the reduced loss with its numerator and denominator,

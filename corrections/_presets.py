@@ -74,14 +74,17 @@ PRESETS: dict[str, dict] = {
     },
     "skyrl_rollout_is": {"objective": {"name": "rollout_is"}},
     "skyrl_cispo": {"objective": {"name": "cispo", "clip_low": 1.0, "clip_high": 4.0}},
-    # slime: --use-tis (vanilla_tis, clamp [0, 2]), icepop, --use-opsm, off_policy_is (PR #2084).
+    # slime: --use-tis (vanilla_tis, clamp [0, 2]), icepop, --use-opsm, off_policy_is (PR #2084). Token-mean is
+    # slime's --calculate-per-token-loss; its default per-sample mean is reduction="seq-mean-token-mean".
     "slime_tis": {"importance": {"level": "token", "low": 0.0, "high": 2.0}},
     "slime_icepop": {"importance": _ICEPOP},
     "slime_opsm": {"opsm_delta": 1e-4},
+    # off_policy_is clamps to [1 - eps_clip, 1 + eps_clip_high]: slime's default 0.2 gives [0.8, 1.2]; its CISPO
+    # recipe (--eps-clip 1.0) is importance={"low": 0.0, "high": 2.0}.
     "slime_off_policy_is": {
         "mode": "bypass",
         "objective": {"name": "reinforce"},
-        "importance": {"level": "token", "low": 0.0, "high": 2.0},
+        "importance": {"level": "token", "low": 0.8, "high": 1.2},
     },
     # AReaL decoupled PPO: behaviour weight exp(old - roll) masked (not clamped) above behav_imp_weight_cap = 5.
     "areal_decoupled_ppo": {"importance": {"level": "token", "high": 5.0, "overflow": "mask"}},
