@@ -1,0 +1,118 @@
+"""The task interface: prompts from a random generator, a verifiable reward, and demonstrations for a warm-up.
+
+A prompt is ``[bos] + question + [sep]``; a correct completion is ``answer + [eos]``. ``reward`` re-derives the
+answer from the prompt ids alone, so scoring a rollout needs nothing but the tokens the server returned.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+
+from learner.tasks._tokenizer import TOKENIZER, CharTokenizer
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What the training loop needs from a task; ``TextTask`` implements it from two short methods."""
+
+    name: str
+    tokenizer: CharTokenizer
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Length of the longest prompt (bos, question, separator)."""
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """Length of the longest correct completion (answer, eos)."""
+
+    def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+        """A new prompt: its int32 ids and the answer as text."""
+
+    def reward(self, prompt_ids, completion_ids) -> float:
+        """The reward of a completion (ids as sampled, possibly without eos) for a prompt."""
+
+    def demonstration(self, prompt_ids) -> np.ndarray:
+        """A correct completion's int32 ids, eos included: reward 1."""
+
+    def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float) -> np.ndarray:
+        """A demonstration whose answer characters are each replaced with probability ``noise``."""
+
+
+class TextTask(abc.ABC):
+    """A task given as text: subclasses set the class attributes and implement ``make_question`` and ``solve``.
+
+    Reward: 1.0 when the completion up to its first eos is exactly the answer, else 0.0 (no partial credit: a
+    completion without eos, e.g. truncated at the length limit, scores 0; so does any extra character before
+    eos). Tokens after the first eos are ignored (servers stop there; the rest is padding).
+
+    >>> import numpy as np
+    >>> class Double(TextTask):
+    ...     name, max_question_chars, max_answer_chars = "double", 1, 2
+    ...     def make_question(self, rng): return str(rng.integers(10))
+    ...     def solve(self, question): return str(2 * int(question))
+    >>> task = Double()
+    >>> prompt, answer = task.make_prompt(np.random.default_rng(0))
+    >>> task.tokenizer.decode(prompt[1:-1]), answer
+    ('8', '16')
+    >>> task.reward(prompt, task.demonstration(prompt)), task.reward(prompt, task.tokenizer.encode("16"))
+    (1.0, 0.0)
+    """
+
+    name: ClassVar[str]
+    max_question_chars: ClassVar[int]
+    max_answer_chars: ClassVar[int]
+    answer_alphabet: ClassVar[str] = "0123456789"  # characters a noisy demonstration substitutes.
+    tokenizer: ClassVar[CharTokenizer] = TOKENIZER
+
+    @abc.abstractmethod
+    def make_question(self, rng: np.random.Generator) -> str:
+        """A random question, at most ``max_question_chars`` characters."""
+
+    @abc.abstractmethod
+    def solve(self, question: str) -> str:
+        """The answer to ``question``, at most ``max_answer_chars`` characters."""
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.max_question_chars + 2
+
+    @property
+    def max_completion_tokens(self) -> int:
+        return self.max_answer_chars + 1
+
+    def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+        question = self.make_question(rng)
+        tok = self.tokenizer
+        prompt = np.concatenate([[tok.bos_id], tok.encode(question), [tok.sep_id]]).astype(np.int32)
+        return prompt, self.solve(question)
+
+    def answer_ids(self, prompt_ids) -> np.ndarray:
+        """The int32 ids of the answer to a prompt (``[bos] + question + [sep]``, right padding allowed)."""
+        prompt_ids = np.asarray(prompt_ids)
+        sep = np.flatnonzero(prompt_ids == self.tokenizer.sep_id)
+        if prompt_ids.size == 0 or prompt_ids[0] != self.tokenizer.bos_id or sep.size == 0:
+            raise ValueError(f"not a prompt of this task: {prompt_ids.tolist()}")
+        question = self.tokenizer.decode(prompt_ids[1 : sep[0]])
+        return self.tokenizer.encode(self.solve(question))
+
+    def reward(self, prompt_ids, completion_ids) -> float:
+        completion_ids = np.asarray(completion_ids)
+        eos = np.flatnonzero(completion_ids == self.tokenizer.eos_id)
+        if eos.size == 0:
+            return 0.0
+        return float(np.array_equal(completion_ids[: eos[0]], self.answer_ids(prompt_ids)))
+
+    def demonstration(self, prompt_ids) -> np.ndarray:
+        return np.append(self.answer_ids(prompt_ids), self.tokenizer.eos_id).astype(np.int32)
+
+    def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float) -> np.ndarray:
+        completion = self.demonstration(prompt_ids)
+        answer = completion[:-1]
+        replace = rng.random(answer.shape) < noise
+        substitutes = self.tokenizer.encode(self.answer_alphabet)
+        answer[replace] = rng.choice(substitutes, size=int(replace.sum()))
+        return completion

@@ -1,0 +1,91 @@
+"""Recomputes the off-policy corrections' diagnostics, offline, for every batch of a run's rollout log.
+
+Reads RUN/rollout_log and computes, per logged batch, ``corrections.mismatch_metrics`` of the logged proximal
+(learner) against rollout (server) logprobs; with ``--preset``, also the metrics of ``corrections.compute`` under
+that preset, with the logged proximal logprobs as both current and proximal (the state before the update), so the
+importance weights and rejections are those the update saw first. Prints a table; ``--jsonl`` writes all metrics.
+
+    python scripts/recompute_diagnostics.py RUN [--preset decoupled_geo_rs_token_tis] [--jsonl out.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+
+import jax
+import numpy as np
+
+import corrections
+from learner.metrics_writers import JsonlWriter, host_scalars
+from learner.rollout_log import LoggedBatch, RolloutLogReader
+
+COLUMNS = (
+    ("kl", "rollout_corr/kl"),
+    ("k3_kl", "rollout_corr/k3_kl"),
+    ("chi2_tok", "rollout_corr/chi2_token"),
+    ("chi2_seq", "rollout_corr/chi2_seq"),
+    ("lp_diff", "rollout_corr/logprob_abs_diff_mean"),
+    ("rejected", "rollout_corr/rollout_rs_masked_fraction"),
+    ("is_mean", "rollout_corr/rollout_is_mean"),
+)
+
+
+@functools.partial(jax.jit, static_argnames="preset")
+def _diagnostics(proximal, rollout, mask, advantages, preset: str | None) -> dict:
+    metrics = {}
+    if preset is not None:
+        metrics.update(corrections.compute(
+            proximal, advantages, mask, corrections.preset(preset),
+            proximal_logprobs=proximal, rollout_logprobs=rollout,
+        ).metrics)
+    metrics.update(corrections.mismatch_metrics(proximal, rollout, mask))
+    return metrics
+
+
+def batch_diagnostics(batch: LoggedBatch, length: int, preset: str | None = None) -> dict[str, float]:
+    """The mismatch metrics of one logged batch, plus those of ``preset``'s corrections when given.
+
+    The per-token arrays are right-padded to ``length`` (mask 0), so that batches of every T share one compiled
+    program; masked columns do not change the metrics.
+    """
+    padding = [(0, 0), (0, length - batch.tokens.shape[1])]
+    arrays = (batch.proximal_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.advantages)
+    return host_scalars(_diagnostics(*(np.pad(a, padding) for a in arrays), preset=preset))
+
+
+def recompute(run_dir: str | pathlib.Path, preset: str | None = None) -> list[dict[str, float]]:
+    """``{"step": step, **metrics}`` for every batch of ``run_dir``'s rollout log, in log order."""
+    reader = RolloutLogReader(pathlib.Path(run_dir) / "rollout_log")
+    return [{"step": batch.step, **batch_diagnostics(batch, reader.max_length, preset)} for batch in reader.batches()]
+
+
+def format_table(records: list[dict[str, float]]) -> str:
+    """A fixed-width table of the main diagnostics, one row per step."""
+    columns = [(name, key) for name, key in COLUMNS if any(key in r for r in records)]
+    lines = [f"{'step':>8}" + "".join(f"{name:>11}" for name, _ in columns)]
+    for r in records:
+        lines.append(f"{int(r['step']):>8}" + "".join(f"{r.get(key, float('nan')):>11.4g}" for _, key in columns))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=pathlib.Path, help="run directory holding rollout_log/")
+    parser.add_argument("--preset", choices=sorted(corrections.PRESETS), metavar="NAME",
+                        help="also run this preset's corrections (one of corrections.PRESETS)")
+    parser.add_argument("--jsonl", type=pathlib.Path, help="write every metric of every step here (overwritten)")
+    args = parser.parse_args(argv)
+    records = recompute(args.run_dir, args.preset)
+    print(format_table(records))
+    if args.jsonl:
+        args.jsonl.unlink(missing_ok=True)
+        writer = JsonlWriter(args.jsonl)
+        for record in records:
+            writer.write(int(record["step"]), {k: v for k, v in record.items() if k != "step"})
+        writer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""scripts/recompute_diagnostics.py on a small rollout log: the values equal the corrections' own."""
+
+import importlib.util
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+import corrections
+from learner.metrics_writers import read_metrics
+from learner.rollout_log import RolloutLogWriter
+from tests.learner.test_rollout_log import make_batch
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "recompute_diagnostics.py"
+PRESET = "decoupled_token_is"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("recompute_diagnostics", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A log of two batches with T = 7, padded to the log's max_length 12 (one compiled program per check)."""
+    path = tmp_path_factory.mktemp("run")
+    batches = [make_batch(step, rows=4, length=7) for step in (10, 11)]
+    with RolloutLogWriter(path / "rollout_log", max_length=12) as writer:
+        for batch in batches:
+            writer.append(batch)
+    return path, batches
+
+
+def test_mismatch_metrics_equal_the_corrections(script, run_dir, capsys):
+    path, batches = run_dir
+    script.main([str(path), "--jsonl", str(path / "diagnostics.jsonl")])
+    records = read_metrics(path / "diagnostics.jsonl")
+    assert [r["step"] for r in records] == [10, 11]
+    mismatch_metrics = jax.jit(corrections.mismatch_metrics)
+    for record, batch in zip(records, batches):
+        expected = mismatch_metrics(batch.proximal_logprobs, batch.rollout_logprobs, batch.loss_mask)
+        assert set(record) == {"step", *expected}
+        np.testing.assert_allclose([record[k] for k in expected], [float(v) for v in expected.values()], rtol=1e-6)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["step", "kl", "k3_kl", "chi2_tok", "chi2_seq", "lp_diff"]
+    assert [line.split()[0] for line in table[1:]] == ["10", "11"]
+    assert float(table[1].split()[1]) == pytest.approx(records[0]["rollout_corr/kl"], rel=1e-3)
+
+
+def test_preset_metrics_equal_compute(script, run_dir):
+    path, batches = run_dir
+    records = script.recompute(path, preset=PRESET)
+
+    @jax.jit
+    def expected_metrics(proximal, rollout, mask, advantages):
+        return corrections.compute(proximal, advantages, mask, corrections.preset(PRESET),
+                                   proximal_logprobs=proximal, rollout_logprobs=rollout).metrics
+
+    for record, batch in zip(records, batches):
+        expected = expected_metrics(batch.proximal_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.advantages)
+        assert "rollout_corr/rollout_is_mean" in expected
+        np.testing.assert_allclose([record[k] for k in expected], [float(v) for v in expected.values()], rtol=1e-6)
