@@ -53,6 +53,7 @@ from corrections._weights import icepop_weights
 from corrections._weights import off_policy_is_weights
 from corrections._weights import sequence_tis_weights
 from corrections._weights import token_tis_weights
+from corrections._weights import unbounded_ratios
 from corrections._verl import from_verl
 from corrections._verl import verl_importance
 from corrections._verl import verl_rejection_rules

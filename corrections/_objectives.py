@@ -9,7 +9,7 @@ Behaviour weights from ``corrections.token_tis_weights`` and friends multiply th
 import jax
 import jax.numpy as jnp
 
-from corrections._masked import clamp_log_ratio, masked_count, masked_mean, safe_exp
+from corrections._masked import SAFETY, clamp_log_ratio, masked_count, masked_mean, safe_exp
 
 sg = jax.lax.stop_gradient
 
@@ -106,7 +106,7 @@ def cross_entropy_loss(logprobs):
 
 def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4, log_ratio_cap=10.0):
     """GSPO token form for ONE sequence: ``log r_t = sg(mean_valid(lp - old)) + lp - sg(lp)``, capped at
-    ``log_ratio_cap``, then PPO clip. Its value is the sequence ratio, its gradient per token.
+    ``log_ratio_cap`` (and floored at -20), then PPO clip. Its value is the sequence ratio, its gradient per token.
 
     >>> import numpy as np
     >>> loss, aux = gspo_loss(np.log([1.0, 1.0]), np.log([1.0, 1.0]), np.ones(2), np.array([1, 1]))
@@ -115,7 +115,7 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high
     """
     lp, old, adv = _f32(logprobs, old_logprobs, advantages)
     seq_log_ratio = sg(masked_mean(lp - old, mask))
-    log_ratio = jnp.minimum(lp - sg(lp) + seq_log_ratio, log_ratio_cap)
+    log_ratio = jnp.clip(lp - sg(lp) + seq_log_ratio, -SAFETY, log_ratio_cap)
     ratio = jnp.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)

@@ -45,7 +45,8 @@ NEEDS_OLD = ("ppo", "gspo", "cispo", "sapo", "clip_cov", "kl_cov")
 class Corrected(NamedTuple):
     """What ``compute`` returns (a pytree: fine to return from jit)."""
 
-    weights: jax.Array  # [B, T] stop-gradient behaviour weights (1 where none are configured, 0 at padding).
+    weights: jax.Array  # [B, T] stop-gradient behaviour weights; 0 at padding and at tokens dropped before step 4
+    # (1 at the other tokens when none are configured).
     mask: jax.Array  # [B, T] float32 final loss mask: the response mask AND every rejection rule.
     per_token_loss: jax.Array  # [B, T] weighted per-token loss, 0 outside the final mask.
     loss: jax.Array  # scalar: loss_numerator / max(loss_denominator, 1).
@@ -140,13 +141,14 @@ def _sequence_decisions(log_ratio, logprobs, old, advantages, mask, config: Corr
 
 
 def _importance(log_ratio, keep, config: CorrectionConfig):
-    """Importance weights over the surviving tokens, and the raw (unbounded) ratios for metrics."""
+    """Importance weights over the surviving tokens, and the unbounded ratios every valid token reports in the
+    metrics (a sequence's own ratio for sequence-level weights)."""
     spec = config.importance
     if spec is None:
-        return jnp.where(keep, 1.0, 0.0), safe_exp(log_ratio)
-    weight_fn = _weights.SEQUENCE_WEIGHTS[spec.level]
-    raw = weight_fn(log_ratio, keep, high=None, low=0.0)
-    return weight_fn(log_ratio, keep, high=spec.high, low=spec.low, overflow=spec.overflow), raw
+        return jnp.where(keep, 1.0, 0.0), _weights.unbounded_ratios(log_ratio, keep)
+    weights = _weights.SEQUENCE_WEIGHTS[spec.level](log_ratio, keep, high=spec.high, low=spec.low,
+                                                    overflow=spec.overflow)
+    return weights, _weights.unbounded_ratios(log_ratio, keep, spec.level)
 
 
 ROW_OBJECTIVES = ("ppo", "reinforce", "cispo", "sapo", "rollout_is", "cross_entropy", "gspo")

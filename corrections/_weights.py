@@ -22,6 +22,21 @@ def _finish(weights: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(mask.astype(bool), weights, 0.0))
 
 
+def unbounded_ratios(log_ratio, mask, level: str = "token") -> jax.Array:
+    """The ratio before any bound, on every position: ``exp(clamp(lr))`` per token, or the sequence's
+    ``exp(clamp(sum_t m*lr))`` (``sequence``) or ``exp(clamp(masked_mean(lr)))`` (``geometric``) broadcast.
+
+    >>> import numpy as np
+    >>> unbounded_ratios(np.log([2.0, 2.0, 9.0]), np.array([1, 1, 0]), "sequence").tolist()
+    [4.0, 4.0, 4.0]
+    """
+    log_ratio = jnp.asarray(log_ratio, jnp.float32)
+    if level == "token":
+        return safe_exp(log_ratio)
+    reduce = masked_sum if level == "sequence" else masked_mean
+    return jnp.broadcast_to(safe_exp(reduce(log_ratio, mask)), log_ratio.shape)
+
+
 def token_tis_weights(log_ratio, mask, high=2.0, low=0.0, overflow="truncate") -> jax.Array:
     """Per-token truncated IS: ``clip(exp(clamp(lr)), low, high)`` (verl/SkyRL token TIS, slime vanilla_tis).
 
@@ -29,8 +44,7 @@ def token_tis_weights(log_ratio, mask, high=2.0, low=0.0, overflow="truncate") -
     >>> token_tis_weights(np.log(np.array([0.5, 3.0, 1.0])), np.array([1, 1, 0])).tolist()
     [0.5, 2.0, 0.0]
     """
-    log_ratio = jnp.asarray(log_ratio, jnp.float32)
-    return _finish(bound_weights(safe_exp(log_ratio), low, high, overflow), mask)
+    return _finish(bound_weights(unbounded_ratios(log_ratio, mask, "token"), low, high, overflow), mask)
 
 
 def sequence_tis_weights(log_ratio, mask, high=5.0, low=0.0, overflow="truncate") -> jax.Array:
@@ -40,9 +54,7 @@ def sequence_tis_weights(log_ratio, mask, high=5.0, low=0.0, overflow="truncate"
     >>> sequence_tis_weights(np.log(np.array([2.0, 2.0, 9.0])), np.array([1, 1, 0])).tolist()
     [4.0, 4.0, 0.0]
     """
-    log_ratio = jnp.asarray(log_ratio, jnp.float32)
-    weight = bound_weights(safe_exp(masked_sum(log_ratio, mask)), low, high, overflow)
-    return _finish(jnp.broadcast_to(weight, log_ratio.shape), mask)
+    return _finish(bound_weights(unbounded_ratios(log_ratio, mask, "sequence"), low, high, overflow), mask)
 
 
 def geometric_sequence_weights(log_ratio, mask, high=None, low=0.0, overflow="truncate") -> jax.Array:
@@ -52,9 +64,7 @@ def geometric_sequence_weights(log_ratio, mask, high=None, low=0.0, overflow="tr
     >>> geometric_sequence_weights(np.log(np.array([2.0, 8.0, 1.0])), np.array([1, 1, 0])).round(5).tolist()
     [4.0, 4.0, 0.0]
     """
-    log_ratio = jnp.asarray(log_ratio, jnp.float32)
-    weight = bound_weights(safe_exp(masked_mean(log_ratio, mask)), low, high, overflow)
-    return _finish(jnp.broadcast_to(weight, log_ratio.shape), mask)
+    return _finish(bound_weights(unbounded_ratios(log_ratio, mask, "geometric"), low, high, overflow), mask)
 
 
 def icepop_weights(log_ratio, mask, low=0.5, high=5.0) -> jax.Array:
