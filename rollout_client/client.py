@@ -20,6 +20,8 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1 import health_pb2_grpc
 
 from rollout_client import errors
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE
+from rollout_client.packed_arrays import pack
 from rollout_client.protocol import CLIENT_OPTIONS
 from rollout_client.protocol import SERVICE_NAME
 from rollout_client.protocol import bearer
@@ -71,7 +73,7 @@ class RolloutRequest:
         """The wire request; `sample_indices` restricts it to those samples."""
         message = pb.GenerateRequest(
             request_id=self.request_id,
-            prompt_token_ids=np.asarray(self.prompt_token_ids, np.int32).tolist(),
+            prompt_token_ids=pack(self.prompt_token_ids, TOKEN_ID_DTYPE),
             sampling=self.sampling.to_proto(),
             num_samples=self.num_samples,
             sample_indices=sample_indices or [],

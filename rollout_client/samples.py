@@ -2,13 +2,17 @@
 
 A sample's messages (chunks, then one final) are collected by sample index; the
 final message turns them into a `Sample` after `validation.find_problem` found
-nothing wrong.
+nothing wrong. Token ids and logprobs are unpacked from the messages' bytes without
+copying when the sample came in one message, so a `Sample`'s arrays are read-only.
 """
 
 import dataclasses
 
 import numpy as np
 
+from rollout_client.packed_arrays import BYTES_PER_TOKEN
+from rollout_client.packed_arrays import LOGPROB_DTYPE
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE
 from rollout_client.protocol import pb
 from rollout_client.sampling_params import FinishReason
 from rollout_client.sampling_params import LogprobMode
@@ -23,8 +27,8 @@ class Sample:
       request_id: the request it answers.
       sample_index: its index within the request.
       prompt_token_ids: int32 [P].
-      completion_token_ids: int32 [C], C >= 1.
-      logprobs: float32 [C]; logprobs[i] is of completion_token_ids[i], in `logprob_mode`.
+      completion_token_ids: int32 [C], C >= 1 (read-only).
+      logprobs: float32 [C] (read-only); logprobs[i] is of completion_token_ids[i], in `logprob_mode`.
       policy_versions: int64 [C], the policy version that sampled each token.
       finish_reason: why it ended.
       sampling: the parameters the server resolved and used.
@@ -53,36 +57,57 @@ class Sample:
 
 @dataclasses.dataclass
 class RawSample:
-    """A sample's fields as received, before validation."""
+    """A sample's fields as received, before validation.
+
+    `wire_problem` is (problem, detail) when the messages could not be decoded
+    (then the arrays are empty); `validation.find_problem` reports it first.
+    """
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     version_spans: list[tuple[int, int, int]]
     final: pb.SampleResult
+    wire_problem: tuple[str, str] | None = None
 
 
 class StreamAssembler:
     """Collects chunk and final messages per sample index."""
 
     def __init__(self):
-        self._tokens: dict[int, list[np.ndarray]] = {}
-        self._logprobs: dict[int, list[np.ndarray]] = {}
+        self._chunks: dict[int, list[pb.SampleChunk]] = {}
 
     def add(self, response: pb.GenerateResponse) -> RawSample | None:
         """Takes one message; returns the raw sample when it was the sample's final one."""
-        index = response.sample_index
-        part = response.chunk if response.HasField("chunk") else response.final
-        tokens = np.array(part.token_ids, np.int32)
-        logprobs = np.array(part.logprobs, np.float32)
-        if response.HasField("chunk"):
-            self._tokens.setdefault(index, []).append(tokens)
-            self._logprobs.setdefault(index, []).append(logprobs)
+        if response.WhichOneof("payload") == "chunk":
+            self._chunks.setdefault(response.sample_index, []).append(response.chunk)
             return None
-        if index in self._tokens:
-            tokens = np.concatenate(self._tokens.pop(index) + [tokens])
-            logprobs = np.concatenate(self._logprobs.pop(index) + [logprobs])
-        spans = [(span.start, span.end, span.policy_version) for span in part.version_spans]
-        return RawSample(token_ids=tokens, logprobs=logprobs, version_spans=spans, final=part)
+        final = response.final
+        parts = self._chunks.pop(response.sample_index, []) + [final]
+        spans = [(span.start, span.end, span.policy_version) for span in final.version_spans]
+        token_bytes = [part.token_ids for part in parts]
+        logprob_bytes = [part.logprobs for part in parts]
+        problem = _byte_length_problem(token_bytes, logprob_bytes)
+        if problem is not None:
+            return RawSample(token_ids=np.zeros(0, TOKEN_ID_DTYPE), logprobs=np.zeros(0, LOGPROB_DTYPE),
+                             version_spans=spans, final=final, wire_problem=problem)
+        return RawSample(token_ids=np.frombuffer(b"".join(token_bytes), TOKEN_ID_DTYPE),
+                         logprobs=np.frombuffer(b"".join(logprob_bytes), LOGPROB_DTYPE), version_spans=spans,
+                         final=final)
+
+
+def _byte_length_problem(token_bytes: list[bytes], logprob_bytes: list[bytes]) -> tuple[str, str] | None:
+    """(problem, detail) for the first message with a bad byte length or unequal counts, else None.
+
+    Checked per message, so that a short chunk cannot shift the tokens of the next one.
+    """
+    for index, (tokens, logprobs) in enumerate(zip(token_bytes, logprob_bytes)):
+        if len(tokens) % BYTES_PER_TOKEN or len(logprobs) % BYTES_PER_TOKEN:
+            return "bad_byte_length", (f"message {index}: token_ids has {len(tokens)} bytes, logprobs "
+                                       f"{len(logprobs)}; both must be multiples of {BYTES_PER_TOKEN}")
+        if len(tokens) != len(logprobs):
+            return "length_mismatch", (f"message {index}: {len(tokens) // BYTES_PER_TOKEN} token ids, "
+                                       f"{len(logprobs) // BYTES_PER_TOKEN} logprobs")
+    return None
 
 
 def versions_per_token(spans: list[tuple[int, int, int]], length: int) -> np.ndarray:

@@ -66,6 +66,10 @@ class RolloutClient:
     def abort(self, request_ids: list[str]) -> list[str]:
         return self._run(self._client.abort(request_ids))
 
+    def stream_weights(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
+        """See `AsyncRolloutClient.stream_weights` (the server must be paused)."""
+        return self._run(self._client.stream_weights(policy_version, weights))
+
     def publish_weights(self, policy_version: int, *, weights: Mapping[str, np.ndarray] | None = None,
                         path: str | None = None, weights_format: int = pb.WEIGHTS_FORMAT_SAFETENSORS,
                         pause_mode: PauseMode = PauseMode.KEEP) -> int:

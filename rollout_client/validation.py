@@ -14,6 +14,7 @@ from rollout_client.protocol import pb
 from rollout_client.samples import RawSample
 
 PROBLEMS = (
+    "bad_byte_length",
     "length_mismatch",
     "bad_version_spans",
     "empty_completion",
@@ -39,6 +40,8 @@ def find_problem(raw: RawSample, vocab_size: int, version_floor: int | None) -> 
       vocab_size: token ids must lie in [0, vocab_size).
       version_floor: every token's policy version must be >= this, if set.
     """
+    if raw.wire_problem is not None:
+        return raw.wire_problem
     tokens, logprobs, spans = raw.token_ids, raw.logprobs, raw.version_spans
     if logprobs.size != tokens.size or raw.final.completion_tokens != tokens.size:
         return "length_mismatch", (f"{tokens.size} token ids, {logprobs.size} logprobs, "

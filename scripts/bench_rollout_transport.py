@@ -3,7 +3,13 @@
 Transport: a server process on 127.0.0.1 whose generation is replaced by a
 precomputed stream (the scripted engine, 1024 tokens per step) and a client that
 decodes every sample to numpy arrays (validated). Reports ns per token end to end,
-for one request at a time and for 8 concurrent requests, and samples/s.
+for one request at a time and for 8 concurrent requests, samples/s, and the CPU time
+per sample of the client and server processes (steadier than wall time when other
+work shares the machine).
+
+Floor: the same concurrency against a bare grpc.aio server process that answers
+every Generate with one precomputed message of the same size, read by a bare stub:
+what gRPC's per-call cost alone allows, measured under the same machine load.
 
 Decode: the model engine (default model "tiny", float32) in this process, decode
 tokens/s with a full batch.
@@ -13,31 +19,62 @@ tokens/s with a full batch.
 
 import argparse
 import asyncio
+import os
+import pathlib
 import re
 import subprocess
 import sys
 import time
 
+import grpc
 import numpy as np
 
 from rollout_client import AsyncRolloutClient
 from rollout_client import ClientConfig
 from rollout_client import RolloutRequest
 from rollout_client import SamplingParams
+from rollout_client.protocol import CLIENT_OPTIONS
+from rollout_client.protocol import SERVER_OPTIONS
+from rollout_client.protocol import pb
+from rollout_client.protocol import pb_grpc
 
 
-def start_server(tokens: int) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rollout_client.server", "--engine", "scripted", "--vocab-size", "32000",
-         "--tokens-per-step", str(tokens), "--max-seq-len", str(4 * tokens), "--max-batch-size", "64"],
-        stdout=subprocess.PIPE, text=True)
+def start_server(tokens: int, floor: bool = False) -> tuple[subprocess.Popen, str]:
+    """The reference server (scripted engine), or with `floor` this script's bare server."""
+    if floor:
+        argv = [__file__, "--serve-floor", "--tokens", str(tokens)]
+    else:
+        argv = ["-m", "rollout_client.server", "--engine", "scripted", "--vocab-size", "32000",
+                "--tokens-per-step", str(tokens), "--max-seq-len", str(4 * tokens), "--max-batch-size", "64"]
+    process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     return process, re.search(r"listening on (\S+)", line).group(1)
 
 
-async def transport(target: str, tokens: int, rounds: int, concurrency: int, samples_per_request: int,
-                    ) -> tuple[float, float]:
-    """Returns (ns per token, samples per second)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc): steadier than wall time on a shared machine."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(one, server_pid: int, tokens: int, rounds: int, concurrency: int, samples_per_call: int) -> str:
+    """Runs `rounds` of `concurrency` concurrent `one()` calls after a warm-up; the result as a line."""
+    for _ in range(20):
+        await one()
+    client_cpu, server_cpu, start = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
+    for _ in range(rounds):
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    samples = rounds * concurrency * samples_per_call
+    client_us = (time.process_time() - client_cpu) / samples * 1e6
+    server_us = (cpu_seconds(server_pid) - server_cpu) / samples * 1e6
+    return (f"{elapsed / (samples * tokens) * 1e9:.0f} ns/token end to end, {samples / elapsed:.0f} samples/s, "
+            f"CPU per sample: client {client_us:.0f} us, server {server_us:.0f} us")
+
+
+async def transport(target: str, server_pid: int, tokens: int, rounds: int, concurrency: int,
+                    samples_per_request: int) -> str:
+    """The rollout client against the reference server: every sample decoded and validated."""
     client = AsyncRolloutClient(ClientConfig(target=target))
     await client.connect()
     params = SamplingParams(max_new_tokens=tokens, stop_token_ids=(), seed=0)
@@ -46,15 +83,44 @@ async def transport(target: str, tokens: int, rounds: int, concurrency: int, sam
         samples = await client.generate(RolloutRequest([1, 2, 3], params, num_samples=samples_per_request))
         assert sum(sample.completion_token_ids.size for sample in samples) == tokens * samples_per_request
 
-    for _ in range(20):
-        await one()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        await asyncio.gather(*(one() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - start
-    await client.close()
-    samples = rounds * concurrency * samples_per_request
-    return elapsed / (samples * tokens) * 1e9, samples / elapsed
+    try:
+        return await measure(one, server_pid, tokens, rounds, concurrency, samples_per_request)
+    finally:
+        await client.close()
+
+
+async def serve_floor(tokens: int) -> None:
+    """A Generate that yields one precomputed final message of `tokens` tokens, nothing else."""
+    message = pb.GenerateResponse(final=pb.SampleResult(
+        token_ids=bytes(4 * tokens), logprobs=bytes(4 * tokens), version_spans=[pb.VersionSpan(end=tokens)],
+        finish_reason=pb.FINISH_REASON_LENGTH, completion_tokens=tokens))
+
+    class FloorServicer(pb_grpc.RolloutServiceServicer):
+        async def Generate(self, request, context):
+            yield message
+
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_RolloutServiceServicer_to_server(FloorServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+async def floor_transport(target: str, server_pid: int, tokens: int, rounds: int, concurrency: int) -> str:
+    """A bare stub against `serve_floor`: one message per call, nothing decoded."""
+    channel = grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+    stub = pb_grpc.RolloutServiceStub(channel)
+    request = RolloutRequest([1, 2, 3], SamplingParams(max_new_tokens=tokens, seed=0)).to_proto()
+
+    async def one():
+        async for _ in stub.Generate(request, timeout=30):
+            pass
+
+    try:
+        return await measure(one, server_pid, tokens, rounds, concurrency, 1)
+    finally:
+        await channel.close()
 
 
 def decode_tokens_per_second(batch_size: int = 16, steps: int = 8, calls: int = 20) -> float:
@@ -83,13 +149,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_floor:
+        asyncio.run(serve_floor(args.tokens))
+        return
     process, target = start_server(args.tokens)
     try:
         for concurrency, samples_per_request in ((1, 1), (8, 1), (8, 8)):
-            ns, rate = asyncio.run(transport(target, args.tokens, args.rounds, concurrency, samples_per_request))
+            result = asyncio.run(transport(target, process.pid, args.tokens, args.rounds, concurrency,
+                                           samples_per_request))
             print(f"transport {args.tokens} tokens/sample, {concurrency} concurrent requests of "
-                  f"{samples_per_request} samples: {ns:.0f} ns/token end to end, {rate:.0f} samples/s")
+                  f"{samples_per_request} samples: {result}")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    process, target = start_server(args.tokens, floor=True)
+    try:
+        for concurrency in (1, 8):
+            result = asyncio.run(floor_transport(target, process.pid, args.tokens, args.rounds, concurrency))
+            print(f"floor (bare grpc.aio stub and server) {args.tokens} tokens/sample, {concurrency} concurrent "
+                  f"requests of 1 sample: {result}")
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -21,12 +21,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tls-cert", type=pathlib.Path, help="PEM certificate chain")
     parser.add_argument("--tls-key", type=pathlib.Path, help="PEM private key")
     parser.add_argument("--drain-grace-s", type=float, default=10.0)
+    parser.add_argument("--pause-wait-timeout-s", type=float, default=ServerConfig.pause_wait_timeout_s,
+                        help="how long Pause(WAIT) waits for active requests before DEADLINE_EXCEEDED")
     parser.add_argument("--policy-version", type=int, default=0)
     parser.add_argument("--engine", choices=("model", "scripted"), default="model")
     parser.add_argument("--model-config", default="tiny", help="name for learner.model.model_config")
     parser.add_argument("--dtype", default="float32", help="compute dtype of the served model")
     parser.add_argument("--weights", help="initial weights (safetensors file or orbax dir); default: random")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
+    parser.add_argument("--eos-ids", type=int, nargs="*",
+                        help="default stop token ids, reported by GetServerInfo (model engine default: none, "
+                             "so a request without stop_token_ids runs to max_new_tokens; scripted: 1)")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--decode-steps-per-call", type=int, default=8,
@@ -48,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert_chain=args.tls_cert.read_bytes() if args.tls_cert else None,
         tls_private_key=args.tls_key.read_bytes() if args.tls_key else None,
         drain_grace_s=args.drain_grace_s,
+        pause_wait_timeout_s=args.pause_wait_timeout_s,
         policy_version=args.policy_version,
     )
 
@@ -57,9 +63,10 @@ def generator_from_args(args: argparse.Namespace):
     if args.engine == "scripted":
         from rollout_client.server.scripted import ScriptedGenerator
 
+        eos = {} if args.eos_ids is None else {"eos_token_ids": tuple(args.eos_ids)}
         return ScriptedGenerator(vocab_size=args.vocab_size, tokens_per_step=args.tokens_per_step,
                                  step_delay_s=args.step_delay_s, max_seq_len=args.max_seq_len,
-                                 max_batch_size=args.max_batch_size)
+                                 max_batch_size=args.max_batch_size, **eos)
     from rollout_client.server.model_generator import ModelGenerator
 
     return ModelGenerator.from_args(args)

@@ -40,6 +40,7 @@ class ServerConfig:
     tls_cert_chain: bytes | None = None  # PEM; TLS when set together with the key.
     tls_private_key: bytes | None = None
     drain_grace_s: float = 10.0  # How long active calls may finish after SIGTERM.
+    pause_wait_timeout_s: float = 600.0  # How long Pause(WAIT) waits for active requests.
     policy_version: int = 0  # Version of the initial weights.
 
 
@@ -49,7 +50,8 @@ async def serve(config: ServerConfig, generator: Generator,
     scheduler = Scheduler(generator, config.policy_version)
     interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    pb_grpc.add_RolloutServiceServicer_to_server(servicer_class(scheduler, generator.info), server)
+    servicer = servicer_class(scheduler, generator.info, config.pause_wait_timeout_s)
+    pb_grpc.add_RolloutServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -56,12 +56,13 @@ class ModelGenerator(Generator):
       max_batch_size: slots in the KV cache.
       max_seq_len: slots per row; at most the model's max_seq_len.
       decode_steps_per_call: decode steps fused into one jitted call.
-      eos_token_ids: default stop tokens.
+      eos_token_ids: default stop tokens; empty: a request without stop tokens runs to
+        max_new_tokens.
     """
 
     def __init__(self, model: Transformer, dtype: str = "float32", max_batch_size: int = 16,
                  max_seq_len: int | None = None, decode_steps_per_call: int = 8,
-                 eos_token_ids: tuple[int, ...] = (0,)):
+                 eos_token_ids: tuple[int, ...] = ()):
         config = model.config
         self._learner_dtype = np.dtype(config.param_dtype)
         served = model if dtype == config.param_dtype else cast_model(model, dtype)
@@ -102,7 +103,7 @@ class ModelGenerator(Generator):
         """Built from the server's command line (random weights unless --weights)."""
         model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
         generator = cls(model, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                        decode_steps_per_call=args.decode_steps_per_call)
+                        decode_steps_per_call=args.decode_steps_per_call, eos_token_ids=tuple(args.eos_ids or ()))
         if args.weights:
             weights_format = 1 if pathlib.Path(args.weights).suffix == ".safetensors" else 2
             generator.load_weights(load_weights(args.weights, weights_format))

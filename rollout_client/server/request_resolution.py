@@ -7,6 +7,8 @@ import secrets
 
 import numpy as np
 
+from rollout_client.packed_arrays import BYTES_PER_TOKEN
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE
 from rollout_client.protocol import MIN_CHUNK_TOKENS
 from rollout_client.protocol import pb
 from rollout_client.sampling_params import LogprobMode
@@ -51,7 +53,10 @@ def resolve_request(request: pb.GenerateRequest, info: GeneratorInfo) -> list[Se
     if request.logprob_mode not in (pb.LOGPROB_MODE_RAW, pb.LOGPROB_MODE_PROCESSED):
         raise ValueError(f"logprob_mode: must be RAW or PROCESSED, got "
                          f"{pb.LogprobMode.Name(request.logprob_mode)}")
-    prompt = np.asarray(request.prompt_token_ids, np.int32)
+    if len(request.prompt_token_ids) % BYTES_PER_TOKEN:
+        raise ValueError(f"prompt_token_ids: {len(request.prompt_token_ids)} bytes is not a whole number of "
+                         f"little-endian int32 token ids")
+    prompt = np.frombuffer(request.prompt_token_ids, TOKEN_ID_DTYPE)
     if prompt.size == 0:
         raise ValueError("prompt_token_ids: must not be empty")
     if prompt.size >= info.max_seq_len:

@@ -31,7 +31,7 @@ class _Sequence:
     spec: SequenceSpec
     sink: OutputSink
     chunk_tokens: int
-    stop_token_ids: np.ndarray
+    stop_token_ids: tuple[int, ...]
     arrived: float
     started: float = 0.0
     generated: int = 0
@@ -78,7 +78,7 @@ class Scheduler:
             spec=spec,
             sink=sink,
             chunk_tokens=chunk_tokens,
-            stop_token_ids=np.asarray(spec.sampling.stop_token_ids, np.int32),
+            stop_token_ids=tuple(spec.sampling.stop_token_ids),
             arrived=time.monotonic(),
         )
         with self._cond:
@@ -208,8 +208,9 @@ class Scheduler:
     def _append(self, sequence_id: int, tokens: np.ndarray, logprobs: np.ndarray, version: int) -> None:
         sequence = self._active[sequence_id]
         limit = sequence.spec.sampling.max_new_tokens - sequence.generated
-        stops = np.flatnonzero(np.isin(tokens[:limit], sequence.stop_token_ids))
-        count = min(limit, len(tokens), stops[0] + 1 if stops.size else len(tokens))
+        tokens, logprobs = tokens[:limit], logprobs[:limit]
+        stop = _first_stop(tokens, sequence.stop_token_ids)
+        count = len(tokens) if stop is None else stop + 1
         if count:
             start = sequence.generated
             if sequence.spans and sequence.spans[-1][2] == version:
@@ -219,7 +220,7 @@ class Scheduler:
             sequence.pending_tokens.append(tokens[:count])
             sequence.pending_logprobs.append(logprobs[:count])
             sequence.generated += count
-        if stops.size and stops[0] < count:
+        if stop is not None:
             self._finish(sequence_id, FinishReason.STOP)
         elif sequence.generated >= sequence.spec.sampling.max_new_tokens:
             self._finish(sequence_id, FinishReason.LENGTH)
@@ -228,6 +229,17 @@ class Scheduler:
             tokens, logprobs = _take_pending(sequence)
             spans = tuple((max(s, start), e, v) for s, e, v in sequence.spans if e > start)
             sequence.sink(SequenceOutput(token_ids=tokens, logprobs=logprobs, version_spans=spans))
+
+
+def _first_stop(tokens: np.ndarray, stop_token_ids: tuple[int, ...]) -> int | None:
+    """Index of the first stop token in `tokens`, or None (a few comparisons: np.isin costs ~10x more)."""
+    if not stop_token_ids or not tokens.size:
+        return None
+    hits = tokens == stop_token_ids[0]
+    for token_id in stop_token_ids[1:]:
+        hits |= tokens == token_id
+    index = int(hits.argmax())
+    return index if hits[index] else None
 
 
 def _take_pending(sequence: _Sequence) -> tuple[np.ndarray, np.ndarray]:

@@ -30,10 +30,11 @@ class ScriptedGenerator(Generator):
       step_delay_s: time each step sleeps, standing in for the model.
       max_seq_len: the context limit reported to clients.
       max_batch_size: how many sequences are active at once.
+      eos_token_ids: default stop tokens.
     """
 
     def __init__(self, vocab_size: int = 1024, tokens_per_step: int = 1, step_delay_s: float = 0.0,
-                 max_seq_len: int = 4096, max_batch_size: int = 64):
+                 max_seq_len: int = 4096, max_batch_size: int = 64, eos_token_ids: tuple[int, ...] = (1,)):
         rng = np.random.default_rng(0)
         self._stream_tokens = rng.integers(2, vocab_size, size=2 * max_seq_len, dtype=np.int32)
         self._stream_logprobs = -rng.exponential(size=2 * max_seq_len).astype(np.float32)
@@ -43,7 +44,7 @@ class ScriptedGenerator(Generator):
         self._positions: dict[int, int] = {}
         self._info = GeneratorInfo(
             vocab_size=vocab_size,
-            eos_token_ids=(1,),
+            eos_token_ids=tuple(eos_token_ids),
             model_config_hash="scripted",
             dtype="float32",
             max_seq_len=max_seq_len,

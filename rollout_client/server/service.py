@@ -9,6 +9,9 @@ import functools
 
 import grpc
 
+from rollout_client.packed_arrays import LOGPROB_DTYPE
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE
+from rollout_client.packed_arrays import pack
 from rollout_client.protocol import pb
 from rollout_client.protocol import pb_grpc
 from rollout_client.sampling_params import PauseMode
@@ -20,15 +23,21 @@ from rollout_client.server.scheduler import Scheduler
 from rollout_client.server.weights_io import load_weights
 from rollout_client.weight_chunks import assemble_weights
 
-PAUSE_WAIT_TIMEOUT_S = 600.0
-
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    """Implements rollout.v1 on top of a `Scheduler`."""
+    """Implements rollout.v1 on top of a `Scheduler`.
 
-    def __init__(self, scheduler: Scheduler, info):
+    Args:
+      scheduler: runs the generation.
+      info: the generator's `GeneratorInfo`.
+      pause_wait_timeout_s: how long Pause(WAIT) waits for active requests to finish
+        before it fails with DEADLINE_EXCEEDED (and generation continues unpaused).
+    """
+
+    def __init__(self, scheduler: Scheduler, info, pause_wait_timeout_s: float):
         self._scheduler = scheduler
         self._info = info
+        self._pause_wait_timeout_s = pause_wait_timeout_s
         self._requests: dict[str, list[int]] = {}
         self._weights_lock = asyncio.Lock()
 
@@ -69,14 +78,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def chunk_message(self, spec: SequenceSpec, output: SequenceOutput) -> pb.GenerateResponse:
         """The wire form of a chunk."""
         return pb.GenerateResponse(sample_index=spec.sample_index, chunk=pb.SampleChunk(
-            token_ids=output.token_ids.tolist(), logprobs=output.logprobs.tolist(),
+            token_ids=pack(output.token_ids, TOKEN_ID_DTYPE), logprobs=pack(output.logprobs, LOGPROB_DTYPE),
             version_spans=_spans(output.version_spans)))
 
     def final_message(self, spec: SequenceSpec, output: SequenceOutput) -> pb.GenerateResponse:
         """The wire form of a sample's final message."""
         return pb.GenerateResponse(sample_index=spec.sample_index, final=pb.SampleResult(
-            token_ids=output.token_ids.tolist(),
-            logprobs=output.logprobs.tolist(),
+            token_ids=pack(output.token_ids, TOKEN_ID_DTYPE),
+            logprobs=pack(output.logprobs, LOGPROB_DTYPE),
             version_spans=_spans(output.version_spans),
             finish_reason=int(output.finish_reason),
             prompt_tokens=output.prompt_tokens,
@@ -101,7 +110,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"mode: must be ABORT, WAIT or KEEP, got {pb.PauseMode.Name(request.mode)}")
         try:
-            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), PAUSE_WAIT_TIMEOUT_S)
+            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), self._pause_wait_timeout_s)
         except TimeoutError as error:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         return pb.PauseGenerationResponse(policy_version=self._scheduler.policy_version)

@@ -32,10 +32,15 @@ def _load_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def _load_orbax(path: str) -> dict[str, np.ndarray]:
+    """A checkpoint of a nested dict of arrays, or of a model's `nnx.state`.
+
+    An `nnx.state` checkpoint stores each parameter under ``<path>/value``; the
+    suffix is dropped, as `model_generator.parameter_names` drops it.
+    """
     import orbax.checkpoint as ocp
 
     tree = ocp.PyTreeCheckpointer().restore(str(pathlib.Path(path).resolve()))
-    return flatten_tree(tree)
+    return {name.removesuffix("/value"): array for name, array in flatten_tree(tree).items()}
 
 
 def flatten_tree(tree) -> dict[str, np.ndarray]:

@@ -6,24 +6,36 @@ Run as ``python -m tests.rollout_client.faulty_server --fault FAULT [server args
 import argparse
 import asyncio
 
+import numpy as np
+
+from rollout_client.packed_arrays import LOGPROB_DTYPE
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE
 from rollout_client.server.__main__ import config_from_args
 from rollout_client.server.__main__ import generator_from_args
 from rollout_client.server.__main__ import parse_args
 from rollout_client.server.app import serve
 from rollout_client.server.service import RolloutServicer
 
+FAULTS = ("nan_logprobs", "length_mismatch", "odd_byte_length", "out_of_vocab", "empty")
+
 
 def corrupt(message, fault: str, vocab_size: int) -> None:
     """Breaks one field of a final SampleResult in place."""
+    tokens = np.frombuffer(message.token_ids, TOKEN_ID_DTYPE).copy()
+    logprobs = np.frombuffer(message.logprobs, LOGPROB_DTYPE).copy()
     if fault == "nan_logprobs":
-        message.logprobs[0] = float("nan")
+        logprobs[0] = np.nan
+        message.logprobs = logprobs.tobytes()
     elif fault == "length_mismatch":
-        del message.logprobs[-1]
+        message.logprobs = logprobs[:-1].tobytes()
+    elif fault == "odd_byte_length":
+        message.token_ids = message.token_ids[:-1]
     elif fault == "out_of_vocab":
-        message.token_ids[0] = vocab_size + 5
+        tokens[0] = vocab_size + 5
+        message.token_ids = tokens.tobytes()
     elif fault == "empty":
-        del message.token_ids[:]
-        del message.logprobs[:]
+        message.token_ids = b""
+        message.logprobs = b""
         message.completion_tokens = 0
         del message.version_spans[:]
 
@@ -43,7 +55,7 @@ def faulty_servicer(fault: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", required=True, choices=("nan_logprobs", "length_mismatch", "out_of_vocab", "empty"))
+    parser.add_argument("--fault", required=True, choices=FAULTS)
     known, rest = parser.parse_known_args()
     args = parse_args(rest)
     asyncio.run(serve(config_from_args(args), generator_from_args(args), faulty_servicer(known.fault)))

@@ -14,6 +14,7 @@ from rollout_client import SamplingParams
 from rollout_client import collate
 from rollout_client.protocol import pb
 from rollout_client.samples import RawSample
+from rollout_client.samples import StreamAssembler
 from rollout_client.validation import find_problem
 
 PARAMS = SamplingParams(max_new_tokens=20, stop_token_ids=())
@@ -85,6 +86,40 @@ def raw(tokens, logprobs, spans, completion_tokens=None):
 def test_find_problem(sample, floor, problem):
     found = find_problem(sample, vocab_size=10, version_floor=floor)
     assert (found and found[0]) == problem
+
+
+def packed(values, dtype: str) -> bytes:
+    """Little-endian bytes of `values`; bytes pass through unchanged (to send malformed ones)."""
+    return values if isinstance(values, bytes) else np.asarray(values, dtype).tobytes()
+
+
+def message(kind, tokens, logprobs, **final_fields):
+    """A GenerateResponse with one chunk or final part."""
+    fields = dict(token_ids=packed(tokens, "<i4"), logprobs=packed(logprobs, "<f4"))
+    part = pb.SampleChunk(**fields) if kind == "chunk" else pb.SampleResult(**fields, **final_fields)
+    return pb.GenerateResponse(sample_index=0, **{kind: part})
+
+
+def test_assembler_unpacks_little_endian_bytes_across_chunks():
+    assembler = StreamAssembler()
+    assert assembler.add(message("chunk", [3, 4], [-0.5, -1.5])) is None
+    raw = assembler.add(message("final", [5], [-2.0], completion_tokens=3))
+    assert raw.token_ids.tolist() == [3, 4, 5] and raw.token_ids.dtype == np.int32
+    assert raw.logprobs.tolist() == [-0.5, -1.5, -2.0] and raw.logprobs.dtype == np.float32
+
+
+@pytest.mark.parametrize("chunk, final, problem", [
+    (None, ([1, 2], b"\0" * 7), "bad_byte_length"),
+    (None, (b"\0" * 6, b"\0" * 6), "bad_byte_length"),
+    (([1, 2], [-1.0]), ([3], [-1.0, -1.0]), "length_mismatch"),  # Equal totals, shifted tokens.
+])
+def test_assembler_reports_malformed_bytes_instead_of_decoding_them(chunk, final, problem):
+    assembler = StreamAssembler()
+    if chunk is not None:
+        assembler.add(message("chunk", *chunk))
+    raw = assembler.add(message("final", *final, completion_tokens=3, finish_reason=pb.FINISH_REASON_STOP))
+    assert raw.token_ids.size == 0 and raw.logprobs.size == 0
+    assert find_problem(raw, vocab_size=10, version_floor=None)[0] == problem
 
 
 def test_batch_from_server_passes_corrections_checks(client):

@@ -41,6 +41,7 @@ def test_server_killed_mid_stream_and_restarted_loses_and_duplicates_nothing(sta
 @pytest.mark.parametrize("fault, problem", [
     ("nan_logprobs", "non_finite_logprobs"),
     ("length_mismatch", "length_mismatch"),
+    ("odd_byte_length", "bad_byte_length"),
     ("out_of_vocab", "token_out_of_vocab"),
     ("empty", "empty_completion"),
 ])

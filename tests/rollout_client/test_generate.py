@@ -52,6 +52,16 @@ def test_default_stop_tokens_are_the_servers_eos(client):
     assert sample.sampling.stop_token_ids == tuple(client.info.eos_token_ids) == (1,)
 
 
+def test_eos_ids_flag_sets_server_info_and_stops_generation(start_server):
+    server = start_server("--engine", "scripted", "--vocab-size", "10", "--eos-ids", "1", "7")
+    with RolloutClient(ClientConfig(target=server.target)) as eos_client:
+        assert list(eos_client.info.eos_token_ids) == [1, 7]
+        (sample,) = eos_client.generate(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=200, seed=2)))
+    assert sample.sampling.stop_token_ids == (1, 7)
+    assert sample.finish_reason == FinishReason.STOP and sample.completion_token_ids[-1] == 7
+    assert 7 not in sample.completion_token_ids[:-1]
+
+
 @pytest.mark.parametrize("request_kwargs, field", [
     (dict(logprob_mode=0), "logprob_mode"),
     (dict(stream_chunk_tokens=10), "stream_chunk_tokens"),
@@ -107,6 +117,22 @@ def test_pause_wait_returns_after_active_requests_finish(client):
     assert sample.finish_reason == FinishReason.LENGTH and sample.completion_token_ids.size == 150
     assert client.server_info().paused
     client.resume()
+
+
+def test_pause_wait_times_out_after_the_configured_time_and_stays_unpaused(start_server):
+    server = start_server("--engine", "scripted", "--step-delay-s", "0.002", "--pause-wait-timeout-s", "0.2")
+    with RolloutClient(ClientConfig(target=server.target)) as rollout_client:
+        request = long_request()
+        future = rollout_client.submit(request)
+        time.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(RolloutDeadlineError, match=r"pause\(WAIT\): 1 sequences still active"):
+            rollout_client.pause(PauseMode.WAIT)
+        assert time.monotonic() - start < 5
+        assert not rollout_client.server_info().paused
+        rollout_client.abort([request.request_id])
+        (sample,) = future.result(timeout=10)
+    assert sample.finish_reason == FinishReason.ABORT and sample.completion_token_ids.size > 0
 
 
 def test_deadline_exceeded_raises_deadline_error(scripted_server):

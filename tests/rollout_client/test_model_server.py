@@ -7,6 +7,7 @@ import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -18,6 +19,7 @@ from rollout_client import RolloutClient
 from rollout_client import RolloutRequest
 from rollout_client import SamplingParams
 from rollout_client import collate
+from rollout_client.protocol import pb
 from rollout_client.server.model_generator import parameter_names
 from rollout_client.server.sampling import processed_logprobs
 from tests.rollout_client.conftest import ServerProcess
@@ -25,6 +27,7 @@ from tests.rollout_client.conftest import ServerProcess
 PROMPTS = ([3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
 PROCESSED = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, max_new_tokens=24, stop_token_ids=())
 RAW = SamplingParams(max_new_tokens=24, stop_token_ids=())
+EOS_IDS = (2, 5)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +43,8 @@ def learner_weights(model) -> dict[str, np.ndarray]:
 
 def serve_learner_model(tmp_path_factory, learner_model, dtype):
     server = ServerProcess([sys.executable, "-m", "rollout_client.server", "--engine", "model", "--dtype", dtype,
-                            "--max-batch-size", "4", "--max-seq-len", "64", "--decode-steps-per-call", "8"],
+                            "--max-batch-size", "4", "--max-seq-len", "64", "--decode-steps-per-call", "8",
+                            "--eos-ids", *map(str, EOS_IDS)],
                            tmp_path_factory.mktemp(f"model-{dtype}"))
     client = RolloutClient(ClientConfig(target=server.target, ready_timeout_s=60))
     client.publish_weights(1, weights=learner_weights(learner_model))
@@ -84,18 +88,37 @@ def test_float32_server_logprobs_equal_learner_recomputation(float32_server, lea
     np.testing.assert_allclose(batch.rollout_logprobs, expected, atol=1e-5)
 
 
+def test_server_info_reports_eos_ids_flag(float32_server):
+    assert tuple(float32_server.server_info().eos_token_ids) == EOS_IDS
+
+
 def test_wrong_shape_weights_are_refused_and_old_weights_keep_serving(float32_server, learner_model):
     request = RolloutRequest(PROMPTS[0], SamplingParams(max_new_tokens=8, stop_token_ids=(), seed=1))
     (before,) = float32_server.generate(request)
     weights = learner_weights(learner_model)
     weights["final_norm/scale"] = np.ones(3, np.float32)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        float32_server.publish_weights(2, weights=weights)
+        float32_server.publish_weights(float32_server.server_info().policy_version + 1, weights=weights)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "final_norm/scale" in caught.value.details()
     (after,) = float32_server.generate(request)
     np.testing.assert_array_equal(after.completion_token_ids, before.completion_token_ids)
     np.testing.assert_array_equal(after.logprobs, before.logprobs)
+
+
+def test_update_from_orbax_checkpoint_of_nnx_state(float32_server, learner_model, tmp_path):
+    other_model = Transformer(model_config("tiny"), rngs=nnx.Rngs(8))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "orbax", nnx.state(other_model))
+    version = float32_server.server_info().policy_version + 1
+    try:
+        float32_server.publish_weights(version, path=str(tmp_path / "orbax"), weights_format=pb.WEIGHTS_FORMAT_ORBAX)
+        batch = generate_batch(float32_server, RAW, LogprobMode.RAW)
+    finally:  # The other tests expect the learner model's weights.
+        float32_server.publish_weights(version + 1, weights=learner_weights(learner_model))
+    assert (batch.policy_versions[batch.loss_mask == 1] == version).all()
+    np.testing.assert_allclose(batch.rollout_logprobs, learner_logprobs(other_model, batch, None), atol=1e-5)
+    assert not np.allclose(batch.rollout_logprobs, learner_logprobs(learner_model, batch, None), atol=1e-3)
 
 
 def test_bfloat16_server_has_measurable_mismatch(tmp_path_factory, learner_model, record_property):

@@ -60,7 +60,7 @@ def test_policy_version_must_increase(client):
 
 def test_update_without_pause_is_failed_precondition(client):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        client._run(client._client.stream_weights(1, scale_weights(2.0)))
+        client.stream_weights(1, scale_weights(2.0))
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -82,14 +82,14 @@ class GenerateRequest(_message.Message):
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STREAM_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids: bytes
     sampling: SamplingParams
     num_samples: int
     sample_indices: _containers.RepeatedScalarFieldContainer[int]
     logprob_mode: LogprobMode
     min_policy_version: int
     stream_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., logprob_mode: _Optional[_Union[LogprobMode, str]] = ..., min_policy_version: _Optional[int] = ..., stream_chunk_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., logprob_mode: _Optional[_Union[LogprobMode, str]] = ..., min_policy_version: _Optional[int] = ..., stream_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("start", "end", "policy_version")
@@ -114,10 +114,10 @@ class SampleChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: bytes
+    logprobs: bytes
     version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ...) -> None: ...
 
 class SampleResult(_message.Message):
     __slots__ = ("token_ids", "logprobs", "version_spans", "finish_reason", "prompt_tokens", "completion_tokens", "timings", "sampling")
@@ -129,15 +129,15 @@ class SampleResult(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token_ids: bytes
+    logprobs: bytes
     version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
     sampling: SamplingParams
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("sample_index", "chunk", "final")
