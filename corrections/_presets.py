@@ -88,6 +88,13 @@ PRESETS: dict[str, dict] = {
     },
     # AReaL decoupled PPO: behaviour weight exp(old - roll) masked (not clamped) above behav_imp_weight_cap = 5.
     "areal_decoupled_ppo": {"importance": {"level": "token", "high": 5.0, "overflow": "mask"}},
+    # TRL GRPOTrainer vllm_importance_sampling_correction, by TRL's mode names: ratio exp(old - roll) with one cap C
+    # (vllm_importance_sampling_cap, default 3.0) per token or per sequence; "truncate": min(ratio, C); "mask": 0
+    # above C, the token still counted in the denominator. TRL's clip_min maps to importance.low.
+    "token_truncate": {"importance": {"level": "token", "high": 3.0, "overflow": "truncate"}},
+    "token_mask": {"importance": {"level": "token", "high": 3.0, "overflow": "mask"}},
+    "sequence_truncate": {"importance": {"level": "sequence", "high": 3.0, "overflow": "truncate"}},
+    "sequence_mask": {"importance": {"level": "sequence", "high": 3.0, "overflow": "mask"}},
     # "When Speed Kills Stability": Geo-RS with token TIS.
     "geo_rs_token_tis": {"importance": {"level": "token", "high": 2.0}, "rejection": [_GEO_RS]},
 }

@@ -13,17 +13,22 @@ prefix) and padded tokens (``attention_mask`` False) are 0.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from learner.model import Transformer
+from learner.sampler_replay import SamplerParams
+from learner.sampler_replay import replayed_token_stats
 
 
 def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array, *,
-                   temperature: float | jax.Array = 1.0, chunk_size: int = 512, return_entropy: bool = False):
-    """Log-probabilities of each token under the model at a sampling temperature.
+                   temperature: float | jax.Array = 1.0, chunk_size: int = 512, return_entropy: bool = False,
+                   sampling: SamplerParams | None = None):
+    """Log-probabilities of each token under the model at a sampling temperature, or under the replayed sampler.
 
     Args:
         model: the transformer.
@@ -33,6 +38,9 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
         temperature: logits are divided by it before the log-softmax (the sampler's temperature).
         chunk_size: tokens per chunk; peak logits memory is ``B * chunk_size * V * 4`` bytes.
         return_entropy: also return the entropy of each predictive distribution, aligned like the logprobs.
+        sampling: per-sequence ``[B]`` sampling parameters to replay (PROCESSED logprobs): temperature, then top-k,
+            top-p, min-p as the server applied them (see `learner.sampler_replay`); ``temperature`` must then stay
+            1.0. None (default): plain ``log_softmax(logits / temperature)``.
 
     Returns:
         ``[B, T]`` float32 logprobs (aligned with the scored token, see the module docstring), or
@@ -49,18 +57,55 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
     """
     hidden = model(tokens, positions, attention_mask)
     return logprobs_from_hidden(hidden, model.output_kernel(), tokens, attention_mask, temperature=temperature,
-                                chunk_size=chunk_size, return_entropy=return_entropy)
+                                chunk_size=chunk_size, return_entropy=return_entropy, sampling=sampling)
 
 
 def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: jax.Array,
                          attention_mask: jax.Array | None = None, *, temperature: float | jax.Array = 1.0,
-                         chunk_size: int = 512, return_entropy: bool = False):
+                         chunk_size: int = 512, return_entropy: bool = False, sampling: SamplerParams | None = None):
     """`token_logprobs` from final hidden states ``[B, T, D]`` and the ``[D, V]`` output projection.
 
     Example:
         >>> lp = logprobs_from_hidden(jnp.ones((1, 3, 4)), jnp.zeros((4, 8)), jnp.array([[1, 2, 3]]))
         >>> bool(jnp.allclose(lp, jnp.array([[0.0, -jnp.log(8.0), -jnp.log(8.0)]])))
         True
+    """
+    if sampling is None:
+        stats = functools.partial(_plain_token_stats, temperature=temperature, with_entropy=return_entropy)
+    else:
+        if isinstance(temperature, (int, float)) and temperature != 1.0:
+            raise ValueError(f"temperature={temperature}: with `sampling`, the per-sequence sampling.temperature "
+                             "is used; leave temperature at 1.0")
+        stats = functools.partial(replayed_token_stats, sampling=sampling, with_entropy=return_entropy)
+    out = map_token_chunks(stats, hidden, output_kernel, tokens, attention_mask, chunk_size=chunk_size)
+    if not return_entropy:
+        return out["logprobs"]
+    return out["logprobs"], out["entropy"]
+
+
+def _plain_token_stats(logits, targets, *, temperature, with_entropy):
+    """Logprobs (and entropy) of targets under ``softmax(logits / temperature)``."""
+    logits = logits / temperature
+    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    stats = {"logprobs": target_logits - log_normalizer}
+    if with_entropy:
+        stats["entropy"] = log_normalizer - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+    return stats
+
+
+def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax.Array]], hidden: jax.Array,
+                     output_kernel: jax.Array, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
+                     chunk_size: int = 512) -> dict[str, jax.Array]:
+    """Per-token statistics of the next-token logits, one chunk of the token axis at a time.
+
+    Args:
+        token_stats: ``(logits [B, C, V] float32, targets [B, C]) -> {name: [B, C]}``, the statistics of the
+            distribution at each hidden position and the token that follows it.
+        hidden, output_kernel, tokens, attention_mask, chunk_size: as in `logprobs_from_hidden`.
+
+    Returns:
+        ``{name: [B, T]}`` aligned with the scored token (see the module docstring), 0 where not scored.
     """
     batch, seq_len, _ = hidden.shape
     chunk_size = min(chunk_size, seq_len)
@@ -80,20 +125,10 @@ def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: ja
     def chunk_stats(chunk):
         chunk_hidden, chunk_targets = chunk
         logits = jnp.einsum("bcd,dv->bcv", chunk_hidden, output_kernel, preferred_element_type=jnp.float32)
-        logits = logits / temperature
-        log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-        target_logits = jnp.take_along_axis(logits, chunk_targets[..., None], axis=-1)[..., 0]
-        logprobs = target_logits - log_normalizer
-        if not return_entropy:
-            return logprobs, None
-        expected_logit = jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-        return logprobs, log_normalizer - expected_logit
+        return token_stats(logits, chunk_targets)
 
-    logprobs, entropy = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(next_tokens)))
+    stats = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(next_tokens)))
     scored = jnp.arange(seq_len)[None, :] > 0
     if attention_mask is not None:
         scored = scored & attention_mask.astype(bool)
-    logprobs = jnp.where(scored, from_chunks(logprobs), 0.0)
-    if not return_entropy:
-        return logprobs
-    return logprobs, jnp.where(scored, from_chunks(entropy), 0.0)
+    return {name: jnp.where(scored, from_chunks(value), 0.0) for name, value in stats.items()}

@@ -1,0 +1,66 @@
+"""Time of the chunked logprob pass with and without sampler replay, measured in the same run.
+
+The pass is `learner.logprobs.logprobs_from_hidden` (output projection, log-softmax, gather, chunk by chunk), jitted,
+forward only (the proximal-logprob recompute). "Without" divides by the temperature only; "with" replays the
+per-sequence temperature, top-k, top-p and min-p. Runs alternate so that load on a shared machine hits both alike;
+the ratio of the medians is reported (target <= 1.3).
+
+    python scripts/bench_sampler_replay.py --batch 4 --seq-len 256 --width 1024 --vocab 32768
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from learner.logprobs import logprobs_from_hidden
+from learner.sampler_replay import SamplerParams
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--min-p", type=float, default=0.05)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (args.batch, args.seq_len, args.width), jnp.float32)
+    kernel = jax.random.normal(keys[1], (args.width, args.vocab), jnp.float32) * 3 / args.width ** 0.5
+    tokens = jax.random.randint(keys[2], (args.batch, args.seq_len), 0, args.vocab)
+    full = lambda value, dtype: jnp.full((args.batch,), value, dtype)
+    sampling = SamplerParams(full(args.temperature, jnp.float32), full(args.top_k, jnp.int32),
+                             full(args.top_p, jnp.float32), full(args.min_p, jnp.float32))
+    plain = jax.jit(lambda h, k, t: logprobs_from_hidden(h, k, t, temperature=args.temperature,
+                                                         chunk_size=args.chunk_size))
+    replay = jax.jit(lambda h, k, t, s: logprobs_from_hidden(h, k, t, chunk_size=args.chunk_size, sampling=s))
+    timed(plain, hidden, kernel, tokens)
+    timed(replay, hidden, kernel, tokens, sampling)
+    plain_s, replay_s = [], []
+    for _ in range(args.repeats):
+        plain_s.append(timed(plain, hidden, kernel, tokens))
+        replay_s.append(timed(replay, hidden, kernel, tokens, sampling))
+    without, with_replay = statistics.median(plain_s), statistics.median(replay_s)
+    print(f"backend={jax.default_backend()} B={args.batch} T={args.seq_len} D={args.width} V={args.vocab} "
+          f"chunk={args.chunk_size} top_k={args.top_k} top_p={args.top_p} min_p={args.min_p}")
+    print(f"without replay: {without * 1e3:.1f} ms  with replay: {with_replay * 1e3:.1f} ms (medians of "
+          f"{args.repeats})")
+    print(f"ratio with/without: {with_replay / without:.3f} (target <= 1.3)")
+
+
+if __name__ == "__main__":
+    main()
