@@ -20,7 +20,8 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
     Modes: ``token-mean`` sum(loss*m) / sum(m_den); ``seq-mean-token-mean`` sum over rows of
     sum_t(loss*m) / sum_t(m_den), over the rows with a non-empty ``m_den``; ``seq-mean-token-sum`` row sums over
     the same row count; ``seq-mean-token-sum-norm`` (Dr. GRPO) sum(loss*m) / (B * max_len), max_len defaulting
-    to T; ``token-sum`` sum(loss*m) / 1.
+    to T; ``token-sum`` sum(loss*m) with denominator 0 (so that summing denominators over micro-batches keeps it
+    undivided; the reduced loss divides by ``max(denominator, 1)``).
 
     >>> import numpy as np
     >>> loss, m = np.array([[1.0, 3.0], [5.0, np.nan]]), np.array([[1, 1], [1, 0]])
@@ -48,7 +49,7 @@ def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int):
     if mode == "seq-mean-token-sum-norm":
         return jnp.sum(row_sums), jnp.float32(row_sums.shape[0] * max_len)
     if mode == "token-sum":
-        return jnp.sum(row_sums), jnp.float32(1.0)
+        return jnp.sum(row_sums), jnp.float32(0.0)  # no division: 0 adds up over micro-batches
     raise ValueError(f"reduction mode={mode!r} is not an option.")
 
 

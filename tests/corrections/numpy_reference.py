@@ -373,7 +373,7 @@ def reduction_terms(loss, m, den_mask, mode, max_len=None):
     if mode == "seq-mean-token-sum-norm":
         return rs.sum(), float(B * (max_len or T))
     if mode == "token-sum":
-        return rs.sum(), 1.0
+        return rs.sum(), 0.0  # no division; 0 adds up over micro-batches and max(0, 1) = 1
     raise ValueError(mode)
 
 

@@ -1,0 +1,25 @@
+"""The rollout batch the update step trains on: right-padded ``[B, T]`` arrays, aligned with the scored token.
+
+Column ``t`` of every per-token field describes token ``tokens[:, t]``: ``rollout_logprobs[:, t]`` is the
+logprob the server sampled it with, ``loss_mask[:, t]`` says whether it is trained on (completion tokens: 1;
+prompt, padding and column 0: 0), and ``policy_version[:, t]`` is the policy version the server stamped on it.
+This is the alignment of `learner.logprobs` (``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class RolloutBatch:
+    """One rollout batch; every field is ``[B, T]`` (host NumPy or device arrays)."""
+
+    tokens: jax.Array  # int32 token ids, prompt then completion, right-padded.
+    positions: jax.Array  # int32 RoPE positions, usually arange(T) per row.
+    attention_mask: jax.Array  # bool / 0-1: real tokens (prompt and completion).
+    loss_mask: jax.Array  # float32 0/1: tokens the loss trains on (sampled completion tokens).
+    advantages: jax.Array  # float32 per-token advantages (a sequence's advantage broadcast over its tokens).
+    rollout_logprobs: jax.Array  # float32 logprobs the inference server sampled each token with.
+    policy_version: jax.Array  # int32 policy version that sampled each token (for staleness metrics).

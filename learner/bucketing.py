@@ -1,0 +1,97 @@
+"""Pads rollout batches to a few fixed shapes, so a run compiles a handful of update programs, not one per batch.
+
+Every distinct ``[B, T]`` is a new XLA program (tens of seconds of compilation each). Rollout lengths vary from
+batch to batch, so the token axis is cut to the longest real row and padded up to a bucket length (powers of two
+from ``min_length``, or multiples of ``multiple``), and the row axis is padded to a multiple of the update's
+``num_minibatches * num_microbatches * data_parallel`` (`learner.update.UpdateConfig.row_multiple`). Padding is
+fully masked (attention and loss masks 0), so it changes no loss and no gradient. Runs on host NumPy arrays,
+before the batch is put on devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from learner.batch import RolloutBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketConfig:
+    """Bucket lengths of the token axis; validated when built.
+
+    Example:
+        >>> BucketConfig(min_length=256, multiple=128)
+        BucketConfig(min_length=256, multiple=128, max_length=None)
+    """
+
+    min_length: int = 128  # shortest bucket.
+    multiple: int | None = None  # None: buckets are min_length * 2^k; else multiples of this (at least min_length).
+    max_length: int | None = None  # longest allowed bucket (e.g. the model's max_seq_len); None: unbounded.
+
+    def __post_init__(self):
+        for name in ("min_length", "multiple", "max_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"BucketConfig.{name}={value!r} must be an int >= 1" +
+                                 ("." if name == "min_length" else " or None."))
+        if self.max_length is not None and self.max_length < self.min_length:
+            raise ValueError(f"BucketConfig.max_length={self.max_length} is below min_length={self.min_length}.")
+
+
+def bucket_length(length: int, config: BucketConfig) -> int:
+    """The smallest bucket length that holds ``length`` tokens.
+
+    Example:
+        >>> [bucket_length(n, BucketConfig(min_length=32)) for n in (1, 32, 33, 200)]
+        [32, 32, 64, 256]
+        >>> [bucket_length(n, BucketConfig(min_length=256, multiple=128)) for n in (1, 256, 257, 300)]
+        [256, 256, 384, 384]
+    """
+    if config.multiple is None:
+        bucket = config.min_length
+        while bucket < length:
+            bucket *= 2
+    else:
+        bucket = max(config.min_length, -(-length // config.multiple) * config.multiple)
+    if config.max_length is not None and bucket > config.max_length:
+        if length > config.max_length:
+            raise ValueError(f"sequence length {length} exceeds BucketConfig.max_length={config.max_length}.")
+        bucket = config.max_length
+    return bucket
+
+
+def pad_batch(batch: RolloutBatch, config: BucketConfig, row_multiple: int = 1) -> RolloutBatch:
+    """Cuts ``batch`` to its longest real row, then pads T to its bucket and B to a multiple of ``row_multiple``.
+
+    Args:
+        batch: host arrays ``[B, T]``, right-padded.
+        config: the token-axis buckets.
+        row_multiple: rows are padded with fully masked rows to a multiple of this.
+
+    Returns:
+        A `RolloutBatch` of NumPy arrays ``[B', T']``; the original rows and columns first, padding zero.
+
+    Example:
+        >>> tokens = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0]])
+        >>> zeros = np.zeros_like(tokens)
+        >>> batch = RolloutBatch(tokens, zeros, tokens > 0, zeros, zeros, zeros, zeros)
+        >>> pad_batch(batch, BucketConfig(min_length=4), row_multiple=4).tokens.tolist()
+        [[1, 2, 3, 0], [4, 5, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    """
+    if row_multiple < 1:
+        raise ValueError(f"row_multiple={row_multiple} must be >= 1.")
+    attention = np.asarray(batch.attention_mask).astype(bool)
+    rows, columns = attention.shape
+    real_columns = np.flatnonzero(attention.any(axis=0))
+    length = int(real_columns[-1]) + 1 if real_columns.size else 1
+    target_rows = -(-rows // row_multiple) * row_multiple
+    target_columns = bucket_length(length, config)
+
+    def pad(x):
+        x = np.asarray(x)[:, :length]
+        return np.pad(x, ((0, target_rows - rows), (0, target_columns - x.shape[1])))
+
+    return jax.tree.map(pad, batch)

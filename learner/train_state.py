@@ -1,0 +1,104 @@
+"""The learner's whole mutable state as one pytree: what the update step donates and the checkpoints save.
+
+``TrainState`` is a ``flax.struct.dataclass`` (a pytree with a fixed structure, no methods that touch devices)::
+
+    TrainState(
+        params,          # nnx.State of the Transformer: nnx.state(model), leaves are Param variables of arrays.
+        opt_state,       # optax state of learner.optimizer.make_optimizer(config) applied to params.
+        step,            # int32 scalar: optimizer updates applied (skipped non-finite updates included).
+        policy_version,  # int32 scalar: version of the published policy; +1 per update call (rollout batch).
+        rng,             # uint32 [2]: raw PRNG key data (jax.random.key_data), split by every update call.
+    )
+
+Every leaf is a jax.Array; ``train_state_shardings`` gives the NamedSharding tree with the same structure (params
+by the rules of `learner.sharding`, optimizer moments like their parameter, scalars and the key replicated), which
+is what a checkpoint restores onto, possibly on another mesh. The model's graph (``nnx.split(model)[0]``) is not
+part of the state: rebuild it from the ModelConfig and ``nnx.merge(graphdef, state.params)``. The key is stored
+as raw uint32 data rather than a typed key so that any array serializer handles it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from learner.model import ModelConfig, Transformer
+from learner.sharding import DEFAULT_RULES, Rules, state_shardings
+
+
+@struct.dataclass
+class TrainState:
+    """Parameters, optimizer state, counters and PRNG key of the learner (see the module docstring)."""
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+    policy_version: jax.Array
+    rng: jax.Array
+
+
+def create_train_state(model: Transformer, optimizer: optax.GradientTransformation, seed: int = 0,
+                       policy_version: int = 0) -> TrainState:
+    """A fresh state for ``model``'s parameters: optimizer initialised, step 0.
+
+    Example:
+        >>> from learner.model import model_config
+        >>> state = create_train_state(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> int(state.step), state.rng.dtype
+        (0, dtype('uint32'))
+    """
+    params = nnx.state(model)
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                      policy_version=jnp.asarray(policy_version, jnp.int32),
+                      rng=jax.random.key_data(jax.random.key(seed)))
+
+
+def train_state_shardings(state: TrainState, optimizer: optax.GradientTransformation, mesh: Mesh,
+                          rules: Rules = DEFAULT_RULES) -> TrainState:
+    """NamedShardings of every leaf of ``state`` (which may be abstract, e.g. from ``jax.eval_shape``).
+
+    Optimizer leaves shaped like the parameters (Adam moments) are sharded like them, the rest replicated.
+
+    Example:
+        >>> from learner.model import model_config
+        >>> from learner.sharding import make_mesh
+        >>> state = create_train_state(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)), optax.adam(0.1))
+        >>> shardings = train_state_shardings(state, optax.adam(0.1), make_mesh(data=2, fsdp=2, tensor=2))
+        >>> shardings.opt_state[0].mu["lm_head"]["kernel"].get_value().spec, shardings.step.spec
+        (P('fsdp', 'tensor'), P())
+    """
+    param_shardings = state_shardings(state.params, mesh, rules)
+    replicated = NamedSharding(mesh, P())
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding, state.opt_state,
+                                          param_shardings, transform_non_params=lambda _: replicated)
+    return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated,
+                      policy_version=replicated, rng=replicated)
+
+
+def create_sharded_train_state(config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh, *,
+                               seed: int = 0, rules: Rules = DEFAULT_RULES
+                               ) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Builds the model and its train state directly in their shardings (no full copy on one device).
+
+    Works unchanged with several processes: every process runs it and holds its shards. The model is
+    initialised from ``nnx.Rngs(seed)``, the state's key from ``seed``.
+
+    Returns:
+        ``(graphdef, state, shardings)``; ``shardings`` is `train_state_shardings` of the state.
+
+    Example:
+        >>> from learner.model import model_config
+        >>> from learner.sharding import make_mesh
+        >>> _, state, _ = create_sharded_train_state(model_config("tiny"), optax.adam(0.1), make_mesh(data=4, tensor=2))
+        >>> state.params["lm_head"]["kernel"].get_value().sharding.spec
+        P('fsdp', 'tensor')
+    """
+    def init():
+        return create_train_state(Transformer(config, rngs=nnx.Rngs(seed)), optimizer, seed)
+
+    shardings = train_state_shardings(jax.eval_shape(init), optimizer, mesh, rules)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
+    return graphdef, jax.jit(init, out_shardings=shardings)(), shardings

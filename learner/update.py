@@ -1,0 +1,254 @@
+"""One learner update per rollout batch, as ONE jitted call with the train state donated.
+
+Inside the call:
+
+1. The proximal (old-policy) logprobs are recomputed once for the whole batch with the current parameters, and the
+   reference logprobs with the frozen reference parameters when ``kl_coef > 0``; both run one micro-batch of rows at
+   a time, under the same shardings as the training forward.
+2. ``lax.scan`` over epochs (``ppo_epochs``), each reshuffling the rows with ``jax.random.permutation``, and within an
+   epoch ``lax.scan`` over mini-batches: one optimizer update each.
+3. Within a mini-batch, ``lax.scan`` over micro-batches accumulates the gradient of ``corrections.compute``'s loss
+   numerator in buffers sharded like the parameters, and sums its denominator; the mini-batch gradient is the sum
+   divided once by the summed denominator, so the loss is a global token mean (or whatever the reduction's global
+   form is), never a mean of per-micro-batch means. Under jit the arrays are global, so with several data-parallel
+   shards the denominator is global too.
+
+Rows are split into mini- and micro-batches by stride (part ``i`` holds rows ``i, i + n, i + 2n, ...``), so every
+part keeps the batch's ``("data", "fsdp")`` sharding and no rows move between devices except in the shuffle.
+Metrics are device arrays of shape ``[ppo_epochs * num_minibatches]`` (one entry per optimizer update); the
+corrections' metrics are averaged over the micro-batches of an update, while ``actor/pg_loss`` is the global loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import corrections
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from learner.batch import RolloutBatch
+from learner.logprobs import token_logprobs
+from learner.optimizer import skipped_updates
+from learner.sharding import BATCH_AXES, batch_sharding
+from learner.train_state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """How one rollout batch is turned into optimizer updates; validated when built.
+
+    Example:
+        >>> UpdateConfig(num_minibatches=2, num_microbatches=4).row_multiple(data_parallel=2)
+        16
+    """
+
+    corrections: corrections.CorrectionConfig = corrections.CorrectionConfig()  # objective, weights, masks, KL.
+    num_minibatches: int = 1  # optimizer updates per epoch; the batch is split into this many mini-batches.
+    num_microbatches: int = 1  # gradient-accumulation steps per mini-batch (memory, not math).
+    ppo_epochs: int = 1  # passes over the batch, reshuffled each time.
+    shuffle: bool = True  # permute rows before splitting them into mini-batches, every epoch.
+    temperature: float = 1.0  # sampling temperature the logprobs are computed at.
+    logprob_chunk_size: int = 512  # tokens per chunk of the output projection (see learner.logprobs).
+    rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
+
+    def __post_init__(self):
+        if not isinstance(self.corrections, corrections.CorrectionConfig):
+            raise ValueError("UpdateConfig.corrections must be a corrections.CorrectionConfig.")
+        for name in ("num_minibatches", "num_microbatches", "ppo_epochs", "logprob_chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"UpdateConfig.{name}={value!r} must be an int >= 1.")
+        if self.rows_per_chunk is not None and (not isinstance(self.rows_per_chunk, int) or self.rows_per_chunk < 0):
+            raise ValueError(f"UpdateConfig.rows_per_chunk={self.rows_per_chunk!r} must be an int >= 0 or None.")
+        if not self.temperature > 0:
+            raise ValueError(f"UpdateConfig.temperature={self.temperature!r} must be > 0.")
+
+    def row_multiple(self, data_parallel: int) -> int:
+        """Rows B must be a multiple of this: every micro-batch splits evenly over the data-parallel shards."""
+        return self.num_minibatches * self.num_microbatches * data_parallel
+
+
+def _split_rows(x: jax.Array, parts: int) -> jax.Array:
+    """``[B, ...] -> [parts, B / parts, ...]``, part ``i`` holding rows ``i, i + parts, ...``."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // parts, parts, *x.shape[1:]), 0, 1)
+
+
+def _merge_rows(x: jax.Array) -> jax.Array:
+    """Inverse of `_split_rows`."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def _constrain_rows(tree, mesh: Mesh | None, leading: int):
+    """Pins the row axis (after ``leading`` split axes) of every leaf to the batch axes of ``mesh``."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(*(None,) * leading, BATCH_AXES)))
+
+
+def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, config: UpdateConfig,
+                       mesh: Mesh | None = None) -> jax.Array:
+    """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient.
+
+    Example:
+        >>> from learner.model import Transformer, model_config
+        >>> graphdef, params = nnx.split(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)))
+        >>> tokens = jnp.ones((2, 4), jnp.int32)
+        >>> batch = RolloutBatch(tokens, jnp.broadcast_to(jnp.arange(4), (2, 4)), tokens > 0, *(tokens,) * 4)
+        >>> recompute_logprobs(graphdef, params, batch, UpdateConfig(num_microbatches=2)).shape
+        (2, 4)
+    """
+    def chunk_logprobs(rows):
+        tokens, positions, attention_mask = rows
+        return token_logprobs(nnx.merge(graphdef, params), tokens, positions, attention_mask,
+                              temperature=config.temperature, chunk_size=config.logprob_chunk_size)
+
+    parts = config.num_minibatches * config.num_microbatches
+    rows = (batch.tokens, batch.positions, batch.attention_mask)
+    chunks = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, parts), rows), mesh, 1)
+    logprobs = _merge_rows(jax.lax.map(chunk_logprobs, chunks))
+    return jax.lax.stop_gradient(_constrain_rows(logprobs, mesh, 0))
+
+
+def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig):
+    """Loss numerator of one micro-batch, with its denominator and the corrections' metrics as aux."""
+    batch, proximal, ref = rows
+    need_entropy = config.corrections.entropy_coef > 0
+    out = token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
+                         temperature=config.temperature, chunk_size=config.logprob_chunk_size,
+                         return_entropy=need_entropy)
+    logprobs, entropy = out if need_entropy else (out, None)
+    corrected = corrections.compute(
+        logprobs, batch.advantages, batch.loss_mask, config.corrections, proximal_logprobs=proximal,
+        rollout_logprobs=batch.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
+        policy_lag=policy_version - batch.policy_version, key=key, rows_per_chunk=config.rows_per_chunk)
+    return corrected.loss_numerator, (corrected.loss_denominator, corrected.metrics)
+
+
+def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
+                        graphdef: nnx.GraphDef, config: UpdateConfig, mesh: Mesh | None = None,
+                        param_shardings=None):
+    """Gradient and loss of one mini-batch, accumulated over ``config.num_microbatches`` micro-batches.
+
+    Args:
+        params: model parameters (nnx.State).
+        rows: ``(batch, proximal_logprobs, ref_logprobs)`` of the mini-batch; the logprobs may be None.
+        policy_version: int32 scalar, the learner's version (staleness metrics).
+        key: PRNG key for the objective (clip-cov).
+        graphdef: the model's graph.
+        config: the update config.
+        mesh: if given, micro-batch rows are pinned to its batch axes.
+        param_shardings: if given, the gradient accumulator is pinned to these shardings.
+
+    Returns:
+        ``(grads, loss, denominator, metrics)``: the gradient of the global loss ``loss = sum(numerators) /
+        max(sum(denominators), 1)``, the loss, the summed denominator and the micro-batch-averaged corrections
+        metrics.
+    """
+    n = config.num_microbatches
+    micro_rows = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, n), rows), mesh, 1)
+    constrain_like_params = (lambda tree: tree if param_shardings is None
+                             else jax.lax.with_sharding_constraint(tree, param_shardings))
+    grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
+
+    def accumulate(carry, xs):
+        grads_sum, numerator_sum, denominator_sum = carry
+        micro, micro_key = xs
+        (numerator, (denominator, metrics)), grads = grad_fn(params, graphdef, micro, policy_version, micro_key,
+                                                            config)
+        grads_sum = constrain_like_params(jax.tree.map(jnp.add, grads_sum, grads))
+        return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), metrics
+
+    zeros = constrain_like_params(jax.tree.map(jnp.zeros_like, params))
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    (grads_sum, numerator, denominator), metrics = jax.lax.scan(
+        accumulate, init, (micro_rows, jax.random.split(key, n)))
+    scale = 1.0 / jnp.maximum(denominator, 1.0)
+    grads = jax.tree.map(lambda g: g * scale, grads_sum)
+    return grads, numerator * scale, denominator, jax.tree.map(jnp.mean, metrics)
+
+
+def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
+                     optimizer: optax.GradientTransformation, config: UpdateConfig, mesh: Mesh | None = None,
+                     param_shardings=None) -> tuple[TrainState, dict]:
+    """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state and metrics.
+
+    A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it.
+    """
+    grads, loss, denominator, metrics = minibatch_gradients(
+        state.params, rows, state.policy_version, key, graphdef=graphdef, config=config, mesh=mesh,
+        param_shardings=param_shardings)
+    grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics)
+    metrics.update({
+        "actor/pg_loss": loss,
+        "actor/loss_denominator": denominator,
+        "actor/grad_norm": optax.tree.norm(grads),
+        "actor/skipped_updates": skipped_updates(opt_state),
+    })
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | None = None, *,
+                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
+                mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, dict]:
+    """The whole update for one rollout batch (un-jitted; see `make_update_fn`).
+
+    Rows ``B`` must be a multiple of ``config.num_minibatches * config.num_microbatches`` (pad with fully masked
+    rows: `learner.bucketing`). ``ref_params`` is required when ``config.corrections.kl_coef > 0``.
+
+    Returns:
+        The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split)
+        and metrics of shape ``[ppo_epochs * num_minibatches]``.
+    """
+    parts = config.num_minibatches * config.num_microbatches
+    if batch.tokens.shape[0] % parts:
+        raise ValueError(f"batch rows {batch.tokens.shape[0]} are not a multiple of num_minibatches * "
+                         f"num_microbatches = {parts}; pad the batch (learner.bucketing.pad_batch).")
+    if config.corrections.kl_coef > 0 and ref_params is None:
+        raise ValueError("ref_params are required when corrections.kl_coef > 0.")
+    batch = _constrain_rows(batch, mesh, 0)
+    proximal = (recompute_logprobs(graphdef, state.params, batch, config, mesh)
+                if config.corrections.mode == "decoupled" else None)
+    ref = recompute_logprobs(graphdef, ref_params, batch, config, mesh) if config.corrections.kl_coef > 0 else None
+    rng, epochs_key = jax.random.split(jax.random.wrap_key_data(state.rng))
+    update = functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
+                               param_shardings=param_shardings)
+
+    def epoch(state, epoch_key):
+        shuffle_key, minibatch_key = jax.random.split(epoch_key)
+        rows = (batch, proximal, ref)
+        if config.shuffle:
+            order = jax.random.permutation(shuffle_key, batch.tokens.shape[0])
+            rows = jax.tree.map(lambda x: x[order], rows)
+        minibatches = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, config.num_minibatches), rows), mesh, 1)
+        keys = jax.random.split(minibatch_key, config.num_minibatches)
+        return jax.lax.scan(lambda s, xs: update(s, *xs), state, (minibatches, keys))
+
+    state, metrics = jax.lax.scan(epoch, state, jax.random.split(epochs_key, config.ppo_epochs))
+    metrics = jax.tree.map(lambda m: m.reshape(-1), metrics)
+    return state.replace(policy_version=state.policy_version + 1, rng=jax.random.key_data(rng)), metrics
+
+
+def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
+                   mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None):
+    """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params) -> (state, metrics)``.
+
+    The state is donated and keeps ``shardings`` (from `learner.train_state.train_state_shardings`); batch leaves
+    are sharded over ``("data", "fsdp")``; ``ref_params`` (None unless ``kl_coef > 0``) like the parameters;
+    metrics come back replicated. Each new batch shape compiles a new program: bucket them (`learner.bucketing`).
+    ``compiler_options`` are XLA options for this program (e.g. ``{"xla_backend_optimization_level": 0}`` trades
+    CPU run time for a faster compile in tests).
+    """
+    step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
+                             param_shardings=shardings.params)
+    ref_shardings = shardings.params if config.corrections.kl_coef > 0 else None
+    return jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings),
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0,
+                   compiler_options=compiler_options)

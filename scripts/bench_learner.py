@@ -1,0 +1,122 @@
+"""Benchmark: tokens/s and model FLOPs utilisation of the full learner update, against a peak measured in the run.
+
+The timed call is one `learner.update.make_update_fn` call: proximal recompute + forward/backward + corrections
+(decoupled PPO with token TIS) + AdamW, one mini-batch and one micro-batch, on a mesh over every local device.
+
+Counted FLOPs per call (matmuls only; the embedding lookup is a gather and counts nothing)::
+
+    8 * N * B * T                        6 N per token for forward + backward, 2 N for the recompute forward
+    + 4 passes * 4 * B * T^2 * H * Dh * L  attention scores and weighted values (the full T x T square is computed)
+
+where N is the number of matmul parameters (all parameters but an untied embedding table). Peak is the best
+achieved FLOP/s of a large float32 matmul in the same run; MFU = counted FLOPs / time / peak.
+
+    python scripts/bench_learner.py [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import corrections
+from learner.batch import RolloutBatch
+from learner.model import ModelConfig, count_params, model_config
+from learner.optimizer import OptimizerConfig, make_optimizer
+from learner.sharding import make_mesh
+from learner.train_state import create_sharded_train_state
+from learner.update import UpdateConfig, make_update_fn
+
+
+def peak_flops(size: int = 2048, repeats: int = 5) -> float:
+    """Best achieved FLOP/s of a ``size x size`` float32 matmul."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def update_flops(config: ModelConfig, batch: int, length: int) -> float:
+    """Counted FLOPs of one update call (see the module docstring)."""
+    embedding = 0 if config.tie_embeddings else config.vocab_size * config.hidden_size
+    matmul_params = count_params(config) - embedding
+    attention = 4 * batch * length**2 * config.num_heads * config.head_dim * config.num_layers
+    return 8 * matmul_params * batch * length + 4 * attention
+
+
+def synthetic_batch(config: ModelConfig, batch: int, length: int) -> RolloutBatch:
+    """Full-length rows: a prompt half and a trained completion half."""
+    rng = np.random.default_rng(0)
+    shape = (batch, length)
+    loss_mask = np.broadcast_to(np.arange(length) >= length // 2, shape).astype(np.float32)
+    return RolloutBatch(tokens=rng.integers(0, config.vocab_size, shape).astype(np.int32),
+                        positions=np.broadcast_to(np.arange(length, dtype=np.int32), shape),
+                        attention_mask=np.ones(shape, bool), loss_mask=loss_mask,
+                        advantages=np.broadcast_to(rng.normal(size=(batch, 1)), shape).astype(np.float32),
+                        rollout_logprobs=np.where(loss_mask > 0, -rng.uniform(5, 12, shape), 0).astype(np.float32),
+                        policy_version=np.zeros(shape, np.int32))
+
+
+def bench(name: str, batch_size: int, length: int, steps: int) -> dict:
+    """Compile and time the update for one model config; returns a table row."""
+    config = model_config(name)
+    mesh = make_mesh(data=-1)
+    optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-5, total_steps=1000))
+    update_config = UpdateConfig(
+        corrections=corrections.CorrectionConfig(importance=corrections.ImportanceWeights("token", high=2.0)),
+        logprob_chunk_size=min(length, 512))
+    graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
+    update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings)
+    batch = synthetic_batch(config, batch_size, length)
+    start = time.perf_counter()
+    state, metrics = update(state, batch, None)
+    jax.block_until_ready(metrics)
+    compile_seconds = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = update(state, batch, None)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    del state
+    seconds = float(np.median(times))
+    flops = update_flops(config, batch_size, length)
+    return dict(config=name, params=count_params(config), batch=batch_size, length=length,
+                compile_s=compile_seconds, step_s=seconds, tokens_per_s=batch_size * length / seconds,
+                flops=flops, flops_per_s=flops / seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["tiny", "100m"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[16, 4], help="rows B, one per config")
+    parser.add_argument("--length", nargs="+", type=int, default=[128, 128], help="tokens T, one per config")
+    parser.add_argument("--steps", type=int, default=3, help="timed calls after the compiling one")
+    args = parser.parse_args()
+    if not len(args.configs) == len(args.batch) == len(args.length):
+        parser.error("--configs, --batch and --length need one value per config")
+    peak = peak_flops()
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
+          f"peak (float32 2048^3 matmul): {peak / 1e9:.1f} GFLOP/s")
+    header = ("config", "params", "B", "T", "compile s", "step s", "tokens/s", "GFLOP/step", "GFLOP/s", "MFU")
+    print(" | ".join(header))
+    for name, batch_size, length in zip(args.configs, args.batch, args.length):
+        row = bench(name, batch_size, length, args.steps)
+        print(" | ".join([row["config"], f"{row['params'] / 1e6:.1f}M", str(row["batch"]), str(row["length"]),
+                          f"{row['compile_s']:.1f}", f"{row['step_s']:.3f}", f"{row['tokens_per_s']:.0f}",
+                          f"{row['flops'] / 1e9:.1f}", f"{row['flops_per_s'] / 1e9:.1f}",
+                          f"{row['flops_per_s'] / peak:.1%}"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

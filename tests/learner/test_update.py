@@ -1,0 +1,173 @@
+"""The one-call update: the same loss and gradients on every mesh and micro-batch count, the mini-batch scan equal
+to the same updates one by one, exactly zero gradients from padding, PPO improving a bandit objective, shuffling,
+and skipped non-finite updates."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from corrections import CorrectionConfig, ImportanceWeights, grpo_advantages
+
+from learner.batch import RolloutBatch
+from learner.bucketing import BucketConfig, pad_batch
+from learner.optimizer import OptimizerConfig, make_optimizer
+from learner.sharding import make_mesh
+from learner.train_state import create_sharded_train_state
+from learner.update import UpdateConfig, make_update_fn, minibatch_update, recompute_logprobs, update_step
+from tests.learner import update_problem
+from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, PAD_TOKEN, run_update
+
+
+def _grads_and_loss(result):
+    before, after, metrics = result
+    return jax.tree.map(lambda b, a: b - a, before, after), metrics["actor/pg_loss"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The update on one device with one micro-batch."""
+    return run_update(make_mesh(1, 1, 1, devices=jax.devices()[:1]), num_microbatches=1)
+
+
+@pytest.mark.parametrize("mesh_shape, num_microbatches", [((8, 1, 1), 2), ((2, 4, 1), 1), ((2, 2, 2), 4)])
+def test_same_loss_and_gradients_on_every_mesh_and_microbatch_count(reference, mesh_shape, num_microbatches):
+    want_grads, want_loss = _grads_and_loss(reference)
+    grads, loss = _grads_and_loss(run_update(make_mesh(*mesh_shape), num_microbatches))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert abs(float(want_loss[0])) > 1e-3
+    for path, got in jax.tree_util.tree_leaves_with_path(grads):
+        want = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_masked_positions_get_exactly_zero_gradient(reference):
+    grads, _ = _grads_and_loss(reference)
+    embedding_grads = grads["embed"]["embedding"]
+    assert np.all(embedding_grads[PAD_TOKEN] == 0.0)
+    assert np.all(embedding_grads[EMPTY_ROW_TOKEN] == 0.0)
+    batch = update_problem.rollout_batch()
+    followed = np.unique(batch.tokens[:, :-1][batch.attention_mask[:, 1:]])  # tokens with a scored successor
+    assert np.all(np.abs(embedding_grads[followed]).sum(axis=1) > 0)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(grads))  # NaN rollout logprobs in padding
+
+
+def test_minibatch_scan_equals_the_same_updates_one_by_one():
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-2, warmup_steps=1, total_steps=4))
+    config = update_problem.update_config(num_microbatches=1)
+    config = UpdateConfig(corrections=config.corrections.replace(kl_coef=0.0), num_minibatches=2, ppo_epochs=2,
+                          shuffle=False, logprob_chunk_size=8, rows_per_chunk=0)
+    graphdef, state, _ = create_sharded_train_state(MODEL, optimizer, mesh)
+    batch = jax.tree.map(jnp.asarray, update_problem.rollout_batch())
+    step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config)
+    scanned, metrics = jax.jit(step, compiler_options=FAST_COMPILE)(state, batch)
+
+    proximal = jax.jit(recompute_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)(
+        graphdef, state.params, batch, config)
+    one_update = jax.jit(functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config),
+                         compiler_options=FAST_COMPILE)
+    losses = []
+    for _ in range(config.ppo_epochs):
+        for k in range(config.num_minibatches):
+            rows = jax.tree.map(lambda x: x[k::config.num_minibatches], (batch, proximal, None))
+            state, one_metrics = one_update(state, rows, jax.random.key(0))
+            losses.append(one_metrics["actor/pg_loss"])
+
+    np.testing.assert_allclose(metrics["actor/pg_loss"], losses, rtol=1e-5, atol=1e-6)
+    assert int(scanned.step) == int(state.step) == 4
+    assert int(scanned.policy_version) == 1
+    for got, want in zip(jax.tree.leaves(scanned.params), jax.tree.leaves(state.params), strict=True):
+        # Adam divides by sqrt(v): float32 rounding of tiny gradients shows up at 1e-3 of a step (lr 1e-2).
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+BANDIT_ARMS = 12  # one prompt, 12 distinct one-token completions, the first half rewarded.
+BANDIT_PROMPT = np.array([5, 9, 2, 7])
+
+
+def _bandit_batch(advantages: np.ndarray, rollout_logprob: float) -> RolloutBatch:
+    """Rows ``prompt + arm``; padded with fully masked rows to 16 (2 mini-batches x 2 micro-batches x 4)."""
+    arms = 10 + np.arange(BANDIT_ARMS)
+    tokens = np.concatenate([np.tile(BANDIT_PROMPT, (BANDIT_ARMS, 1)), arms[:, None]], axis=1)
+    length = tokens.shape[1]
+    loss_mask = np.zeros(tokens.shape, np.float32)
+    loss_mask[:, -1] = 1.0
+    batch = RolloutBatch(tokens=tokens.astype(np.int32),
+                         positions=np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
+                         attention_mask=np.ones(tokens.shape, bool), loss_mask=loss_mask,
+                         advantages=np.broadcast_to(advantages[:, None], tokens.shape).astype(np.float32),
+                         rollout_logprobs=np.full(tokens.shape, rollout_logprob, np.float32),
+                         policy_version=np.zeros(tokens.shape, np.int32))
+    return pad_batch(batch, BucketConfig(min_length=8), row_multiple=16)
+
+
+@pytest.fixture(scope="module")
+def bandit():
+    """A jitted PPO update (Adam, non-finite skipping, 2 x 2 x 2 scans, shuffled) on a (4, 1, 2) mesh."""
+    mesh = make_mesh(4, 1, 2)
+    optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=3e-2, total_steps=100, max_consecutive_skips=3))
+    corrections = CorrectionConfig(importance=ImportanceWeights("token", high=2.0))
+    config = UpdateConfig(corrections=corrections, num_minibatches=2, num_microbatches=2, ppo_epochs=2,
+                          logprob_chunk_size=8, rows_per_chunk=0)
+    graphdef, _, shardings = create_sharded_train_state(MODEL, optimizer, mesh, seed=3)
+    update = make_update_fn(graphdef, optimizer, config, mesh, shardings, FAST_COMPILE)
+    logprobs = jax.jit(recompute_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
+    rewards = (np.arange(BANDIT_ARMS) < BANDIT_ARMS // 2).astype(np.float32)
+    advantages = np.asarray(grpo_advantages(rewards, group_size=BANDIT_ARMS))
+    batch = _bandit_batch(advantages, rollout_logprob=-np.log(128.0))
+
+    def expected_reward(state):
+        arm_logprobs = np.asarray(logprobs(graphdef, state.params, batch, config))[:BANDIT_ARMS, len(BANDIT_PROMPT)]
+        return float(np.sum(np.exp(arm_logprobs) * rewards) / np.sum(np.exp(arm_logprobs)))
+
+    def fresh_state():  # the update donates its input state
+        return create_sharded_train_state(MODEL, optimizer, mesh, seed=3)[1]
+
+    return update, fresh_state, batch, expected_reward
+
+
+def test_ppo_improves_a_bandit_objective_and_shuffles_minibatches(bandit):
+    update, fresh_state, batch, expected_reward = bandit
+    state = fresh_state()
+    start = expected_reward(state)
+    denominators = []
+    for _ in range(5):
+        state, metrics = update(state, batch, None)
+        denominators.append(np.asarray(metrics["actor/loss_denominator"]).reshape(2, 2))
+    assert start == pytest.approx(0.5, abs=0.05)
+    assert expected_reward(state) > 0.9
+    assert int(state.step) == 20 and int(state.policy_version) == 5
+    denominators = np.stack(denominators)  # [call, epoch, mini-batch]: real rows per mini-batch
+    np.testing.assert_array_equal(denominators.sum(axis=-1), BANDIT_ARMS)
+    assert len({tuple(d) for d in denominators.reshape(-1, 2)}) > 1
+
+
+def test_nonfinite_loss_skips_the_update_and_is_counted(bandit):
+    update, fresh_state, batch, _ = bandit
+    advantages = batch.advantages.copy()
+    advantages[0, len(BANDIT_PROMPT)] = np.nan
+    state, metrics = update(fresh_state(), batch.replace(advantages=advantages), None)
+    newly_skipped = np.diff(metrics["actor/skipped_updates"], prepend=0)  # the metric is a running total
+    np.testing.assert_array_equal(newly_skipped, np.isnan(metrics["actor/pg_loss"]))
+    assert newly_skipped.sum() == 2  # row 0 lands in one mini-batch per epoch
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.params))
+    assert int(state.step) == 4
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_minibatches=0), "num_minibatches"),
+    (dict(ppo_epochs=1.0), "ppo_epochs"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(rows_per_chunk=-1), "rows_per_chunk"),
+])
+def test_invalid_update_configs_are_rejected(fields, message):
+    with pytest.raises(ValueError, match=message):
+        UpdateConfig(**fields)
+
+
+def test_rows_must_split_evenly_into_micro_batches():
+    batch = update_problem.rollout_batch()
+    with pytest.raises(ValueError, match="not a multiple of num_minibatches"):
+        update_step(None, batch, graphdef=None, optimizer=None, config=UpdateConfig(num_microbatches=3))
