@@ -1,7 +1,7 @@
 """Benchmark: the full correction pipeline on CPU, against the machine's copy bandwidth and a NumPy version.
 
 Pipeline: token TIS (C=2) + geometric sequence mask [0.999, 1.001] + PPO with dual clip + token-mean + every
-diagnostic. Reports, for each shape: time per call (median), effective bandwidth (bytes of inputs read and
+diagnostic (34 metrics; the NumPy version computes the same ones). Reports, for each shape: time per call (median), effective bandwidth (bytes of inputs read and
 outputs written / time), its ratio to a large-array copy bandwidth measured in the same run, and the speed-up
 over a plain NumPy implementation of the same pipeline.
 
@@ -47,12 +47,16 @@ def copy_bandwidth(repeats, nbytes=512 * 2**20):
 
 
 def numpy_pipeline(lp, old, roll, mask, adv):
-    """The same pipeline in plain NumPy (float32, vectorised)."""
+    """The same pipeline in plain NumPy (float32, vectorised): the same outputs and the same 34 metrics."""
     valid = mask > 0
-    lr = np.clip(np.where(valid, old - roll, 0), -20, 20)
+    n = max(mask.sum(), 1)
     count_row = mask.sum(-1)
+    rows = count_row > 0
+    n_rows = max(rows.sum(), 1)
+    lr = np.clip(np.where(valid, old - roll, 0), -20, 20)
     geo = np.exp(np.clip((lr * mask).sum(-1) / np.maximum(count_row, 1), -20, 20))
-    keep = valid & (((geo >= 0.999) & (geo <= 1.001)) | (count_row == 0))[:, None]
+    rule_keep = ((geo >= 0.999) & (geo <= 1.001)) | ~rows
+    keep = valid & rule_keep[:, None]
     rho = np.exp(lr)
     weights = np.where(valid, np.minimum(rho, 2.0), 0)
     log_ratio = np.clip(np.where(valid, lp - old, 0), -20, 20)
@@ -60,33 +64,54 @@ def numpy_pipeline(lp, old, roll, mask, adv):
     a = adv[:, None]
     unclipped, clipped = -a * ratio, -a * np.clip(ratio, 0.8, 1.2)
     loss = np.maximum(unclipped, clipped)
-    loss = np.where(a < 0, np.minimum(loss, -3 * a), loss)
+    lower = -3 * a
+    clipped_lower = (loss > lower) & (a < 0)
+    loss = np.where(a < 0, np.minimum(loss, lower), loss)
     per_token = np.where(keep, loss * weights, 0)
-    n = max(mask.sum(), 1)
-    rows = count_row > 0
-    mt = (old * mask).sum(-1) / np.maximum(count_row, 1)
-    mr = (roll * mask).sum(-1) / np.maximum(count_row, 1)
-    diff = mr - mt
-    w_mean = (weights * mask).sum() / n
-    normalized = weights / w_mean
+    kept = max(keep.sum(), 1)
+    old_v, roll_v = np.where(valid, old, 0), np.where(valid, roll, 0)
+    mt = old_v.sum(-1) / np.maximum(count_row, 1)
+    mr = roll_v.sum(-1) / np.maximum(count_row, 1)
+    diff = (mr - mt)[rows]
+    abs_diff = np.abs(old_v - roll_v)
+    old_c, roll_c = old_v - old_v.sum() / n, roll_v - roll_v.sum() / n
+    w_mean = weights.sum() / n
+    rejected = valid & ~keep
     metrics = {
         "loss": per_token.sum() / n,
-        "kl": ((roll - old) * mask).sum() / n,
-        "k3_kl": ((np.expm1(lr) - lr) * mask).sum() / n,
-        "training_ppl": np.exp(-mt)[rows].mean(),
-        "rollout_ppl": np.exp(-mr)[rows].mean(),
-        "log_ppl_diff": diff[rows].mean(),
-        "log_ppl_abs_diff": np.abs(diff[rows]).mean(),
-        "ppl_ratio": np.exp(diff[rows]).mean(),
+        "kl": (roll_v - old_v).sum() / n,
+        "k3_kl": (np.expm1(lr) - lr).sum() / n,
+        "training_ppl": np.exp(-mt[rows]).mean(),
+        "training_log_ppl": -mt[rows].mean(),
+        "rollout_ppl": np.exp(-mr[rows]).mean(),
+        "rollout_log_ppl": -mr[rows].mean(),
+        "log_ppl_diff": diff.mean(),
+        "log_ppl_abs_diff": np.abs(diff).mean(),
+        "log_ppl_diff_max": diff.max(),
+        "log_ppl_diff_min": diff.min(),
+        "ppl_ratio": np.exp(diff).mean(),
         "chi2_token": (rho**2 * mask).sum() / n - 1,
-        "chi2_seq": np.exp(2 * np.clip((lr * mask).sum(-1), -20, 20))[rows].mean() - 1,
+        "chi2_seq": np.exp(2 * np.clip(lr.sum(-1), -20, 20))[rows].mean() - 1,
+        "abs_diff_mean": abs_diff.sum() / n,
+        "abs_diff_max": abs_diff.max(),
+        "pearson": (old_c * roll_c * mask).sum() / np.sqrt((old_c**2 * mask).sum() * (roll_c**2 * mask).sum()),
+        "is_mean": w_mean,
         "is_std": np.sqrt((((weights - w_mean) ** 2) * mask).sum() / n),
         "is_max": weights[valid].max(),
-        "ess": 1 / ((normalized**2 * mask).sum() / n),
-        "abs_diff": (np.abs(old - roll) * mask).sum() / n,
-        "clipfrac": ((clipped > unclipped) & keep).sum() / max(keep.sum(), 1),
-        "ppo_kl": (-log_ratio * keep).sum() / max(keep.sum(), 1),
-        "rejected": (valid & ~keep).sum() / n,
+        "is_min": weights[valid].min(),
+        "is_fraction_high": ((rho > 2.0) & valid).sum() / n,
+        "is_fraction_low": ((rho < 0.5) & valid).sum() / n,
+        "ess": w_mean**2 / ((weights**2).sum() / n),
+        "rule_masked_fraction": rejected.sum() / n,
+        "rule_seq_masked_fraction": (~rule_keep & rows).sum() / n_rows,
+        "rs_masked_fraction": rejected.sum() / n,
+        "rs_seq_masked_fraction": (rejected.any(-1) & rows).sum() / n_rows,
+        "clipfrac": ((clipped > unclipped) & keep).sum() / kept,
+        "clipfrac_lower": (clipped_lower & keep).sum() / kept,
+        "ppo_kl": (-log_ratio * keep).sum() / kept,
+        "valid_tokens": mask.sum(),
+        "kept_tokens": keep.sum(),
+        "all_rejected": float(keep.sum() == 0 and mask.sum() > 0),
     }
     return weights, keep.astype(np.float32), per_token, metrics
 
@@ -126,7 +151,11 @@ def main():
         numpy_seconds = median_seconds(lambda: numpy_pipeline(*host), max(3, args.repeats // 4))
         weights, mask, per_token, ref = numpy_pipeline(*host)
         np.testing.assert_allclose(np.asarray(out.weights), weights, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(float(out.loss), ref["loss"], rtol=1e-4, atol=1e-6)
+        for ours, theirs in (("actor/pg_loss", "loss"), ("rollout_corr/chi2_token", "chi2_token"),
+                             ("rollout_corr/logprob_pearson_corr", "pearson"), ("rollout_corr/rollout_is_std", "is_std"),
+                             ("rollout_corr/rollout_rs_masked_fraction", "rs_masked_fraction")):
+            np.testing.assert_allclose(float(out.metrics[ours]), ref[theirs], rtol=1e-3, atol=1e-6, err_msg=ours)
+        assert len(ref) == len(out.metrics), (len(ref), len(out.metrics))
         moved = sum(a.nbytes for a in host) + 3 * batch * length * 4 + 4 * len(out.metrics)
         achieved = moved / jax_seconds
         print(
