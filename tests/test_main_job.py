@@ -1,0 +1,105 @@
+"""The main job end to end: the real server process, the real loop, every output of the run directory checked."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.data import prompt_dataset
+from learner.metrics_writers import read_metrics
+from learner.rollout_log import RolloutLogReader
+from learner.run_config import load_config
+from learner.tasks import get_task, prompt_example
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
+# A shortened default run: few steps, small batches, fast compiles.
+SHORT = ("warmup.steps=2", "warmup.batch_size=16", "rollout.prompts_per_step=4", "rollout.num_samples=4",
+         "server.max_batch_size=16", "update.fast_compile=true", "loop.plot_every=2")
+WARMUP_STEPS = 2
+
+
+def train_command(run_dir: pathlib.Path, *overrides: str) -> list[str]:
+    sets = [arg for override in (*SHORT, f"run_dir={json.dumps(str(run_dir))}", *overrides)
+            for arg in ("--set", override)]
+    return [sys.executable, "-m", "learner.train", "--config", str(DEFAULT_CONFIG), *sets]
+
+
+def train_env() -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
+
+
+def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> str:
+    result = subprocess.run(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(), capture_output=True,
+                            text=True, timeout=timeout_s)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result.stdout
+
+
+def dataset_prompts(run_dir: pathlib.Path, *overrides: str) -> list[list[tuple[int, ...]]]:
+    """Prompt batches of the run's data pipeline, in order: what step k must have trained on (batch k - 1)."""
+    config = load_config(DEFAULT_CONFIG, [*SHORT, *overrides])
+    task = get_task(config.task.name)
+    dataset = prompt_dataset(np.arange(config.task.num_prompts), lambda i: prompt_example(task, config.task.seed, i),
+                             global_batch_size=config.rollout.prompts_per_step, seed=config.task.seed,
+                             process_index=0, process_count=1)
+    return [sorted(tuple(ids[:length]) for ids, length in zip(batch["prompt_ids"], batch["prompt_length"]))
+            for batch in (dataset[i] for i in range(config.loop.steps))]
+
+
+def logged_prompts(batch) -> list[tuple[int, ...]]:
+    """The distinct prompts of a logged batch (tokens before the first loss-masked one), sorted."""
+    starts = np.argmax(batch.loss_mask > 0, axis=1)
+    return sorted({tuple(row[:start]) for row, start in zip(batch.tokens, starts)})
+
+
+def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
+    """Asserts the run directory of a finished run of ``steps`` steps is complete and consistent."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for record in records:
+        assert record["policy/learner_version"] == WARMUP_STEPS + record["step"]
+        assert record["policy/server_version"] == record["policy/learner_version"]
+        assert 0.0 <= record["reward/mean"] <= 1.0
+        assert record["rollout/samples"] == 16
+        assert record["buffer/stale_dropped"] == 0
+        assert 0.0 <= record["rollout_corr/staleness_mean"] <= 1.0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "learning_curves.png").stat().st_size > 10_000
+
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
+        assert checkpointer.latest_step() == steps
+        assert checkpointer.read_metadata()["policy_version"] == WARMUP_STEPS + steps
+
+    reader = RolloutLogReader(run_dir / "rollout_log")
+    assert reader.steps.tolist() == list(range(1, steps + 1))
+    expected_prompts = dataset_prompts(run_dir, *overrides)
+    for batch, record in zip(reader.batches(), records):
+        versions = batch.policy_version[batch.loss_mask > 0]
+        trained_version = WARMUP_STEPS + batch.step - 1  # the learner's version when it trained this batch
+        assert versions.max() <= trained_version and versions.min() >= trained_version - 1
+        assert set(np.unique(batch.rewards)) <= {0.0, 1.0}
+        np.testing.assert_allclose(batch.rewards.mean(), record["reward/mean"], rtol=1e-6)
+        assert logged_prompts(batch) == sorted(set(expected_prompts[batch.step - 1]))
+    return records
+
+
+def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    stdout = run_training(run_dir, "loop.steps=4", "loop.checkpoint_every=2")
+    check_run(run_dir, 4, "loop.steps=4")
+    assert any(line.startswith("| policy version learner / server") and "| 6 / 6 " in line
+               for line in stdout.splitlines())
+    agreement = json.loads((run_dir / "process_0.json").read_text())
+    assert agreement["steps"] == [1, 2, 3, 4] and agreement["policy_version"] == 6
+
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    from recompute_diagnostics import recompute
+
+    diagnostics = recompute(run_dir)
+    assert [d["step"] for d in diagnostics] == [1, 2, 3, 4]
+    assert all(np.isfinite(d["rollout_corr/kl"]) for d in diagnostics)

@@ -1,0 +1,32 @@
+"""Resume after SIGKILL: the rerun continues step, data position and server policy version, with no gap or repeat."""
+
+import subprocess
+import time
+
+from learner.metrics_writers import read_metrics
+from tests.test_main_job import REPO_ROOT, check_run, run_training, train_command, train_env
+
+STEPS = 8
+OVERRIDES = (f"loop.steps={STEPS}", "loop.checkpoint_every=2")
+
+
+def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(train_command(run_dir, *OVERRIDES), cwd=REPO_ROOT, env=train_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    give_up = time.monotonic() + 180
+    try:
+        while len(read_metrics(run_dir / "metrics.jsonl")) < 5:  # mid-run, between checkpoints 4 and 6
+            assert first.poll() is None and time.monotonic() < give_up, "the first run ended before the kill"
+            time.sleep(0.05)
+    finally:
+        first.kill()
+        first.wait()
+    killed_at = len(read_metrics(run_dir / "metrics.jsonl"))
+    assert killed_at < STEPS
+
+    stdout = run_training(run_dir, *OVERRIDES)
+    records = check_run(run_dir, STEPS, f"loop.steps={STEPS}")  # steps 1..8 once each, data order, versions
+    resumed_from = int(stdout.split("| steps")[1].split("|")[1].split("-")[0]) - 1
+    assert resumed_from in (4, 6) and resumed_from <= killed_at
+    assert records[resumed_from]["policy/server_version"] == records[resumed_from - 1]["policy/learner_version"] + 1
