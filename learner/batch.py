@@ -4,6 +4,11 @@ Column ``t`` of every per-token field describes token ``tokens[:, t]``: ``rollou
 logprob the server sampled it with, ``loss_mask[:, t]`` says whether it is trained on (completion tokens: 1;
 prompt, padding and column 0: 0), and ``policy_version[:, t]`` is the policy version the server stamped on it.
 This is the alignment of `learner.logprobs` (``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``).
+
+``sampling`` holds each row's sampling parameters when the server returned PROCESSED logprobs
+(`learner.logprob_mode.replay_params`): the update then replays that transform in every logprob pass, so its ratios
+are of the same distribution as the server's logprobs. None: RAW or temperature-only logprobs, computed at
+`learner.update.UpdateConfig.temperature`.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from __future__ import annotations
 import jax
 from flax import struct
 
+from learner.sampler_replay import SamplerParams
+
 
 @struct.dataclass
 class RolloutBatch:
-    """One rollout batch; every field is ``[B, T]`` (host NumPy or device arrays)."""
+    """One rollout batch; every field but ``sampling`` is ``[B, T]`` (host NumPy or device arrays)."""
 
     tokens: jax.Array  # int32 token ids, prompt then completion, right-padded.
     positions: jax.Array  # int32 RoPE positions, usually arange(T) per row.
@@ -23,3 +30,4 @@ class RolloutBatch:
     advantages: jax.Array  # float32 per-token advantages (a sequence's advantage broadcast over its tokens).
     rollout_logprobs: jax.Array  # float32 logprobs the inference server sampled each token with.
     policy_version: jax.Array  # int32 policy version that sampled each token (for staleness metrics).
+    sampling: SamplerParams | None = None  # [B] per-row sampling parameters to replay (PROCESSED logprobs).

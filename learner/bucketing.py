@@ -4,8 +4,8 @@ Every distinct ``[B, T]`` is a new XLA program (tens of seconds of compilation e
 batch to batch, so the token axis is cut to the longest real row and padded up to a bucket length (powers of two
 from ``min_length``, or multiples of ``multiple``), and the row axis is padded to a multiple of the update's
 ``num_minibatches * num_microbatches * data_parallel`` (`learner.update.UpdateConfig.row_multiple`). Padding is
-fully masked (attention and loss masks 0), so it changes no loss and no gradient. Runs on host NumPy arrays,
-before the batch is put on devices.
+fully masked (attention and loss masks 0), so it changes no loss and no gradient; padded rows' sampling parameters
+are neutral (`learner.sampler_replay.NEUTRAL`). Runs on host NumPy arrays, before the batch is put on devices.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def pad_batch(batch: RolloutBatch, config: BucketConfig, row_multiple: int = 1) 
         row_multiple: rows are padded with fully masked rows to a multiple of this.
 
     Returns:
-        A `RolloutBatch` of NumPy arrays ``[B', T']``; the original rows and columns first, padding zero.
+        A `RolloutBatch` of NumPy arrays ``[B', T']`` (``sampling``: ``[B']``); the original rows and columns
+        first, padding zero (neutral sampling parameters).
 
     Example:
         >>> tokens = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0]])
@@ -94,4 +95,5 @@ def pad_batch(batch: RolloutBatch, config: BucketConfig, row_multiple: int = 1) 
         x = np.asarray(x)[:, :length]
         return np.pad(x, ((0, target_rows - rows), (0, target_columns - x.shape[1])))
 
-    return jax.tree.map(pad, batch)
+    sampling = None if batch.sampling is None else batch.sampling.pad_rows(target_rows)
+    return jax.tree.map(pad, batch.replace(sampling=None)).replace(sampling=sampling)

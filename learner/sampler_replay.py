@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from learner.sampling_transform import descending
 from learner.sampling_transform import kept_threshold
@@ -35,6 +36,21 @@ class SamplerParams(NamedTuple):
         """The parameters a `rollout_client.RolloutBatch` echoes (any object with the four ``[B]`` fields)."""
         return cls(temperature=jnp.asarray(batch.temperature, jnp.float32), top_k=jnp.asarray(batch.top_k, jnp.int32),
                    top_p=jnp.asarray(batch.top_p, jnp.float32), min_p=jnp.asarray(batch.min_p, jnp.float32))
+
+    def pad_rows(self, rows: int) -> "SamplerParams":
+        """Host NumPy copy padded to ``rows`` rows with neutral ones: temperature 1, no truncation.
+
+        Padding rows are fully masked, but their logprobs are still computed (and differentiated): a temperature
+        of 0 there would put NaN into the gradient.
+
+        >>> SamplerParams(np.array([0.7]), np.array([5]), np.array([0.9]), np.array([0.05])).pad_rows(2).top_k
+        array([5, 0])
+        """
+        return SamplerParams(*(np.pad(np.asarray(x), (0, rows - np.shape(x)[0]), constant_values=neutral)
+                               for x, neutral in zip(self, NEUTRAL)))
+
+
+NEUTRAL = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)  # plain softmax: replays no transform.
 
 
 def replayed_thresholds(scaled: jax.Array, log_normalizer: jax.Array, sampling: SamplerParams) -> jax.Array:

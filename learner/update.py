@@ -17,6 +17,10 @@ Rows are split into mini- and micro-batches by stride (part ``i`` holds rows ``i
 part keeps the batch's ``("data", "fsdp")`` sharding and no rows move between devices except in the shuffle.
 Metrics are device arrays of shape ``[ppo_epochs * num_minibatches]`` (one entry per optimizer update); the
 corrections' metrics are averaged over the micro-batches of an update, while ``actor/pg_loss`` is the global loss.
+
+Every logprob pass (proximal, reference, and the training forward) is of the same distribution: the server's
+sampling transform replayed from the batch's per-row ``sampling`` parameters when it has them (PROCESSED logprobs),
+else ``log_softmax(logits / UpdateConfig.temperature)``. Setting both is an error.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class UpdateConfig:
     num_microbatches: int = 1  # gradient-accumulation steps per mini-batch (memory, not math).
     ppo_epochs: int = 1  # passes over the batch, reshuffled each time.
     shuffle: bool = True  # permute rows before splitting them into mini-batches, every epoch.
-    temperature: float = 1.0  # sampling temperature the logprobs are computed at.
+    temperature: float = 1.0  # logprobs' temperature when the batch has no sampling params (else must be 1).
     logprob_chunk_size: int = 512  # tokens per chunk of the output projection (see learner.logprobs).
     rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
 
@@ -90,6 +94,22 @@ def _constrain_rows(tree, mesh: Mesh | None, leading: int):
     return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(*(None,) * leading, BATCH_AXES)))
 
 
+def _check_sampling(batch: RolloutBatch, config: UpdateConfig) -> None:
+    """One source of temperature: the batch's per-row sampling params, or ``config.temperature``, never both."""
+    if batch.sampling is not None and config.temperature != 1.0:
+        raise ValueError(f"UpdateConfig.temperature={config.temperature} with a batch that has sampling params: "
+                         "each row's own temperature is replayed, so leave UpdateConfig.temperature at 1.0.")
+
+
+def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, config: UpdateConfig,
+                     return_entropy: bool = False):
+    """`learner.logprobs.token_logprobs` of ``batch``'s rows under ``params``: their sampling params replayed, or
+    at ``config.temperature`` when the batch has none."""
+    return token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
+                          temperature=config.temperature, chunk_size=config.logprob_chunk_size,
+                          return_entropy=return_entropy, sampling=batch.sampling)
+
+
 def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, config: UpdateConfig,
                        mesh: Mesh | None = None) -> jax.Array:
     """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient.
@@ -102,15 +122,11 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Rollout
         >>> recompute_logprobs(graphdef, params, batch, UpdateConfig(num_microbatches=2)).shape
         (2, 4)
     """
-    def chunk_logprobs(rows):
-        tokens, positions, attention_mask = rows
-        return token_logprobs(nnx.merge(graphdef, params), tokens, positions, attention_mask,
-                              temperature=config.temperature, chunk_size=config.logprob_chunk_size)
-
+    _check_sampling(batch, config)
     parts = config.num_minibatches * config.num_microbatches
-    rows = (batch.tokens, batch.positions, batch.attention_mask)
+    rows = batch.replace(loss_mask=None, advantages=None, rollout_logprobs=None, policy_version=None)  # unread here
     chunks = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, parts), rows), mesh, 1)
-    logprobs = _merge_rows(jax.lax.map(chunk_logprobs, chunks))
+    logprobs = _merge_rows(jax.lax.map(lambda chunk: _policy_logprobs(graphdef, params, chunk, config), chunks))
     return jax.lax.stop_gradient(_constrain_rows(logprobs, mesh, 0))
 
 
@@ -118,9 +134,7 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
     """Loss numerator of one micro-batch, with its denominator and the corrections' metrics as aux."""
     batch, proximal, ref = rows
     need_entropy = config.corrections.entropy_coef > 0
-    out = token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
-                         temperature=config.temperature, chunk_size=config.logprob_chunk_size,
-                         return_entropy=need_entropy)
+    out = _policy_logprobs(graphdef, params, batch, config, return_entropy=need_entropy)
     logprobs, entropy = out if need_entropy else (out, None)
     corrected = corrections.compute(
         logprobs, batch.advantages, batch.loss_mask, config.corrections, proximal_logprobs=proximal,
@@ -213,6 +227,7 @@ def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | 
                          f"num_microbatches = {parts}; pad the batch (learner.bucketing.pad_batch).")
     if config.corrections.kl_coef > 0 and ref_params is None:
         raise ValueError("ref_params are required when corrections.kl_coef > 0.")
+    _check_sampling(batch, config)
     batch = _constrain_rows(batch, mesh, 0)
     proximal = (recompute_logprobs(graphdef, state.params, batch, config, mesh)
                 if config.corrections.mode == "decoupled" else None)

@@ -11,13 +11,20 @@ Counted FLOPs per call (matmuls only; the embedding lookup is a gather and count
 where N is the number of matmul parameters (all parameters but an untied embedding table). Peak is the best
 achieved FLOP/s of a large float32 matmul in the same run; MFU = counted FLOPs / time / peak.
 
-    python scripts/bench_learner.py [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3]
+Sampler replay overhead (PROCESSED logprobs): the full logprob pass of the update (`learner.update.recompute_logprobs`,
+model forward + chunked logprobs, jitted on the same mesh and batch) is timed at temperature `REPLAY.temperature`
+without replay, and with `REPLAY` replayed per row; the calls alternate so that load on a shared machine hits both
+alike, and the ratio of the medians is reported (target <= 1.3).
+
+    python scripts/bench_learner.py [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import statistics
 import time
 
 import jax
@@ -28,9 +35,13 @@ import corrections
 from learner.batch import RolloutBatch
 from learner.model import ModelConfig, count_params, model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
+from learner.sampler_replay import SamplerParams
 from learner.sharding import make_mesh
 from learner.train_state import create_sharded_train_state
-from learner.update import UpdateConfig, make_update_fn
+from learner.update import UpdateConfig, make_update_fn, recompute_logprobs
+
+# The replayed sampler: top-k bounds the kept set, so the candidates decide every threshold (no full-sort fallback).
+REPLAY = SamplerParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)
 
 
 def peak_flops(size: int = 2048, repeats: int = 5) -> float:
@@ -67,7 +78,28 @@ def synthetic_batch(config: ModelConfig, batch: int, length: int) -> RolloutBatc
                         policy_version=np.zeros(shape, np.int32))
 
 
-def bench(name: str, batch_size: int, length: int, steps: int) -> dict:
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def logprob_pass_seconds(graphdef, params, batch: RolloutBatch, update_config: UpdateConfig, mesh,
+                         repeats: int) -> tuple[float, float]:
+    """Median seconds of the update's logprob pass without and with sampler replay (see the module docstring)."""
+    rows = batch.tokens.shape[0]
+    replayed = batch.replace(sampling=SamplerParams.from_batch(SamplerParams(*(np.full(rows, x) for x in REPLAY))))
+    passes = []
+    for config, rollouts in ((dataclasses.replace(update_config, temperature=REPLAY.temperature), batch),
+                             (update_config, replayed)):
+        fn = jax.jit(lambda params, b, config=config: recompute_logprobs(graphdef, params, b, config, mesh))
+        timed(fn, params, rollouts)  # compile
+        passes.append((fn, rollouts))
+    times = [[timed(fn, params, rollouts) for fn, rollouts in passes] for _ in range(repeats)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def bench(name: str, batch_size: int, length: int, steps: int, repeats: int) -> dict:
     """Compile and time the update for one model config; returns a table row."""
     config = model_config(name)
     mesh = make_mesh(data=-1)
@@ -88,12 +120,13 @@ def bench(name: str, batch_size: int, length: int, steps: int) -> dict:
         state, metrics = update(state, batch, None)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
+    logprob_s, replay_s = logprob_pass_seconds(graphdef, state.params, batch, update_config, mesh, repeats)
     del state
     seconds = float(np.median(times))
     flops = update_flops(config, batch_size, length)
     return dict(config=name, params=count_params(config), batch=batch_size, length=length,
                 compile_s=compile_seconds, step_s=seconds, tokens_per_s=batch_size * length / seconds,
-                flops=flops, flops_per_s=flops / seconds)
+                flops=flops, flops_per_s=flops / seconds, logprob_s=logprob_s, replay_s=replay_s)
 
 
 def main() -> None:
@@ -102,20 +135,24 @@ def main() -> None:
     parser.add_argument("--batch", nargs="+", type=int, default=[16, 4], help="rows B, one per config")
     parser.add_argument("--length", nargs="+", type=int, default=[128, 128], help="tokens T, one per config")
     parser.add_argument("--steps", type=int, default=3, help="timed calls after the compiling one")
+    parser.add_argument("--repeats", type=int, default=5, help="timed logprob passes, with and without replay")
     args = parser.parse_args()
     if not len(args.configs) == len(args.batch) == len(args.length):
         parser.error("--configs, --batch and --length need one value per config")
     peak = peak_flops()
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
           f"peak (float32 2048^3 matmul): {peak / 1e9:.1f} GFLOP/s")
-    header = ("config", "params", "B", "T", "compile s", "step s", "tokens/s", "GFLOP/step", "GFLOP/s", "MFU")
+    print(f"replayed sampler: {dict(REPLAY._asdict())}")
+    header = ("config", "params", "B", "T", "compile s", "step s", "tokens/s", "GFLOP/step", "GFLOP/s", "MFU",
+              "logprob pass s", "with replay s", "replay ratio")
     print(" | ".join(header))
     for name, batch_size, length in zip(args.configs, args.batch, args.length):
-        row = bench(name, batch_size, length, args.steps)
+        row = bench(name, batch_size, length, args.steps, args.repeats)
         print(" | ".join([row["config"], f"{row['params'] / 1e6:.1f}M", str(row["batch"]), str(row["length"]),
                           f"{row['compile_s']:.1f}", f"{row['step_s']:.3f}", f"{row['tokens_per_s']:.0f}",
                           f"{row['flops'] / 1e9:.1f}", f"{row['flops_per_s'] / 1e9:.1f}",
-                          f"{row['flops_per_s'] / peak:.1%}"]), flush=True)
+                          f"{row['flops_per_s'] / peak:.1%}", f"{row['logprob_s']:.3f}", f"{row['replay_s']:.3f}",
+                          f"{row['replay_s'] / row['logprob_s']:.3f}"]), flush=True)
 
 
 if __name__ == "__main__":

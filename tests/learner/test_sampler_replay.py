@@ -1,4 +1,5 @@
-"""Sampler replay: the learner's PROCESSED logprobs equal the server's, the sampled token stays in the support."""
+"""Sampler replay: the learner's PROCESSED logprobs equal the server's, in `token_logprobs` and inside the update
+step; the sampled token stays in the support."""
 
 import signal
 import sys
@@ -8,19 +9,25 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
 
-from corrections import mismatch_metrics
+from corrections import CorrectionConfig, ImportanceWeights, mismatch_metrics
+from learner.batch import RolloutBatch
 from learner.logprob_mode import check_logprob_mode, replay_params
 from learner.logprobs import logprobs_from_hidden, token_logprobs
 from learner.model import Transformer, model_config
 from learner.sampler_replay import SamplerParams, replayed_thresholds, replayed_token_stats
 from learner.sampling_transform import descending, kept_threshold, processed_logprobs
+from learner.sharding import make_mesh
+from learner.train_state import create_sharded_train_state
 from learner.truncation_bias import log_kept_mass, truncation_bias_metrics
+from learner.update import UpdateConfig, make_update_fn
 from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
 from rollout_client.server.model_generator import parameter_names
+from tests.learner.update_problem import FAST_COMPILE
 from tests.rollout_client.conftest import ServerProcess
 
 B, T, D, V = 3, 9, 16, 40
@@ -158,9 +165,12 @@ def test_logprob_modes_must_agree():
 PROMPTS = ([3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11])
 
 
+MODEL_SEED = 7
+
+
 @pytest.fixture(scope="module")
 def model():
-    return Transformer(model_config("tiny"), rngs=nnx.Rngs(7))
+    return Transformer(model_config("tiny"), rngs=nnx.Rngs(MODEL_SEED))
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +239,33 @@ def test_raw_logprobs_and_truncation_bias_diagnostic(server_client, model):
     metrics = truncation_bias_metrics(log_mass, mask)
     assert float(metrics["sampler/log_kept_mass_mean"]) < -0.5
     assert float(metrics["sampler/log_kept_mass_min"]) <= float(metrics["sampler/log_kept_mass_mean"])
+
+
+def test_update_step_replays_the_servers_processed_logprobs(server_client):
+    """Inside the update (proximal recompute, decoupled mode), the train/rollout mismatch is ~0 with the replay."""
+    collated = rollouts(server_client, LogprobMode.PROCESSED, temperatures=(0.8, 1.0))
+    shape = collated.tokens.shape
+    lengths = collated.prompt_lengths + collated.completion_lengths
+    batch = RolloutBatch(tokens=collated.tokens, positions=np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape),
+                         attention_mask=np.arange(shape[1]) < lengths[:, None], loss_mask=collated.loss_mask,
+                         advantages=collated.loss_mask * np.array([[1.0], [-1.0], [0.5], [-0.5]], np.float32),
+                         rollout_logprobs=collated.rollout_logprobs, policy_version=collated.policy_versions,
+                         sampling=replay_params("PROCESSED", collated))
+    mesh = make_mesh(2, 1, 1, devices=jax.devices()[:2])
+    optimizer = optax.sgd(0.0)
+    graphdef, _, shardings = create_sharded_train_state(model_config("tiny"), optimizer, mesh, seed=MODEL_SEED)
+    config = UpdateConfig(corrections=CorrectionConfig(importance=ImportanceWeights("token", high=2.0)),
+                          logprob_chunk_size=8, rows_per_chunk=0)
+    update = make_update_fn(graphdef, optimizer, config, mesh, shardings, FAST_COMPILE)
+
+    def mismatch(batch):  # the server's weights are the train state's (same seed); the update donates its state
+        state = create_sharded_train_state(model_config("tiny"), optimizer, mesh, seed=MODEL_SEED)[1]
+        metrics = update(state, batch, None)[1]
+        return float(metrics["rollout_corr/kl"][0]), float(metrics["rollout_corr/chi2_token"][0])
+
+    kl, chi2 = mismatch(batch)
+    assert abs(kl) < 1e-5 and abs(chi2) < 1e-5
+    temperature_only = batch.sampling._replace(top_k=np.zeros(4, np.int32), top_p=np.ones(4, np.float32),
+                                               min_p=np.zeros(4, np.float32))
+    kl, chi2 = mismatch(batch.replace(sampling=temperature_only))  # the same program: sampling params are data
+    assert kl > 0.5 and chi2 < -0.5

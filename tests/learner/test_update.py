@@ -1,6 +1,6 @@
 """The one-call update: the same loss and gradients on every mesh and micro-batch count, the mini-batch scan equal
 to the same updates one by one, exactly zero gradients from padding, PPO improving a bandit objective, shuffling,
-and skipped non-finite updates."""
+skipped non-finite updates, and the server's sampling transform replayed in every logprob pass."""
 
 import functools
 
@@ -8,16 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import corrections
 from corrections import CorrectionConfig, ImportanceWeights, grpo_advantages
+from flax import nnx
 
 from learner.batch import RolloutBatch
 from learner.bucketing import BucketConfig, pad_batch
+from learner.logprobs import token_logprobs
 from learner.optimizer import OptimizerConfig, make_optimizer
+from learner.sampler_replay import NEUTRAL, SamplerParams
 from learner.sharding import make_mesh
 from learner.train_state import create_sharded_train_state
 from learner.update import UpdateConfig, make_update_fn, minibatch_update, recompute_logprobs, update_step
 from tests.learner import update_problem
-from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, PAD_TOKEN, run_update
+from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, OPTIMIZER, PAD_TOKEN, ROWS, run_update
 
 
 def _grads_and_loss(result):
@@ -171,3 +175,82 @@ def test_rows_must_split_evenly_into_micro_batches():
     batch = update_problem.rollout_batch()
     with pytest.raises(ValueError, match="not a multiple of num_minibatches"):
         update_step(None, batch, graphdef=None, optimizer=None, config=UpdateConfig(num_microbatches=3))
+
+
+# Per-row sampling parameters (PROCESSED logprobs): every truncation, alone and together, at several temperatures.
+SAMPLING = SamplerParams(temperature=np.linspace(0.6, 1.4, ROWS).astype(np.float32),
+                         top_k=np.tile(np.array([5, 0, 0, 20], np.int32), ROWS // 4),
+                         top_p=np.tile(np.array([1.0, 0.9, 1.0, 0.8], np.float32), ROWS // 4),
+                         min_p=np.tile(np.array([0.0, 0.0, 0.05, 0.02], np.float32), ROWS // 4))
+SINGLE_DEVICE = dict(data=1, fsdp=1, tensor=1)
+
+
+def _sampled_batch() -> RolloutBatch:
+    return update_problem.rollout_batch().replace(sampling=SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def replayed():
+    """The update problem with `SAMPLING`, on one device with one micro-batch."""
+    return run_update(make_mesh(**SINGLE_DEVICE, devices=jax.devices()[:1]), batch=_sampled_batch())
+
+
+def _by_hand(sampling):
+    """Loss, metrics and gradient of the update problem from `token_logprobs(..., sampling=sampling)` directly."""
+    mesh = make_mesh(**SINGLE_DEVICE, devices=jax.devices()[:1])
+    graphdef, state, _ = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=0)
+    _, reference, _ = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=1)
+    batch = jax.tree.map(jnp.asarray, update_problem.rollout_batch())
+    config = update_problem.update_config(num_microbatches=1)
+
+    def logprobs(params):
+        return token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
+                              chunk_size=config.logprob_chunk_size, sampling=sampling)
+
+    def loss(params):
+        current = logprobs(params)
+        out = corrections.compute(
+            current, batch.advantages, batch.loss_mask, config.corrections,
+            proximal_logprobs=jax.lax.stop_gradient(current), rollout_logprobs=batch.rollout_logprobs,
+            ref_logprobs=logprobs(reference.params), policy_lag=-batch.policy_version, key=jax.random.key(0),
+            rows_per_chunk=config.rows_per_chunk)
+        return out.loss, out.metrics
+
+    (_, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state.params)
+    return jax.device_get(metrics), jax.device_get(nnx.to_pure_dict(grads))
+
+
+def test_update_replays_the_sampling_params_in_every_logprob_pass(replayed):
+    """Proximal, reference and current logprobs all replayed: loss, corrections metrics and gradient by hand."""
+    grads, loss = _grads_and_loss(replayed)
+    metrics = replayed[2]
+    want_metrics, want_grads = _by_hand(jax.tree.map(jnp.asarray, SAMPLING))
+    np.testing.assert_allclose(loss[0], want_metrics["actor/pg_loss"], rtol=1e-5, atol=1e-6)
+    for name in ("rollout_corr/kl", "rollout_corr/chi2_token", "actor/kl_loss", "actor/ppo_kl"):
+        np.testing.assert_allclose(metrics[name][0], want_metrics[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for path, got in jax.tree_util.tree_leaves_with_path(grads):
+        want = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    unreplayed, _ = _by_hand(None)  # the replay matters in this problem
+    assert abs(unreplayed["rollout_corr/kl"] - metrics["rollout_corr/kl"][0]) > 0.1
+
+
+def test_padded_rows_get_neutral_sampling_params_and_change_nothing(replayed):
+    padded = pad_batch(_sampled_batch(), BucketConfig(min_length=update_problem.LENGTH), row_multiple=2 * ROWS)
+    assert padded.tokens.shape == (2 * ROWS, update_problem.LENGTH)
+    for got, want, neutral in zip(padded.sampling, SAMPLING, NEUTRAL, strict=True):
+        np.testing.assert_array_equal(got, np.concatenate([want, np.full(ROWS, neutral, want.dtype)]))
+    want_grads, want_loss = _grads_and_loss(replayed)
+    grads, loss = _grads_and_loss(run_update(make_mesh(2, 2, 2), num_microbatches=2, batch=padded))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for path, got in jax.tree_util.tree_leaves_with_path(grads):
+        want = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_sampling_params_and_a_config_temperature_are_exclusive():
+    config = UpdateConfig(temperature=0.7)
+    with pytest.raises(ValueError, match="leave UpdateConfig.temperature at 1.0"):
+        update_step(None, _sampled_batch(), graphdef=None, optimizer=None, config=config)
+    with pytest.raises(ValueError, match="leave UpdateConfig.temperature at 1.0"):
+        recompute_logprobs(None, None, _sampled_batch(), config)

@@ -63,12 +63,14 @@ def global_batch(batch: RolloutBatch, mesh) -> RolloutBatch:
                                                                          x.shape), batch)
 
 
-def run_update(mesh, num_microbatches: int = 1):
-    """One update call on ``mesh``; returns host ``(params_before, params_after, metrics)`` as pure dicts."""
+def run_update(mesh, num_microbatches: int = 1, batch: RolloutBatch | None = None):
+    """One update call on ``mesh`` (of `rollout_batch` by default); returns host ``(params_before, params_after,
+    metrics)`` as pure dicts."""
     graphdef, state, shardings = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=0)
     _, reference, _ = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=1)
     gather = multihost_utils.process_allgather
     before = gather(nnx.to_pure_dict(state.params), tiled=True)
     update = make_update_fn(graphdef, OPTIMIZER, update_config(num_microbatches), mesh, shardings, FAST_COMPILE)
-    state, metrics = update(state, global_batch(rollout_batch(), mesh), reference.params)
+    batch = rollout_batch() if batch is None else batch
+    state, metrics = update(state, global_batch(batch, mesh), reference.params)
     return before, gather(nnx.to_pure_dict(state.params), tiled=True), gather(metrics, tiled=True)
