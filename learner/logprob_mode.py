@@ -5,6 +5,7 @@ RAW: ``log_softmax`` of the untouched model logits on both sides. PROCESSED: of 
 each rollout batch echoes.
 """
 
+import numpy as np
 from rollout_client.sampling_params import LogprobMode
 
 from learner.sampler_replay import SamplerParams
@@ -32,10 +33,16 @@ def replay_params(learner_mode: LogprobMode | str, batch) -> SamplerParams | Non
     """What to pass as ``sampling=`` to `learner.logprobs.token_logprobs` for a `RolloutBatch`.
 
     The batch's mode is checked against the learner's; PROCESSED gives the batch's sampling parameters, RAW gives
-    None (plain ``log_softmax`` at temperature 1, as the server's RAW logprobs are).
+    None (plain ``log_softmax`` at temperature 1, as the server's RAW logprobs are). So does a PROCESSED batch
+    sampled at temperature 1 without truncation: its processed distribution is the plain one, and replaying it
+    would only cost the threshold search.
     """
     mode = check_logprob_mode(learner_mode, batch.logprob_mode)
-    return SamplerParams.from_batch(batch) if mode == LogprobMode.PROCESSED else None
+    if mode == LogprobMode.RAW:
+        return None
+    untransformed = (np.all(np.asarray(batch.temperature) == 1.0) and np.all(np.asarray(batch.top_k) <= 0)
+                     and np.all(np.asarray(batch.top_p) >= 1.0) and np.all(np.asarray(batch.min_p) <= 0.0))
+    return None if untransformed else SamplerParams.from_batch(batch)
 
 
 def _mode(side: str, mode: LogprobMode | str) -> LogprobMode:

@@ -158,6 +158,11 @@ def test_logprob_modes_must_agree():
     with pytest.raises(ValueError, match="learner computes RAW"):
         replay_params("RAW", batch)
     assert replay_params("RAW", types.SimpleNamespace(logprob_mode=LogprobMode.RAW)) is None
+    plain = types.SimpleNamespace(logprob_mode=LogprobMode.PROCESSED, temperature=np.array([1.0, 1.0]),
+                                  top_k=np.array([0, 0]), top_p=np.array([1.0, 1.0]), min_p=np.array([0.0, 0.0]))
+    assert replay_params("PROCESSED", plain) is None
+    assert replay_params("PROCESSED", types.SimpleNamespace(**{**vars(plain), "top_p": np.array([1.0, 0.9])})) \
+        is not None
 
 
 # --- Against the real reference server (float32), over gRPC. ---
