@@ -407,7 +407,7 @@ def _summary(config: RunConfig, history: dict[int, dict], start_step: int, wall_
 def run(config: RunConfig) -> dict[str, float]:
     """Trains as configured, resuming from ``run_dir``'s latest checkpoint; returns process 0's last metrics."""
     started = time.monotonic()
-    run_dir = pathlib.Path(config.run_dir)
+    run_dir = pathlib.Path(config.run_dir).resolve()  # orbax needs an absolute checkpoint path
     run_dir.mkdir(parents=True, exist_ok=True)
     leader = jax.process_index() == 0
     trainer = Trainer(config)
