@@ -53,6 +53,9 @@ class RolloutSection:
     prompts_per_step: int = 16  # groups (requests) per rollout batch.
     num_samples: int = 8  # completions per prompt: the GRPO group size.
     temperature: float = 1.0  # sampling temperature (the learner's logprobs use the same one).
+    top_k: int = 0  # keep the k most likely tokens; 0: off.
+    top_p: float = 1.0  # keep the smallest set with this much mass; 1: off.
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the largest; 0: off.
     max_new_tokens: int | None = None  # None: the task's longest correct completion.
     logprob_mode: str = "processed"  # "raw" or "processed"; checked against the server's echo at start.
     max_staleness: int = 1  # >= 1: rollouts run this many updates ahead (sampled while the learner trains).
@@ -157,7 +160,7 @@ _POSITIVE = {"task.num_prompts", "warmup.batch_size", "rollout.prompts_per_step"
              "distributed.num_processes", "server.start_timeout_s", "rollout.temperature"}
 _NON_NEGATIVE = {"warmup.steps", "optimizer.learning_rate", "optimizer.warmup_steps",
                  "optimizer.weight_decay", "warmup.learning_rate", "mesh.cpu_devices", "distributed.process_id",
-                 "optimizer.max_grad_norm"}
+                 "optimizer.max_grad_norm", "rollout.top_k", "rollout.min_p"}
 _CHOICES = {"rollout.logprob_mode": ("raw", "processed"), "server.dtype": ("float32", "bfloat16", "float16"),
             "model.param_dtype": ("float32", "bfloat16")}
 
@@ -174,6 +177,10 @@ def _check(config: RunConfig) -> None:
     for name, options in _CHOICES.items():
         if flat[name] not in options:
             raise ValueError(f"{name}={flat[name]!r}: must be one of {', '.join(options)}")
+    if not 0 < config.rollout.top_p <= 1:
+        raise ValueError(f"rollout.top_p={config.rollout.top_p!r}: must be in (0, 1]")
+    if not config.rollout.min_p <= 1:
+        raise ValueError(f"rollout.min_p={config.rollout.min_p!r}: must be in [0, 1]")
     if not 0 <= config.warmup.noise <= 1:
         raise ValueError(f"warmup.noise={config.warmup.noise!r}: must be in [0, 1]")
     if config.rollout.num_samples < 2:

@@ -57,7 +57,7 @@ from learner.bucketing import BucketConfig, pad_batch
 from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
 from learner.data import prompt_dataset, prompt_iterator
 from learner.distributed import initialize
-from learner.logprob_mode import check_logprob_mode
+from learner.logprob_mode import check_logprob_mode, replay_params
 from learner.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
 from learner.model import Transformer, model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
@@ -66,6 +66,7 @@ from learner.progress import ProgressBar, summary_table
 from learner.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.run_config import RunConfig, load_config, to_dict
 from learner.safetensors_io import config_from_hf, load_safetensors
+from learner.sampler_replay import SamplerParams
 from learner.server_process import ServerProcess
 from learner.sharding import batch_sharding, make_mesh
 from learner.tasks import batch_rewards, get_task, prompt_example
@@ -151,12 +152,13 @@ class PromptStream:
                                      logprob_mode=self._mode)
 
 
-def assemble_batch(groups, task, num_samples: int, rows: int, length: int):
+def assemble_batch(groups, task, num_samples: int, rows: int, length: int, logprob_mode: str):
     """Complete groups -> ``(batch, rewards, real_rows, collated)``: ``[rows, length]`` host NumPy, fixed shape.
 
     Groups with fewer than ``num_samples`` samples (dropped as stale or invalid) are left out; missing rows are
     fully masked padding. Advantages are GRPO's, per group, broadcast over each sample's completion tokens.
-    ``collated`` is the `rollout_client.collate` batch, with the sampling parameters the server echoed.
+    ``collated`` is the `rollout_client.collate` batch, with the sampling parameters the server echoed; with
+    PROCESSED logprobs the batch carries them, for the update to replay.
     """
 
 
@@ -172,7 +174,7 @@ def assemble_batch(groups, task, num_samples: int, rows: int, length: int):
         tokens=collated.tokens, positions=np.broadcast_to(np.arange(width, dtype=np.int32), collated.tokens.shape),
         attention_mask=np.arange(width) < lengths[:, None], loss_mask=collated.loss_mask,
         advantages=advantages[:, None] * collated.loss_mask, rollout_logprobs=collated.rollout_logprobs,
-        policy_version=collated.policy_versions)
+        policy_version=collated.policy_versions, sampling=replay_params(logprob_mode, collated))
     batch = pad_batch(batch, BucketConfig(min_length=length, max_length=length), row_multiple=rows)
     return batch, np.pad(rewards, (0, rows - len(samples))), len(samples), collated
 
@@ -222,7 +224,7 @@ class Trainer:
         self.update_config = UpdateConfig(
             corrections=corrections.preset(config.corrections.preset, **config.corrections.overrides),
             num_minibatches=config.update.num_minibatches, num_microbatches=config.update.num_microbatches,
-            ppo_epochs=config.update.ppo_epochs, temperature=config.rollout.temperature,
+            ppo_epochs=config.update.ppo_epochs,
             logprob_chunk_size=min(config.update.logprob_chunk_size, self.length))
         multiple = self.update_config.row_multiple(self.data_parallel)
         self.rows = -(-config.rollout.prompts_per_step * config.rollout.num_samples // multiple) * multiple
@@ -357,12 +359,8 @@ class Rollouts:
 
 
 def _check_echo(collated, config: RunConfig) -> None:
-    """The server's echo must match what the learner replays: mode, temperature, and no truncation."""
+    """The server's echo must match what was asked: logprob mode and temperature."""
     check_logprob_mode(config.rollout.logprob_mode, collated.logprob_mode)
-    truncated = (collated.top_k > 0) | (collated.top_p < 1) | (collated.min_p > 0)
-    if collated.logprob_mode == LogprobMode.PROCESSED and truncated.any():
-        raise ValueError("rollout: the server truncated the sampling distribution (top-k/top-p/min-p); the update "
-                         "step replays only the temperature, so use RAW logprobs or no truncation")
     if not np.allclose(collated.temperature, config.rollout.temperature):
         raise ValueError(f"rollout.temperature={config.rollout.temperature}: the server sampled at "
                          f"{sorted(set(collated.temperature.tolist()))}")
@@ -379,7 +377,12 @@ def _empty_payload(trainer: Trainer):
     """Zeros shaped like process 0's broadcast payload: ``(batch, rewards, real_rows)``."""
     shape = (trainer.rows, trainer.length)
     dtypes = (np.int32, np.int32, bool, np.float32, np.float32, np.float32, np.int32)
-    return RolloutBatch(*(np.zeros(shape, dtype) for dtype in dtypes)), np.zeros(trainer.rows, np.float32), np.int32(0)
+    rollout, sampling = trainer.config.rollout, None
+    transformed = rollout.temperature != 1 or rollout.top_k > 0 or rollout.top_p < 1 or rollout.min_p > 0
+    if rollout.logprob_mode == "processed" and transformed:  # then process 0's batch carries [rows] sampling params
+        sampling = SamplerParams(*(np.zeros(trainer.rows, t) for t in (np.float32, np.int32, np.float32, np.float32)))
+    return (RolloutBatch(*(np.zeros(shape, dtype) for dtype in dtypes), sampling=sampling),
+            np.zeros(trainer.rows, np.float32), np.int32(0))
 
 
 def _summary(config: RunConfig, history: dict[int, dict], start_step: int, wall_s: float, trainer: Trainer,
@@ -428,7 +431,8 @@ def run(config: RunConfig) -> dict[str, float]:
         checkpointer.save(0, trainer.state, policy_version=trainer.policy_version, config=to_dict(config),
                           data_iterator=DataPosition(iterator.get_state()), force=True)
     stream = PromptStream(iterator, SamplingParams(
-        temperature=rollout.temperature, max_new_tokens=trainer.max_new_tokens,
+        temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p, min_p=rollout.min_p,
+        max_new_tokens=trainer.max_new_tokens,
         stop_token_ids=(trainer.task.tokenizer.eos_id,)), rollout.num_samples, LogprobMode[rollout.logprob_mode.upper()])
     weights = trainer.host_weights()
     rollouts = Rollouts(config, trainer, run_dir) if leader else None
@@ -447,7 +451,7 @@ def run(config: RunConfig) -> dict[str, float]:
             if leader:
                 batch, rewards, real_rows, collated = assemble_batch(
                     rollouts.groups(trainer.policy_version), trainer.task, rollout.num_samples, trainer.rows,
-                    trainer.length)
+                    trainer.length, rollout.logprob_mode)
                 _check_echo(collated, config)
                 payload = (batch, rewards, np.int32(real_rows))
             else:
