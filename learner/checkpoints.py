@@ -22,7 +22,7 @@ Policy weights for the inference server are exported with `learner.safetensors_i
 
 Example::
 
-    checkpointer = Checkpointer(CheckpointConfig("/tmp/run/checkpoints", keep_last=2))
+    checkpointer = Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"), keep_last=2))
     checkpointer.save(step, state, policy_version=version, config=run_config, data_iterator=prompts)
     ...
     restored = checkpointer.restore(restore_target(state, shardings), data_iterator=prompts)

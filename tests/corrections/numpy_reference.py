@@ -1,4 +1,4 @@
-"""NumPy float64 reference implementations of /work/shared/reference/corrections.md, written from the formulas.
+"""NumPy float64 reference implementations of ../shared/reference/corrections.md, written from the formulas.
 
 Independent of the ``corrections`` package (no shared code): every function takes [B, T] arrays (a mask ``m``
 where it matters) and returns float64 (or bool) arrays. Conventions, as in the spec:

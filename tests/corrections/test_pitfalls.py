@@ -1,4 +1,4 @@
-"""One regression test per pitfall of section 8 of /work/shared/reference/corrections.md (items 1-8).
+"""One regression test per pitfall of section 8 of ../shared/reference/corrections.md (items 1-8).
 
 Each builds a small batch by hand on which the buggy behaviour gives a different number, asserts Tether's value,
 and shows the buggy number through the reference port (tests/reference_ports) where one exists.
