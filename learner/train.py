@@ -271,11 +271,16 @@ class Trainer:
         return restored.step
 
     def load_hf_weights(self) -> None:
-        """Replaces the random initial parameters with the Hugging Face checkpoint's, when configured."""
+        """Replaces the random initial parameters with the Hugging Face checkpoint's, when configured.
+
+        The loaded weights are a new policy version, so the first publish pushes them to a server that was started
+        from the seed's random weights (version 0).
+        """
         if self.config.model.hf_path:
             model = Transformer(self.model_config, rngs=nnx.Rngs(self.config.loop.seed))
             load_safetensors(model, self.config.model.hf_path)
-            self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params))
+            self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params),
+                                            policy_version=self.state.policy_version + 1)
 
     def warm_up(self) -> list[float]:
         """Supervised warm-up: cross entropy on noisy demonstrations through the update step; returns the losses.
@@ -338,8 +343,12 @@ class Rollouts:
         if server_version > version:
             raise RuntimeError(f"the server already serves policy version {server_version}, newer than the "
                                f"learner's {version}: restart the server (versions must increase)")
-        if server_version == version:  # a server of this version serves these weights (same seed, or our push)
-            return server_version
+        if server_version == version:
+            if self.server is None and version == 0:  # an external server's version 0 is its own weights, not ours
+                raise RuntimeError("the external server serves policy version 0, as does the fresh learner, so its "
+                                   "weights cannot be replaced (versions must increase): set warmup.steps > 0 or "
+                                   "model.hf_path, or serve the learner's initial weights")
+            return server_version  # our embedded server from the same seed, or a version we pushed
         return self.client.publish_weights(version, weights=weights)
 
     def start(self, requests: Iterator[RolloutRequest]) -> None:
