@@ -23,6 +23,7 @@ DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train/rollout mismatch", ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token")),
     ("clip fraction", ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")),
     ("rejection fraction", ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_rs_seq_masked_fraction")),
+    ("truncation bias (RAW logprobs)", ("sampler/log_kept_mass_mean", "sampler/log_kept_mass_min")),
 )
 
 

@@ -58,7 +58,7 @@ class RolloutSection:
     min_p: float = 0.0  # keep tokens with probability >= min_p * the largest; 0: off.
     max_new_tokens: int | None = None  # None: the task's longest correct completion.
     logprob_mode: str = "processed"  # "raw" or "processed"; checked against the server's echo at start.
-    max_staleness: int = 1  # >= 1: rollouts run this many updates ahead (sampled while the learner trains).
+    max_staleness: int = 1  # rollouts run this many updates ahead (sampled while the learner trains); 0: synchronous.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +154,11 @@ class RunConfig:
 
 
 _POSITIVE = {"task.num_prompts", "warmup.batch_size", "rollout.prompts_per_step", "rollout.num_samples",
-             "rollout.max_new_tokens", "rollout.max_staleness", "server.max_batch_size", "server.decode_steps_per_call",
+             "rollout.max_new_tokens", "server.max_batch_size", "server.decode_steps_per_call",
              "update.num_minibatches", "update.num_microbatches", "update.ppo_epochs", "update.logprob_chunk_size",
              "loop.steps", "loop.checkpoint_every", "loop.keep_checkpoints", "loop.plot_every",
              "distributed.num_processes", "server.start_timeout_s", "rollout.temperature"}
-_NON_NEGATIVE = {"warmup.steps", "optimizer.learning_rate", "optimizer.warmup_steps",
+_NON_NEGATIVE = {"warmup.steps", "rollout.max_staleness", "optimizer.learning_rate", "optimizer.warmup_steps",
                  "optimizer.weight_decay", "warmup.learning_rate", "mesh.cpu_devices", "distributed.process_id",
                  "optimizer.max_grad_norm", "rollout.top_k", "rollout.min_p"}
 _CHOICES = {"rollout.logprob_mode": ("raw", "processed"), "server.dtype": ("float32", "bfloat16", "float16"),

@@ -10,6 +10,7 @@ safetensors numpy API (bfloat16 via ml_dtypes), a file or a directory of shards 
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 
@@ -141,6 +142,44 @@ def save_safetensors(model: Transformer, path: str | pathlib.Path, dtype: str | 
             array = array.astype(jnp.dtype(dtype))
         tensors[name] = _to_hf_layout(array, param_path, _hf_shape(param_path, array.shape))
     safetensors.numpy.save_file(tensors, str(path))
+
+
+def save_hf_checkpoint(model: Transformer, directory: str | pathlib.Path) -> pathlib.Path:
+    """Writes ``config.json`` and ``model.safetensors``: a checkpoint directory that ``model.hf_path`` loads.
+
+    Returns the directory. The config is `config_to_hf`'s, so loading it back gives the same `ModelConfig`.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2))
+    save_safetensors(model, directory / "model.safetensors")
+    return directory
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """The Hugging Face ``config.json`` dict of a `ModelConfig` (inverse of `config_from_hf`, up to dtypes).
+
+    Example:
+        >>> from learner.model import model_config
+        >>> tiny = model_config("tiny")
+        >>> config_to_hf(tiny)["model_type"], config_from_hf(config_to_hf(tiny)) == tiny
+        ('qwen2', True)
+    """
+    return {
+        "model_type": "qwen2" if config.qkv_bias else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": config.max_seq_len,
+        "torch_dtype": config.param_dtype,
+    }
 
 
 def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:

@@ -12,7 +12,8 @@ One run, under ``run_dir``:
    run's server serves the checkpoint's policy version.
 3. Loop: a `rollout_client.RolloutBuffer` keeps ``prompts_per_step * max_staleness`` requests (one per prompt,
    ``num_samples`` completions each) in flight, so the rollouts of the next steps are sampled while this one
-   trains. Each step takes one batch of groups, scores them with the task's reward, computes GRPO advantages per
+   trains (``max_staleness = 0``: synchronous, each batch is requested after the previous update's weights are
+   published, so every sample is on-policy). Each step takes one batch of groups, scores them with the task's reward, computes GRPO advantages per
    group, trains with ONE `learner.update.make_update_fn` call under the configured corrections preset (the
    per-token policy versions stamped by the server make the staleness metric true), publishes the new weights,
    logs metrics (JSONL + TensorBoard), the batch (tensorstore rollout log) and, every ``checkpoint_every`` steps,
@@ -71,6 +72,7 @@ from learner.server_process import ServerProcess
 from learner.sharding import batch_sharding, make_mesh
 from learner.tasks import batch_rewards, get_task, prompt_example
 from learner.train_state import TrainState, create_sharded_train_state, train_state_shardings
+from learner.truncation_bias import batch_truncation_bias
 from learner.update import UpdateConfig, make_update_fn, recompute_logprobs
 from rollout_client import ClientConfig, LogprobMode, RolloutBuffer, RolloutClient, RolloutRequest, SamplingParams
 from rollout_client import collate
@@ -153,12 +155,14 @@ class PromptStream:
 
 
 def assemble_batch(groups, task, num_samples: int, rows: int, length: int, logprob_mode: str):
-    """Complete groups -> ``(batch, rewards, real_rows, collated)``: ``[rows, length]`` host NumPy, fixed shape.
+    """Complete groups -> ``(batch, rewards, real_rows, collated, truncation)``: ``[rows, length]`` host NumPy.
 
     Groups with fewer than ``num_samples`` samples (dropped as stale or invalid) are left out; missing rows are
     fully masked padding. Advantages are GRPO's, per group, broadcast over each sample's completion tokens.
     ``collated`` is the `rollout_client.collate` batch, with the sampling parameters the server echoed; with
-    PROCESSED logprobs the batch carries them, for the update to replay.
+    PROCESSED logprobs the batch carries them, for the update to replay. ``truncation``: with RAW logprobs of a
+    truncating sampler (top-k, top-p or min-p), the ``[rows]`` sampling parameters for the truncation-bias
+    diagnostic (the trap RAW ratios cannot see); otherwise None.
     """
 
 
@@ -176,7 +180,10 @@ def assemble_batch(groups, task, num_samples: int, rows: int, length: int, logpr
         advantages=advantages[:, None] * collated.loss_mask, rollout_logprobs=collated.rollout_logprobs,
         policy_version=collated.policy_versions, sampling=replay_params(logprob_mode, collated))
     batch = pad_batch(batch, BucketConfig(min_length=length, max_length=length), row_multiple=rows)
-    return batch, np.pad(rewards, (0, rows - len(samples))), len(samples), collated
+    truncates = np.any(collated.top_k > 0) or np.any(collated.top_p < 1) or np.any(collated.min_p > 0)
+    truncation = SamplerParams.from_batch(collated).pad_rows(rows) if (
+        logprob_mode.upper() == "RAW" and truncates) else None
+    return batch, np.pad(rewards, (0, rows - len(samples))), len(samples), collated, truncation
 
 
 def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float, length: int, row_multiple: int):
@@ -242,6 +249,9 @@ class Trainer:
         self.proximal_fn = jax.jit(
             lambda params, batch: recompute_logprobs(self.graphdef, params, batch, self.update_config, self.mesh),
             out_shardings=NamedSharding(self.mesh, P()), compiler_options=self.compiler_options)
+        self.truncation_fn = jax.jit(
+            functools.partial(batch_truncation_bias, self.graphdef, chunk_size=self.update_config.logprob_chunk_size),
+            out_shardings=NamedSharding(self.mesh, P()), compiler_options=self.compiler_options)
 
     @property
     def policy_version(self) -> int:
@@ -253,12 +263,19 @@ class Trainer:
         return jax.tree.map(
             lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]), batch)
 
-    def train(self, batch: RolloutBatch) -> tuple[dict[str, float], np.ndarray]:
-        """One RL update on a host batch; returns the mean metrics and the proximal logprobs (for the log)."""
+    def train(self, batch: RolloutBatch, truncation: SamplerParams | None = None
+              ) -> tuple[dict[str, float], np.ndarray]:
+        """One RL update on a host batch; returns the mean metrics and the proximal logprobs (for the log).
+
+        ``truncation``: the sampler of a RAW batch, whose truncation bias (``sampler/log_kept_mass_*``) is measured
+        under the pre-update weights and added to the metrics.
+        """
         device_batch = self.device_batch(batch)
         proximal = self.proximal_fn(self.state.params, device_batch)
+        bias = {} if truncation is None else self.truncation_fn(
+            self.state.params, self.device_batch(batch.replace(sampling=truncation)))
         self.state, metrics = self.update_fn(self.state, device_batch, None)
-        return _mean_metrics(metrics), np.asarray(proximal)
+        return _mean_metrics(metrics) | _mean_metrics(bias), np.asarray(proximal)
 
     def restore(self, checkpointer: Checkpointer, iterator) -> int | None:
         """Restores the latest checkpoint (state and data position); returns its step, or None if there is none."""
@@ -353,8 +370,9 @@ class Rollouts:
 
     def start(self, requests: Iterator[RolloutRequest]) -> None:
         rollout = self.config.rollout
-        self.buffer = RolloutBuffer(self.client, requests, max_in_flight=rollout.prompts_per_step * rollout.max_staleness,
-                                    max_staleness=rollout.max_staleness)
+        self.buffer = RolloutBuffer(self.client, requests,
+                                    max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
+                                    max_staleness=rollout.max_staleness, prefetch=rollout.max_staleness > 0)
 
     def groups(self, learner_version: int) -> list:
         return [self.buffer.get(learner_version) for _ in range(self.config.rollout.prompts_per_step)]
@@ -383,15 +401,18 @@ def _broadcast(tree, is_source: bool):
 
 
 def _empty_payload(trainer: Trainer):
-    """Zeros shaped like process 0's broadcast payload: ``(batch, rewards, real_rows)``."""
+    """Zeros shaped like process 0's broadcast payload: ``(batch, rewards, real_rows, truncation)``."""
     shape = (trainer.rows, trainer.length)
     dtypes = (np.int32, np.int32, bool, np.float32, np.float32, np.float32, np.int32)
-    rollout, sampling = trainer.config.rollout, None
-    transformed = rollout.temperature != 1 or rollout.top_k > 0 or rollout.top_p < 1 or rollout.min_p > 0
-    if rollout.logprob_mode == "processed" and transformed:  # then process 0's batch carries [rows] sampling params
-        sampling = SamplerParams(*(np.zeros(trainer.rows, t) for t in (np.float32, np.int32, np.float32, np.float32)))
+    rollout, sampling, truncation = trainer.config.rollout, None, None
+    rows = SamplerParams(*(np.zeros(trainer.rows, t) for t in (np.float32, np.int32, np.float32, np.float32)))
+    truncates = rollout.top_k > 0 or rollout.top_p < 1 or rollout.min_p > 0
+    if rollout.logprob_mode == "processed" and (truncates or rollout.temperature != 1):
+        sampling = rows  # process 0's batch carries [rows] sampling params to replay
+    if rollout.logprob_mode == "raw" and truncates:
+        truncation = rows  # and its truncation-bias diagnostic
     return (RolloutBatch(*(np.zeros(shape, dtype) for dtype in dtypes), sampling=sampling),
-            np.zeros(trainer.rows, np.float32), np.int32(0))
+            np.zeros(trainer.rows, np.float32), np.int32(0), truncation)
 
 
 def _summary(config: RunConfig, history: dict[int, dict], start_step: int, wall_s: float, trainer: Trainer,
@@ -458,18 +479,18 @@ def run(config: RunConfig) -> dict[str, float]:
         for step in range(start_step + 1, config.loop.steps + 1):
             step_started = time.monotonic()
             if leader:
-                batch, rewards, real_rows, collated = assemble_batch(
+                batch, rewards, real_rows, collated, truncation = assemble_batch(
                     rollouts.groups(trainer.policy_version), trainer.task, rollout.num_samples, trainer.rows,
                     trainer.length, rollout.logprob_mode)
                 _check_echo(collated, config)
-                payload = (batch, rewards, np.int32(real_rows))
+                payload = (batch, rewards, np.int32(real_rows), truncation)
             else:
                 next(iterator)  # the batch process 0 issued; keeps this process's saved data position in step
                 payload = _empty_payload(trainer)
-            batch, rewards, real_rows = jax.tree.map(np.asarray, _broadcast(payload, leader))
+            batch, rewards, real_rows, truncation = jax.tree.map(np.asarray, _broadcast(payload, leader))
             real_rows = int(real_rows)
             rollout_s = time.monotonic() - step_started
-            metrics, proximal = trainer.train(batch)
+            metrics, proximal = trainer.train(batch, truncation)
             update_s = time.monotonic() - step_started - rollout_s
             weights = trainer.host_weights()
             reward_mean = float(rewards[:real_rows].mean())

@@ -4,6 +4,10 @@ While the learner trains on one group, up to `max_in_flight` further requests ar
 being generated. Groups come out in submission order (deterministic given the
 request stream), and samples whose oldest token is more than `max_staleness`
 versions behind the learner are dropped and counted.
+
+Without prefetch (synchronous RL), nothing runs while the learner trains: the
+first `get` after the in-flight requests are used up issues the next
+`max_in_flight`, so they are sampled by the weights published in between.
 """
 
 import collections
@@ -23,10 +27,11 @@ class RolloutBuffer:
       requests: the stream of requests to issue, in order.
       max_in_flight: how many requests run while the learner works (k).
       max_staleness: largest allowed learner version - oldest token version.
+      prefetch: refill as soon as a request is taken (False: only when none is left, at the next `get`).
     """
 
     def __init__(self, client: RolloutClient, requests: Iterator[RolloutRequest], max_in_flight: int,
-                 max_staleness: int):
+                 max_staleness: int, prefetch: bool = True):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
         if max_staleness < 0:
@@ -35,9 +40,11 @@ class RolloutBuffer:
         self._requests = requests
         self._max_in_flight = max_in_flight
         self._max_staleness = max_staleness
+        self._prefetch = prefetch
         self._in_flight: collections.deque[concurrent.futures.Future] = collections.deque()
         self.stale_dropped = 0
-        self.fill()
+        if prefetch:
+            self.fill()
 
     @property
     def in_flight(self) -> int:
@@ -52,16 +59,19 @@ class RolloutBuffer:
             self._in_flight.append(self._client.submit(request))
 
     def get(self, learner_version: int, timeout_s: float | None = None) -> list[Sample]:
-        """The oldest request's fresh samples; refills the buffer.
+        """The oldest request's fresh samples; refills the buffer (see `prefetch`).
 
         Raises:
           StopIteration: nothing in flight and the request stream is exhausted.
           Whatever the request raised (e.g. RolloutError), and TimeoutError.
         """
+        if not self._in_flight and not self._prefetch:
+            self.fill()
         if not self._in_flight:
             raise StopIteration("rollout buffer: request stream exhausted")
         future = self._in_flight.popleft()
-        self.fill()
+        if self._prefetch:
+            self.fill()
         samples = future.result(timeout_s)
         fresh = [s for s in samples if learner_version - s.oldest_version <= self._max_staleness]
         self.stale_dropped += len(samples) - len(fresh)

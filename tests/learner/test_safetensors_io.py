@@ -1,5 +1,7 @@
 """Safetensors I/O: HF layout round trip, strict errors, and a NumPy float64 reference forward on HF weights."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,8 @@ import safetensors.numpy
 from flax import nnx
 
 from learner.model import Transformer, model_config
-from learner.safetensors_io import config_from_hf, hf_name_map, load_safetensors, save_safetensors
+from learner.safetensors_io import (config_from_hf, config_to_hf, hf_name_map, load_safetensors, save_hf_checkpoint,
+                                    save_safetensors)
 
 CONFIGS = {"qwen2_untied": model_config("tiny"),
            "llama_tied": model_config("tiny", qkv_bias=False, tie_embeddings=True, rope_theta=500_000.0)}
@@ -188,3 +191,19 @@ def test_config_from_hf_qwen2_0_5b():
 def test_config_from_hf_rejects_rope_scaling():
     with pytest.raises(ValueError, match="rope_scaling"):
         config_from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}})
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "100m", "qwen2-0.5b", "llama-1b", "llama-8b"])
+def test_config_to_hf_round_trips(name):
+    config = model_config(name)
+    assert config_from_hf(config_to_hf(config)) == config
+
+
+def test_saved_checkpoint_directory_loads_into_a_fresh_model(tmp_path):
+    config = model_config("tiny", num_layers=1)
+    source = Transformer(config, rngs=nnx.Rngs(0))
+    directory = save_hf_checkpoint(source, tmp_path / "exported")
+    target = Transformer(config_from_hf(json.loads((directory / "config.json").read_text())), rngs=nnx.Rngs(1))
+    load_safetensors(target, directory)
+    for expected, loaded in zip(jax.tree.leaves(nnx.state(source)), jax.tree.leaves(nnx.state(target))):
+        np.testing.assert_array_equal(np.asarray(loaded), np.asarray(expected))

@@ -43,6 +43,19 @@ def test_buffer_drops_samples_older_than_max_staleness(client):
     buffer.close()
 
 
+def test_buffer_without_prefetch_issues_requests_only_when_asked(client):
+    buffer = RolloutBuffer(client, requests(), max_in_flight=2, max_staleness=0, prefetch=False)
+    assert buffer.in_flight == 0  # nothing is sampled before the first get (e.g. before weights are published)
+    first = buffer.get(learner_version=0, timeout_s=10)
+    assert buffer.in_flight == 1  # the second request of the pair, not refilled
+    second = buffer.get(learner_version=0, timeout_s=10)
+    assert buffer.in_flight == 0
+    third = buffer.get(learner_version=0, timeout_s=10)
+    assert [g[0].request_id for g in (first, second, third)] == ["req-0", "req-1", "req-2"]
+    assert buffer.in_flight == 1
+    buffer.close()
+
+
 def make_sample(prompt, completion, versions, mode=LogprobMode.RAW) -> Sample:
     n = len(completion)
     return Sample(request_id="r", sample_index=0, prompt_token_ids=np.array(prompt, np.int32),
