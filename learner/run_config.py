@@ -59,6 +59,9 @@ class RolloutSection:
     max_new_tokens: int | None = None  # None: the task's longest correct completion.
     logprob_mode: str = "processed"  # "raw" or "processed"; checked against the server's echo at start.
     max_staleness: int = 1  # rollouts run this many updates ahead (sampled while the learner trains); 0: synchronous.
+    # Wait for the in-flight rollouts before publishing new weights, so that (after the first max_staleness steps)
+    # every sample is exactly max_staleness versions old, however fast the server is: reproducible lag for studies.
+    fixed_staleness: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

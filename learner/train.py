@@ -13,7 +13,8 @@ One run, under ``run_dir``:
 3. Loop: a `rollout_client.RolloutBuffer` keeps ``prompts_per_step * max_staleness`` requests (one per prompt,
    ``num_samples`` completions each) in flight, so the rollouts of the next steps are sampled while this one
    trains (``max_staleness = 0``: synchronous, each batch is requested after the previous update's weights are
-   published, so every sample is on-policy). Each step takes one batch of groups, scores them with the task's reward, computes GRPO advantages per
+   published, so every sample is on-policy; ``fixed_staleness``: the in-flight rollouts finish before new
+   weights are published, so each sample is exactly ``max_staleness`` versions old). Each step takes one batch of groups, scores them with the task's reward, computes GRPO advantages per
    group, trains with ONE `learner.update.make_update_fn` call under the configured corrections preset (the
    per-token policy versions stamped by the server make the staleness metric true), publishes the new weights,
    logs metrics (JSONL + TensorBoard), the batch (tensorstore rollout log) and, every ``checkpoint_every`` steps,
@@ -498,6 +499,8 @@ def run(config: RunConfig) -> dict[str, float]:
             agreement["reward_mean"].append(reward_mean)
             agreement["batch_sha256"].update(np.ascontiguousarray(batch.tokens).tobytes())
             if leader:
+                if rollout.fixed_staleness:
+                    rollouts.buffer.wait()
                 server_version = rollouts.publish(trainer.policy_version, weights)
                 step_s = time.monotonic() - step_started
                 tokens = float(batch.loss_mask.sum())

@@ -77,6 +77,10 @@ class RolloutBuffer:
         self.stale_dropped += len(samples) - len(fresh)
         return fresh
 
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Blocks until every in-flight request has finished (its samples carry the versions serving now)."""
+        concurrent.futures.wait(list(self._in_flight), timeout_s)
+
     def metrics(self) -> dict[str, int]:
         return {"buffer/in_flight": len(self._in_flight), "buffer/stale_dropped": self.stale_dropped}
 

@@ -8,7 +8,7 @@ source              what differs between the sampler and the learner
 ==================  ===================================================================================
 staleness_0         nothing: float32 server, synchronous (every sample on-policy), the control
 bf16                the server computes in bfloat16 against the float32 learner; synchronous
-staleness_2 / _4    rollouts sampled 2 / 4 policy versions behind the learner (float32 server)
+staleness_2 / _4    rollouts sampled exactly 2 / 4 policy versions behind the learner (``fixed_staleness``)
 top_p_raw           top-p 0.9 sampling scored with RAW logprobs (the renormalisation trap); synchronous
 ==================  ===================================================================================
 
@@ -48,8 +48,8 @@ from learner.metrics_writers import read_metrics
 from learner.run_config import RunConfig, load_config
 
 # What every source sets (its own settings replace these), so a base config's choices cannot leak into a source.
-NO_MISMATCH = {"server.dtype": "float32", "rollout.max_staleness": 0, "rollout.top_p": 1.0,
-               "rollout.logprob_mode": "processed"}
+NO_MISMATCH = {"server.dtype": "float32", "rollout.max_staleness": 0, "rollout.fixed_staleness": True,
+               "rollout.top_p": 1.0, "rollout.logprob_mode": "processed"}
 SOURCES = {
     "staleness_0": {},
     "bf16": {"server.dtype": "bfloat16"},
@@ -132,6 +132,7 @@ def run_grid(cells: list[Cell], command: list[str], out: pathlib.Path, parallel:
              warm: dict[int, list[str]]) -> dict[Cell, int]:
     """Runs the cells, ``parallel`` at a time; returns each cell's exit status (0 for runs finished before)."""
     env = dict(os.environ)
+    env.setdefault("PYTHONHASHSEED", "0")  # the update program's serialised form (its cache key) depends on it
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -93,7 +93,7 @@ def test_quick_study_end_to_end(tmp_path):
         assert min(r["rollout_corr/logprob_abs_diff_mean"] for r in bf16) > 1e-4
         # Async: the third step trains on samples two versions old.
         stale = read_metrics(tmp_path / "runs" / "staleness_2" / correction / "seed_0" / "metrics.jsonl")
-        assert [r["rollout_corr/staleness_max"] for r in stale] == [0, 1, 2]
+        assert [r["rollout_corr/staleness_mean"] for r in stale] == [0, 1, 2]  # exactly (fixed_staleness)
         # The trap: RAW ratios of truncated sampling show no mismatch; the truncation diagnostic does.
         assert abs(rows["top_p_raw", correction]["kl"]) < 1e-5 and rows["top_p_raw", correction]["log_kept_mass"] < -0.01
     assert rows["bf16", "geo_rs_token_tis"]["seq_rejected"] > 0 and rows["bf16", "none"]["seq_rejected"] == 0

@@ -56,6 +56,13 @@ def test_buffer_without_prefetch_issues_requests_only_when_asked(client):
     buffer.close()
 
 
+def test_buffer_wait_returns_when_every_request_has_finished(client):
+    buffer = RolloutBuffer(client, requests(), max_in_flight=3, max_staleness=1)
+    buffer.wait(timeout_s=30)
+    assert all(future.done() for future in buffer._in_flight) and buffer.in_flight == 3
+    buffer.close()
+
+
 def make_sample(prompt, completion, versions, mode=LogprobMode.RAW) -> Sample:
     n = len(completion)
     return Sample(request_id="r", sample_index=0, prompt_token_ids=np.array(prompt, np.int32),
