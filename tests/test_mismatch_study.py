@@ -44,7 +44,7 @@ def test_summary_of_a_learning_run(study):
 
 
 def test_summary_flags_collapse_and_non_finite_losses(study):
-    collapsed = study.summarize(records([0.3, 0.6, 0.8, 1.0, 0.9, 0.9, 0.9, 0.5, 0.3, 0.2, 0.1, 0.1]))
+    collapsed = study.summarize(records([0.3, 0.6, 0.8, 1.0, 0.9, 0.9, 0.9, 0.5, 0.3, 0.2, 0.1, 0.1]), target=0.7)
     assert collapsed["collapsed"] and collapsed["steps_to_target"] == 5  # trailing means 0.675 then 0.72
     stalled = study.summarize(records([0.3] * 10))
     assert not stalled["collapsed"] and stalled["steps_to_target"] is None
