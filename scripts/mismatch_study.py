@@ -176,7 +176,7 @@ def summarize(records: list[dict], target: float = 0.6) -> dict:
     >>> records = [{"step": s, "reward/mean": r} for s, r in enumerate([0.2, 0.3, 0.4, 0.8, 0.9, 0.9], 1)]
     >>> summary = summarize(records, target=0.6)
     >>> summary["steps_to_target"], summary["collapsed"], round(summary["final_reward"], 2)
-    (5, False, 0.66)
+    (6, False, 0.66)
     """
     rewards = np.array([r["reward/mean"] for r in records], np.float64)
     smoothed = _trailing_mean(rewards, FINAL_STEPS)

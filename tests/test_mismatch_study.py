@@ -1,5 +1,6 @@
 """scripts/mismatch_study.py: its summaries against hand-computed values, and the --quick grid end to end."""
 
+import doctest
 import importlib.util
 import json
 import math
@@ -24,6 +25,10 @@ def study():
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def test_docstring_examples(study):
+    assert doctest.testmod(study).failed == 0  # scripts/ is not collected, so its doctests run here
 
 
 def records(rewards, **extra):
