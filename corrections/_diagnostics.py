@@ -3,7 +3,9 @@
 Each diagnostic is split into a per-sequence pass (``*_row_stats``: sums, counts, extrema and centred moments
 of ONE sequence, vmapped over the batch) and a batch combination (``*_from_rows``) on [B] arrays. The pipeline
 runs the per-sequence passes inside its own per-sequence pass, so every [B, T] array is read once; the public
-``*_metrics`` functions compose the two for standalone use.
+``*_metrics`` functions compose the two for standalone use. The per-sequence passes take float32 values that
+are already 0 at padding (the pipeline's cleaning, or ``zero_padding`` in the public functions), so a sum of a
+quantity that is 0 at padding needs no mask.
 
 All statistics use the ORIGINAL response mask. Per-sequence statistics skip empty rows (no valid token) and are
 0 when every row is empty. Keys follow verl's ``rollout_corr/`` names. Every value is a float32 scalar, finite
@@ -13,7 +15,9 @@ even for an all-rejected or all-padding batch.
 import jax
 import jax.numpy as jnp
 
-from corrections._masked import clamp_log_ratio, masked_count, masked_max, masked_min, masked_sum, safe_exp
+from corrections._masked import (
+    clamp_log_ratio, masked_count, masked_max, masked_min, masked_sum, safe_exp, zero_padding,
+)
 
 PREFIX = "rollout_corr/"
 
@@ -37,34 +41,32 @@ def _correlation(comoment, m2_x, m2_y, count, min_variance=1e-10):
 
 
 def _row_moments(x, mask):
+    """(count, mean, sum of squared deviations) of one sequence's valid values; ``x`` is 0 at padding."""
     count = masked_count(mask)
-    mean = _ratio(masked_sum(x, mask), count)
+    mean = _ratio(jnp.sum(x), count)
     return count, mean, masked_sum((x - mean) ** 2, mask)
 
 
 def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> dict:
-    """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays)."""
-    old = jnp.asarray(old_logprobs, jnp.float32)
-    roll = jnp.asarray(rollout_logprobs, jnp.float32)
-    valid = jnp.asarray(mask).astype(bool)
-    old, roll = jnp.where(valid, old, 0.0), jnp.where(valid, roll, 0.0)
-    lr = clamp_log_ratio(old - roll)
+    """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays, 0 at padding)."""
+    old, roll, valid = old_logprobs, rollout_logprobs, jnp.asarray(mask).astype(bool)
+    lr = clamp_log_ratio(old - roll)  # like roll - old and |old - roll|: 0 at padding, summed unmasked
     count, mean_old, m2_old = _row_moments(old, valid)
     _, mean_roll, m2_roll = _row_moments(roll, valid)
     abs_diff = jnp.abs(old - roll)
     return {
         "count": count,
-        "sum_kl": masked_sum(roll - old, valid),
-        "sum_k3": masked_sum(jnp.expm1(lr) - lr, valid),
+        "sum_kl": jnp.sum(roll - old),
+        "sum_k3": jnp.sum(jnp.expm1(lr) - lr),
         "sum_rho2": masked_sum(jnp.exp(2.0 * lr), valid),
-        "seq_log_ratio": clamp_log_ratio(masked_sum(lr, valid)),
+        "seq_log_ratio": clamp_log_ratio(jnp.sum(lr)),
         "mean_old": mean_old,
         "mean_roll": mean_roll,
         "m2_old": m2_old,
         "m2_roll": m2_roll,
         "comoment": masked_sum((old - mean_old) * (roll - mean_roll), valid),
-        "sum_abs_diff": masked_sum(abs_diff, valid),
-        "max_abs_diff": masked_max(abs_diff, valid),
+        "sum_abs_diff": jnp.sum(abs_diff),
+        "max_abs_diff": jnp.max(abs_diff, initial=0.0),  # >= 0, and 0 at padding and for an empty sequence
     }
 
 
@@ -116,20 +118,19 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     >>> float(m["rollout_corr/kl"]), float(m["rollout_corr/chi2_token"]), float(m["rollout_corr/training_ppl"])
     (0.0, 0.0, 2.0)
     """
-    return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old_logprobs, rollout_logprobs, mask))
+    old, roll = zero_padding(old_logprobs, mask), zero_padding(rollout_logprobs, mask)
+    return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old, roll, mask))
 
 
 def weight_row_stats(weights, raw_ratios, mask, cap: float) -> dict:
-    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence."""
-    weights = jnp.asarray(weights, jnp.float32)
-    raw_ratios = jnp.asarray(raw_ratios, jnp.float32)
+    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence (``weights`` 0 at padding)."""
     valid = jnp.asarray(mask).astype(bool)
     count, mean, m2 = _row_moments(weights, valid)
     return {
         "count": count,
         "mean": mean,
         "m2": m2,
-        "sum_squares": masked_sum(weights**2, valid),
+        "sum_squares": jnp.sum(weights**2),
         "max": masked_max(weights, valid),
         "min": masked_min(weights, valid),
         "above_cap": masked_count(valid & (raw_ratios > cap)),
@@ -159,6 +160,7 @@ def weight_metrics(weights, raw_ratios, mask, cap: float) -> dict:
     """Importance-weight statistics over valid tokens: mean, std, max, min of the final weights, the fraction
     of raw ratios above ``cap`` and below ``1/cap``, and the effective sample size (see
     ``effective_sample_size``)."""
+    weights, raw_ratios = zero_padding(weights, mask), zero_padding(raw_ratios, mask)
     return weight_from_rows(jax.vmap(weight_row_stats, in_axes=(0, 0, 0, None))(weights, raw_ratios, mask, cap))
 
 

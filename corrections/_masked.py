@@ -21,6 +21,20 @@ def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     return jnp.sum(jnp.where(jnp.asarray(mask).astype(bool), x, 0.0), axis=axis)
 
 
+def zero_padding(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """``x`` as float32 with every position where ``mask`` is 0 set to 0, so that a later unmasked sum of a
+    quantity that vanishes at 0 skips padding. An ``x`` of lower rank than ``mask`` (one value per sequence)
+    is broadcast over the trailing axes first.
+
+    >>> import numpy as np
+    >>> zero_padding(np.array([1.0, np.nan]), np.array([1, 0])).tolist()
+    [1.0, 0.0]
+    """
+    x, mask = jnp.asarray(x, jnp.float32), jnp.asarray(mask)
+    x = jnp.broadcast_to(x.reshape(x.shape + (1,) * (mask.ndim - x.ndim)), mask.shape)
+    return jnp.where(mask.astype(bool), x, 0.0)
+
+
 def masked_count(mask: jax.Array, axis=None) -> jax.Array:
     """Number of set mask entries, as float32."""
     return jnp.sum(jnp.asarray(mask).astype(jnp.float32), axis=axis)

@@ -16,9 +16,10 @@ Order (SkyRL's is the reference), per sequence and vmapped over the batch unless
 8. [batch] Reduction over the final mask, divided by the original or the kept mask's count.
 9. [batch] Metrics, always on the original mask.
 
-Steps 1-7 run as ONE per-sequence pass that also emits each sequence's partial statistics (sums, counts,
-extrema, centred moments); the batch steps combine those [B] statistics. On CPU the pass walks the batch in
-chunks of rows that stay in cache (``rows_per_chunk``); elsewhere it is a plain ``vmap``.
+Step 1's zeroing and steps 2-7 run as ONE per-sequence pass on the raw inputs (no cleaned [B, T] copy is
+made) that also emits each sequence's partial statistics (sums, counts, extrema, centred moments); the batch
+steps combine those [B] statistics. On CPU the pass walks the batch in chunks of rows that stay in cache
+(``rows_per_chunk``); elsewhere it is a plain ``vmap``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from corrections import _diagnostics, _objectives, _rejection, _weights
 from corrections._advantages import kl_penalty
 from corrections._config import CorrectionConfig
 from corrections._diagnostics import PREFIX
-from corrections._masked import masked_count, masked_sum, safe_exp
+from corrections._masked import masked_count, masked_sum, safe_exp, zero_padding
 from corrections._reductions import divide_loss, loss_terms_from_rows
 
 sg = jax.lax.stop_gradient
@@ -182,9 +183,20 @@ def _objective_loss(config: CorrectionConfig, lp, old, roll, adv, mask, key):
     return _objectives.kl_cov_loss(lp, old, adv, mask, objective.kl_cov_ratio, objective.kl_cov_coef)
 
 
+def _clean(arrays: dict, mask) -> dict:
+    """Step 1's cleaning of raw inputs (one sequence or the batch): float32, 0 at every padded position (None
+    stays None; per-sequence advantages are broadcast over the tokens); ``old`` defaults to ``sg(lp)``."""
+    clean = {name: None if a is None else zero_padding(a, mask) for name, a in arrays.items()}
+    if clean["old"] is None:
+        clean["old"] = sg(clean["lp"])
+    return clean
+
+
 def _sequence_pass(row: dict, config: CorrectionConfig):
-    """Steps 3-7 for ONE sequence: per-token outputs and the sequence's partial statistics."""
-    lp, old, roll, adv, valid = row["lp"], row["old"], row["roll"], row["adv"], row["valid"]
+    """Step 1's zeroing and steps 2-7 for ONE sequence: per-token outputs and the sequence's partial statistics."""
+    valid = row["mask"].astype(bool)
+    clean = _clean({name: row[name] for name in ("lp", "old", "roll", "adv", "ref", "entropy")}, row["mask"])
+    lp, old, roll, adv = clean["lp"], clean["old"], clean["roll"], clean["adv"]
     stats = {"valid": masked_count(valid)}
     if roll is not None:
         trainer = sg(lp) if config.mode == "bypass" else old
@@ -200,24 +212,26 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         loss, aux = row["loss"], row["aux"]
     else:
         loss, aux = _objective_loss(config, lp, old, roll, adv, valid, None)
-    extra = jnp.zeros_like(lp)
+    extra = []  # the KL and entropy terms, when configured
     if config.kl_coef > 0:
-        kl = kl_penalty(lp, row["ref"], config.kl_estimator)
-        extra = extra + config.kl_coef * kl
+        kl = kl_penalty(lp, clean["ref"], config.kl_estimator)
+        extra.append(config.kl_coef * kl)
         stats["kl_loss"] = masked_sum(kl, keep)
-    if row["entropy"] is not None:
-        stats["entropy"] = masked_sum(row["entropy"], valid)
-        extra = extra - config.entropy_coef * row["entropy"]
+    if clean["entropy"] is not None:
+        stats["entropy"] = masked_sum(clean["entropy"], valid)
+        extra.append(-config.entropy_coef * clean["entropy"])
     weights = sg(weights)
     policy_loss = jnp.where(keep, loss * weights, 0.0)
-    extra = jnp.where(keep, extra, 0.0)
+    per_token = {"weights": weights, "mask": keep.astype(jnp.float32), "policy_loss": policy_loss}
     stats.update(
         kept=masked_count(keep),
         policy_loss_sum=jnp.sum(policy_loss),
-        extra_loss_sum=jnp.sum(extra),
         aux={name: masked_sum(values, keep) for name, values in aux.items()},
     )
-    return {"weights": weights, "keep": keep, "policy_loss": policy_loss, "extra_loss": extra}, stats
+    if extra:
+        per_token["extra_loss"] = jnp.where(keep, sum(extra[1:], extra[0]), 0.0)
+        stats["extra_loss_sum"] = jnp.sum(per_token["extra_loss"])
+    return per_token, stats
 
 
 def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
@@ -295,42 +309,38 @@ def compute(
     ([[2.0, 1.0, 0.0]], -1.5)
     """
     lp = jnp.asarray(logprobs)
-    lp = lp.astype(jnp.float32) if lp.dtype != jnp.float32 else lp
     mask = jnp.asarray(mask)
     arrays = [None if a is None else jnp.asarray(a) for a in (proximal_logprobs, rollout_logprobs, ref_logprobs, entropy)]
     adv = jnp.asarray(advantages, jnp.float32)
     _check_inputs(config, lp, mask, adv, *arrays)
     if config.check_values:
         check_batch(mask, rollout_logprobs=arrays[1], proximal_logprobs=arrays[0], ref_logprobs=arrays[2])
-    valid = mask.astype(bool)
-    zero_padding = lambda a: None if a is None else jnp.where(valid, a.astype(jnp.float32), 0.0)  # noqa: E731
-    lp = zero_padding(lp)
-    proximal, roll, ref, entropy = map(zero_padding, arrays)
-    adv = zero_padding(jnp.broadcast_to(adv[:, None], lp.shape) if adv.ndim == 1 else adv)
+    proximal, roll, ref, entropy = arrays
     old = roll if config.mode == "bypass" else proximal
-    old = sg(lp) if old is None else old
-    rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "valid": valid, "ref": ref, "entropy": entropy}
+    rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy}
     if config.objective.name not in ROW_OBJECTIVES:
         key = jax.random.key(0) if key is None else key
-        rows["loss"], rows["aux"] = _objective_loss(config, lp, old, roll, adv, valid, key)
+        clean = _clean({"lp": lp, "old": old, "roll": roll, "adv": adv}, mask)
+        rows["loss"], rows["aux"] = _objective_loss(
+            config, clean["lp"], clean["old"], clean["roll"], clean["adv"], mask.astype(bool), key
+        )
     per_token, stats = _map_rows(functools.partial(_sequence_pass, config=config), rows, rows_per_chunk)
-    weights, keep = per_token["weights"], per_token["keep"]
+    weights, per_token_loss, row_sums = per_token["weights"], per_token["policy_loss"], stats["policy_loss_sum"]
     scale = jnp.float32(1.0)
     if config.importance is not None and config.importance.batch_normalize:
         weight_stats = stats["weights"]
         scale = _weights.normalizer(
             _weights.batch_mean_weight(weight_stats["mean"], weight_stats["count"], config.importance.level)
         )
-        weights = weights / scale
-    per_token_loss = per_token["policy_loss"] / scale + per_token["extra_loss"]
-    row_sums = stats["policy_loss_sum"] / scale + stats["extra_loss_sum"]
+        weights, per_token_loss, row_sums = weights / scale, per_token_loss / scale, row_sums / scale
+    if "extra_loss" in per_token:
+        per_token_loss, row_sums = per_token_loss + per_token["extra_loss"], row_sums + stats["extra_loss_sum"]
     row_counts = stats["valid"] if config.denominator == "original" else stats["kept"]
     numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1])
     reduced = divide_loss(numerator, denominator)
     metrics = _batch_metrics(config, stats, scale)
     metrics["actor/pg_loss"] = reduced
     if policy_lag is not None:
-        metrics.update(_diagnostics.staleness_metrics(policy_lag, valid))
+        metrics.update(_diagnostics.staleness_metrics(policy_lag, mask))
     metrics = {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
-    final_mask = keep.astype(jnp.float32)
-    return Corrected(sg(weights), final_mask, per_token_loss, reduced, numerator, sg(denominator), metrics)
+    return Corrected(sg(weights), per_token["mask"], per_token_loss, reduced, numerator, sg(denominator), metrics)
