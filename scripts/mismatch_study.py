@@ -14,7 +14,8 @@ top_p_raw           top-p 0.9 sampling scored with RAW logprobs (the renormalisa
 
 Corrections are `corrections` presets: none (``disabled``: decoupled PPO anchored at the recomputed proximal policy,
 no behaviour weight), token_tis, seq_tis, geo_rs, geo_rs_token_tis (verl's ``decoupled_*`` presets, bounds as
-shipped), decoupled_ppo (``areal_decoupled_ppo``) and cispo (``skyrl_cispo``).
+shipped), decoupled_ppo (``areal_decoupled_ppo``) and cispo (``skyrl_cispo`` in bypass mode: CISPO's clipped
+weight taken against the rollout policy, i.e. off-policy IS).
 
 Each seed's supervised warm-up runs once, in this process, and is exported as a Hugging Face checkpoint that every
 run of that seed starts from (``model.hf_path``), so cells differ only in source and correction. The runs share a
@@ -57,14 +58,15 @@ SOURCES = {
     "staleness_4": {"rollout.max_staleness": 4},
     "top_p_raw": {"rollout.top_p": 0.9, "rollout.logprob_mode": "raw"},
 }
+# name -> (corrections preset, overrides)
 CORRECTIONS = {
-    "none": "disabled",
-    "token_tis": "decoupled_token_is",
-    "seq_tis": "decoupled_seq_is",
-    "geo_rs": "decoupled_geo_rs",
-    "geo_rs_token_tis": "decoupled_geo_rs_token_tis",
-    "decoupled_ppo": "areal_decoupled_ppo",
-    "cispo": "skyrl_cispo",
+    "none": ("disabled", {}),
+    "token_tis": ("decoupled_token_is", {}),
+    "seq_tis": ("decoupled_seq_is", {}),
+    "geo_rs": ("decoupled_geo_rs", {}),
+    "geo_rs_token_tis": ("decoupled_geo_rs_token_tis", {}),
+    "decoupled_ppo": ("areal_decoupled_ppo", {}),
+    "cispo": ("skyrl_cispo", {"mode": "bypass"}),  # the clipped weight is pi / pi_rollout: off-policy IS
 }
 QUICK = dict(seeds=[0], steps=3, corrections=["none", "geo_rs_token_tis"], warmup_steps=30)
 
@@ -90,8 +92,9 @@ class Cell:
         return out / "runs" / self.source / self.correction / f"seed_{self.seed}"
 
     def overrides(self) -> list[str]:
-        settings = NO_MISMATCH | SOURCES[self.source] | {"corrections.preset": CORRECTIONS[self.correction],
-                                                         "corrections.overrides": {}, "loop.seed": self.seed}
+        preset, overrides = CORRECTIONS[self.correction]
+        settings = NO_MISMATCH | SOURCES[self.source] | {"corrections.preset": preset,
+                                                         "corrections.overrides": overrides, "loop.seed": self.seed}
         return [f"{key}={_toml(value)}" for key, value in settings.items()]
 
 
@@ -312,7 +315,8 @@ def main(argv=None) -> None:
             runs[correction] = seeds
             summaries = [summarize(records, args.target) for records in seeds]
             rows[source, correction] = aggregate(summaries)
-            results.append({"source": source, "correction": correction, "preset": CORRECTIONS[correction],
+            preset, overrides = CORRECTIONS[correction]
+            results.append({"source": source, "correction": correction, "preset": preset, "overrides": overrides,
                             "runs": summaries, **rows[source, correction]})
         if runs:
             plot_source(source, runs, out / f"{source}.png")

@@ -74,7 +74,8 @@ def test_cells_isolate_their_source_and_correction(study):
     cell = study.Cell("staleness_2", "cispo", seed=3)
     config = load_config(REPO_ROOT / "configs" / "bf16_server.toml", cell.overrides())
     assert (config.server.dtype, config.rollout.max_staleness, config.rollout.top_p) == ("float32", 2, 1.0)
-    assert (config.corrections.preset, config.corrections.overrides, config.loop.seed) == ("skyrl_cispo", {}, 3)
+    assert (config.corrections.preset, config.corrections.overrides, config.loop.seed) == (
+        "skyrl_cispo", {"mode": "bypass"}, 3)
     raw = load_config(None, study.Cell("top_p_raw", "none", seed=0).overrides())
     assert (raw.rollout.logprob_mode, raw.rollout.top_p, raw.corrections.preset) == ("raw", 0.9, "disabled")
 
