@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from learner.sampling_transform import FULL_SORT_MAX_VOCAB
 from learner.sampling_transform import descending
 from learner.sampling_transform import kept_threshold
 from learner.sampling_transform import top_candidates
@@ -56,12 +57,15 @@ NEUTRAL = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)  # plain
 def replayed_thresholds(scaled: jax.Array, log_normalizer: jax.Array, sampling: SamplerParams) -> jax.Array:
     """Kept-set thresholds ``[B, C]`` of scaled logits ``[B, C, V]`` (no gradient).
 
-    Uses the candidates of `top_candidates`; if any position of the chunk needs more (a wide top-p or top-k),
-    the whole chunk is recomputed from the fully sorted vocabulary, so the result is always exact.
+    Uses the candidates of `top_candidates`; if any position of the chunk needs more (a wide top-p or top-k), the
+    whole chunk is recomputed from the fully sorted vocabulary, so the result is always exact. Up to
+    `FULL_SORT_MAX_VOCAB` tokens the candidates are the fully sorted vocabulary.
     """
     scaled, log_normalizer = jax.lax.stop_gradient((scaled, log_normalizer))
     params = tuple(x[:, None] for x in (sampling.top_k, sampling.top_p, sampling.min_p))
     threshold, determined = kept_threshold(top_candidates(scaled), log_normalizer, *params)
+    if scaled.shape[-1] <= FULL_SORT_MAX_VOCAB:
+        return threshold
     return jax.lax.cond(jnp.all(determined), lambda: threshold,
                         lambda: kept_threshold(descending(scaled), log_normalizer, *params)[0])
 
@@ -84,12 +88,14 @@ def replayed_token_stats(logits: jax.Array, targets: jax.Array, sampling: Sample
       temperature-scaled distribution, <= 0), and ``entropy`` when asked.
     """
     scaled = logits / sampling.temperature[:, None, None]
-    log_normalizer = jax.nn.logsumexp(scaled, axis=-1)
+    largest = jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))  # always kept: threshold <= largest
+    exp_scaled = jnp.exp(scaled - largest)
+    log_normalizer = jnp.log(jnp.sum(exp_scaled, axis=-1)) + largest[..., 0]
     threshold = replayed_thresholds(scaled, log_normalizer, sampling)
     vocab = jnp.arange(scaled.shape[-1])
     kept = (scaled >= threshold[..., None]) | (vocab == targets[..., None])
     kept_scaled = jnp.where(kept, scaled, -jnp.inf)
-    log_kept_normalizer = jax.nn.logsumexp(kept_scaled, axis=-1)
+    log_kept_normalizer = jnp.log(jnp.sum(jnp.where(kept, exp_scaled, 0.0), axis=-1)) + largest[..., 0]
     target_scaled = jnp.take_along_axis(scaled, targets[..., None], axis=-1)[..., 0]
     stats = {"logprobs": target_scaled - log_kept_normalizer,
              "log_kept_mass": jax.lax.stop_gradient(log_kept_normalizer - log_normalizer)}
