@@ -88,7 +88,8 @@ class RolloutClient:
             self._run(self._client.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        self._loop.close()
+        if not self._thread.is_alive():  # else a stuck call keeps it running: leave it (a daemon) to the process exit
+            self._loop.close()
 
     def __enter__(self) -> "RolloutClient":
         return self
