@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from learner.sampling_transform import FULL_SORT_MAX_VOCAB
 from learner.sampling_transform import descending
 from learner.sampling_transform import kept_threshold
 from learner.sampling_transform import top_candidates
@@ -58,13 +57,14 @@ def replayed_thresholds(scaled: jax.Array, log_normalizer: jax.Array, sampling: 
     """Kept-set thresholds ``[B, C]`` of scaled logits ``[B, C, V]`` (no gradient).
 
     Uses the candidates of `top_candidates`; if any position of the chunk needs more (a wide top-p or top-k), the
-    whole chunk is recomputed from the fully sorted vocabulary, so the result is always exact. Up to
-    `FULL_SORT_MAX_VOCAB` tokens the candidates are the fully sorted vocabulary.
+    whole chunk is recomputed from the fully sorted vocabulary, so the result is always exact. For a vocabulary of
+    at most the candidate count the candidates are the fully sorted vocabulary.
     """
     scaled, log_normalizer = jax.lax.stop_gradient((scaled, log_normalizer))
     params = tuple(x[:, None] for x in (sampling.top_k, sampling.top_p, sampling.min_p))
-    threshold, determined = kept_threshold(top_candidates(scaled), log_normalizer, *params)
-    if scaled.shape[-1] <= FULL_SORT_MAX_VOCAB:
+    candidates = top_candidates(scaled)
+    threshold, determined = kept_threshold(candidates, log_normalizer, *params)
+    if candidates.shape[0] == scaled.shape[-1]:
         return threshold
     return jax.lax.cond(jnp.all(determined), lambda: threshold,
                         lambda: kept_threshold(descending(scaled), log_normalizer, *params)[0])

@@ -14,17 +14,22 @@ Ties at a cutoff are all kept (or all dropped), so the result does not depend on
 tokens at or above a value, so the kept set is ``scaled >= threshold`` for one threshold per position:
 `kept_threshold` computes it from the largest scaled logits in descending order, with prefix sums whose entry ``r``
 depends only on the first ``r + 1`` logits, so a correct prefix of the sorted vocabulary gives the same threshold,
-bit for bit, as all of it. XLA:CPU's sort calls a comparator per comparison and costs ~10x the output projection,
-so neither side uses it: `descending` sorts with a bitonic network of elementwise max / min (the server, and the
-learner up to `FULL_SORT_MAX_VOCAB` tokens); above that the learner takes the candidates of `top_candidates`
-(`jax.lax.top_k`, a partial sort) and falls back to `descending` when they are too few.
+bit for bit, as all of it.
+
+XLA:CPU's sort calls a comparator per comparison and costs ~10x the output projection, so neither side uses it:
+`descending` sorts with a bitonic network of elementwise max / min (the server, and the learner's fallback), and
+the learner takes the candidates of `top_candidates`: up to `NETWORK_MAX_VOCAB` tokens the same network stopped at
+the ``count`` largest (blocks of ``count`` sorted, then merged pairwise keeping the larger half), above
+`jax.lax.top_k` (a partial sort); it falls back to `descending` when they are too few. Sorted logits are laid out
+vocabulary-major (``[K, ...]``, the sorted axis first) from the network through `kept_threshold`: every
+compare-exchange and prefix-sum step is then an elementwise operation on contiguous rows, with no transpose between
+them (a vocabulary-last `kept_threshold` after the network cost more than the network itself).
 """
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-FULL_SORT_MAX_VOCAB = 1024  # Up to this vocabulary size the bitonic sort of all tokens beats jax.lax.top_k(64).
+NETWORK_MAX_VOCAB = 1024  # Up to this vocabulary size the bitonic network beats jax.lax.top_k(64) on XLA:CPU.
 
 
 def kept_threshold(desc: jax.Array, log_normalizer: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -32,8 +37,9 @@ def kept_threshold(desc: jax.Array, log_normalizer: jax.Array, top_k: jax.Array,
     """The threshold of the kept set ``scaled >= threshold``, from descending scaled logits.
 
     Args:
-      desc: ``[..., K]`` the largest scaled logits in descending order; -inf marks unknown entries (every token
-        not listed is < the last finite entry). ``K = V`` with no -inf entry is the full vocabulary.
+      desc: ``[K, ...]`` the largest scaled logits in descending order along the first axis (vocabulary-major);
+        -inf marks unknown entries (every token not listed is < the last finite entry). ``K = V`` with no -inf
+        entry is the full vocabulary.
       log_normalizer: ``[...]`` logsumexp of all V scaled logits.
       top_k: ``[...]`` int, 0 disables.
       top_p: ``[...]`` in (0, 1]; 1 disables.
@@ -49,87 +55,132 @@ def kept_threshold(desc: jax.Array, log_normalizer: jax.Array, top_k: jax.Array,
     (0.3, True)
     """
     top_k, top_p, min_p, log_normalizer = (jnp.asarray(x) for x in (top_k, top_p, min_p, log_normalizer))
-    size = desc.shape[-1]
-    num_finite = jnp.sum(desc > -jnp.inf, axis=-1)
+    size = desc.shape[0]
+    num_finite = jnp.sum(desc > -jnp.inf, axis=0)
     top_k_on = top_k > 0
-    top_k_index = jnp.clip(top_k, 1, size)[..., None] - 1
-    top_k_threshold = jnp.where(top_k_on, jnp.take_along_axis(desc, top_k_index, axis=-1)[..., 0], -jnp.inf)
-    in_top_k = desc >= top_k_threshold[..., None]
-    largest = desc[..., 0]
-    weights = jnp.exp(desc - largest[..., None])  # probabilities times exp(largest - log_normalizer)
+    top_k_threshold = jnp.where(top_k_on, at_row(desc, jnp.clip(top_k, 1, size) - 1), -jnp.inf)
+    in_top_k = desc >= top_k_threshold
+    largest = desc[0]
+    weights = jnp.exp(desc - largest)  # probabilities times exp(largest - log_normalizer)
     cumulative = prefix_sums(weights)
-    last_top_k = jnp.sum(in_top_k, axis=-1, keepdims=True) - 1
-    top_k_mass = jnp.where(top_k_on, jnp.take_along_axis(cumulative, last_top_k, axis=-1)[..., 0],
+    top_k_mass = jnp.where(top_k_on, at_row(cumulative, jnp.sum(in_top_k, axis=0) - 1),
                            jnp.exp(log_normalizer - largest))
-    mass_above = jnp.concatenate([jnp.zeros_like(cumulative[..., :1]), cumulative[..., :-1]], axis=-1)
-    num_top_p = jnp.sum(in_top_k & (mass_above < (top_p * top_k_mass)[..., None]), axis=-1)
-    last_top_p = jnp.take_along_axis(desc, jnp.maximum(num_top_p, 1)[..., None] - 1, axis=-1)[..., 0]
-    top_p_threshold = jnp.where(top_p < 1.0, last_top_p, -jnp.inf)
+    mass_above = jnp.concatenate([jnp.zeros_like(cumulative[:1]), cumulative[:-1]], axis=0)
+    num_top_p = jnp.sum(in_top_k & (mass_above < top_p * top_k_mass), axis=0)
+    top_p_threshold = jnp.where(top_p < 1.0, at_row(desc, jnp.maximum(num_top_p, 1) - 1), -jnp.inf)
     min_p_threshold = jnp.where(min_p > 0, largest + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
     threshold = jnp.maximum(jnp.maximum(top_k_threshold, top_p_threshold), min_p_threshold)
-    num_kept = jnp.sum(desc >= threshold[..., None], axis=-1)
+    num_kept = jnp.sum(desc >= threshold, axis=0)
     complete = num_finite == size
     top_k_known = ~top_k_on | (top_k <= num_finite)
     cut_known = (num_kept < num_finite) | (top_k_on & (top_k <= num_finite))
     return threshold, complete | (top_k_known & cut_known)
 
 
+def at_row(x: jax.Array, row: jax.Array) -> jax.Array:
+    """``x[row[...], ...]`` of ``x`` ``[K, ...]`` (values > -inf): a masked maximum over the rows, not a gather.
+
+    >>> at_row(jnp.array([[1., 2.], [3., 4.]]), jnp.array([1, 0])).tolist()
+    [3.0, 2.0]
+    """
+    rows = jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.max(jnp.where(rows == row, x, -jnp.inf), axis=0)
+
+
 def prefix_sums(x: jax.Array) -> jax.Array:
-    """Inclusive sums along the last axis (Hillis-Steele: log2 steps of shifted adds); entry ``r`` is computed from
-    ``x[..., :r + 1]`` alone, in an order that does not depend on the length.
+    """Inclusive sums along the first axis (Hillis-Steele: log2 steps of shifted adds); entry ``r`` is computed
+    from ``x[:r + 1]`` alone, in an order that does not depend on the length.
 
     >>> prefix_sums(jnp.array([1., 2., 3., 4., 5.])).tolist()
     [1.0, 3.0, 6.0, 10.0, 15.0]
     """
     shift = 1
-    while shift < x.shape[-1]:
-        x = x + jnp.pad(x[..., :-shift], [(0, 0)] * (x.ndim - 1) + [(shift, 0)])
+    while shift < x.shape[0]:
+        x = x + jnp.pad(x[:-shift], [(shift, 0)] + [(0, 0)] * (x.ndim - 1))
         shift *= 2
     return x
 
 
 def descending(scaled: jax.Array) -> jax.Array:
-    """All scaled logits ``[..., V]`` in descending order (the full-vocabulary input of `kept_threshold`).
-
-    A bitonic sorting network over the vocabulary padded with -inf to a power of two, laid out vocabulary-major so
-    that every compare-exchange step is an elementwise max / min of contiguous rows: the values of `jnp.sort`, ~10x
-    faster on XLA:CPU.
+    """All scaled logits ``[..., V]`` in descending order, vocabulary-major ``[V, ...]`` (the full-vocabulary input
+    of `kept_threshold`): the values of ``jnp.sort`` by a bitonic network, ~10x faster on XLA:CPU.
 
     >>> descending(jnp.array([[1., 3., 2.], [0., -1., 0.]])).tolist()
-    [[3.0, 2.0, 1.0], [0.0, 0.0, -1.0]]
+    [[3.0, 0.0], [2.0, 0.0], [1.0, -1.0]]
+    """
+    return bitonic_largest(scaled, scaled.shape[-1])
+
+
+def bitonic_largest(scaled: jax.Array, count: int) -> jax.Array:
+    """The ``min(count, V)`` largest scaled logits of ``[..., V]`` in descending order, vocabulary-major.
+
+    A bitonic network of elementwise max / min over the vocabulary padded with -inf to a power of two, laid out
+    ``[vocabulary, positions]`` so that every step acts on contiguous rows. Sorted runs double in length, each
+    merge comparing the first run with the second reversed, then halving strides, all in one direction. With
+    ``count`` below ``V`` (a power of two), the runs stop at ``count`` and each merge of two runs keeps
+    only the larger half (the elementwise maximum of the first and the second reversed holds the ``count`` largest
+    of both, as a bitonic sequence that the halving strides sort), so the steps past ``count`` act on fewer rows.
+
+    >>> bitonic_largest(jnp.array([5., 1., 4., 2., 8., 7., 3., 6.]), 2).tolist()
+    [8.0, 7.0]
     """
     vocab_size = scaled.shape[-1]
     size = 1 << max(vocab_size - 1, 1).bit_length()
+    block = size if count >= vocab_size else count
+    if size % block:
+        raise ValueError(f"count {count} below the padded vocabulary {size} must be a power of two")
     x = jnp.pad(scaled.reshape(-1, vocab_size), ((0, 0), (0, size - vocab_size)), constant_values=-jnp.inf).T
-    rows = x.shape[1]
+    positions = x.shape[1]
     run = 2
-    while run <= size:  # Merge bitonic runs into sorted runs of length `run`, alternately descending and ascending.
-        stride = run // 2
-        while stride:
-            pairs = x.reshape(size // (2 * stride), 2, stride, rows)
-            high, low = jnp.maximum(pairs[:, 0], pairs[:, 1]), jnp.minimum(pairs[:, 0], pairs[:, 1])
-            down = jnp.asarray((np.arange(0, size, 2 * stride) & run) == 0)[:, None, None]
-            x = jnp.stack([jnp.where(down, high, low), jnp.where(down, low, high)], axis=1).reshape(size, rows)
-            stride //= 2
+    while run <= block:
+        halves = x.reshape(-1, 2, run // 2, positions)
+        first, second = halves[:, 0], jnp.flip(halves[:, 1], axis=1)
+        x = jnp.stack([jnp.maximum(first, second), jnp.flip(jnp.minimum(first, second), axis=1)], axis=1)
+        x = halving_strides(x.reshape(size, positions), run // 4)
         run *= 2
-    return x[:vocab_size].T.reshape(scaled.shape)
+    while x.shape[0] > block:
+        halves = x.reshape(-1, 2, block, positions)
+        x = jnp.maximum(halves[:, 0], jnp.flip(halves[:, 1], axis=1)).reshape(-1, positions)
+        x = halving_strides(x, block // 2)
+    return x[:min(block, vocab_size)].reshape((-1,) + scaled.shape[:-1])
+
+
+def halving_strides(x: jax.Array, stride: int) -> jax.Array:
+    """Sorts bitonic runs of ``2 stride`` rows of ``x`` ``[size, positions]`` descending: compare-exchanges of rows
+    ``stride`` apart, then ``stride / 2``, ..., 1."""
+    while stride:
+        pairs = x.reshape(-1, 2, stride, x.shape[1])
+        x = jnp.stack([jnp.maximum(pairs[:, 0], pairs[:, 1]), jnp.minimum(pairs[:, 0], pairs[:, 1])], axis=1)
+        x = x.reshape(-1, pairs.shape[-1])
+        stride //= 2
+    return x
 
 
 def top_candidates(scaled: jax.Array, count: int = 64) -> jax.Array:
-    """The largest scaled logits in descending order, -inf past the ones known exactly; a cheap `descending`.
+    """The largest scaled logits of ``[..., V]`` in descending order, vocabulary-major ``[K, ...]``, -inf past the
+    ones known exactly; a cheap `descending`.
 
-    Up to `FULL_SORT_MAX_VOCAB` tokens, all of them (`descending`). Beyond, the ``count`` largest from
-    `jax.lax.top_k` (XLA:CPU's partial sort, a fraction of a full sort), with the smallest of them set to -inf: a
-    token not listed may tie with it, and `kept_threshold` needs every token not listed below the finite entries.
+    Up to `NETWORK_MAX_VOCAB` tokens, the ``count`` largest (a power of two) from `bitonic_largest`, or all tokens
+    if there are no more. Beyond, the ``count`` largest from `jax.lax.top_k` (XLA:CPU's partial sort, a fraction
+    of a full sort). Where tokens are left out, the smallest value listed is set to -inf: a token not listed may
+    tie with it, and `kept_threshold` needs every token not listed below the finite entries.
 
     >>> top_candidates(jnp.arange(2000.) % 1000, count=3).tolist()
     [999.0, 999.0, -inf]
+    >>> top_candidates(jnp.arange(200.) % 100, count=4).tolist()
+    [99.0, 99.0, -inf, -inf]
+    >>> top_candidates(jnp.array([2., 1., 3.]), count=4).tolist()
+    [3.0, 2.0, 1.0]
     """
-    if scaled.shape[-1] <= FULL_SORT_MAX_VOCAB:
-        return descending(scaled)
-    largest = jax.lax.top_k(scaled, count)[0]
+    vocab_size = scaled.shape[-1]
+    if vocab_size <= NETWORK_MAX_VOCAB:
+        largest = bitonic_largest(scaled, count)
+        if largest.shape[0] == vocab_size:
+            return largest
+    else:
+        largest = jnp.moveaxis(jax.lax.top_k(scaled, count)[0], -1, 0)
     # The minimum, not a slice: a slice of the output would stop XLA:CPU from rewriting top_k's sort into TopK.
-    return jnp.where(largest > jnp.min(largest, axis=-1, keepdims=True), largest, -jnp.inf)
+    return jnp.where(largest > jnp.min(largest, axis=0), largest, -jnp.inf)
 
 
 def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

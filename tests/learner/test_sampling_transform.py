@@ -1,15 +1,17 @@
 """The sort-free paths of the sampler's truncation equal a full sort: `descending` (bitonic network) equals
-`jnp.sort`, and the thresholds of `replayed_thresholds` (all tokens of a small vocabulary; `jax.lax.top_k`
-candidates with the full-sort fallback for a large one) keep the set that a float64 NumPy reference keeps."""
+`jnp.sort`, `top_candidates` lists a prefix of it, and the thresholds of `replayed_thresholds` (candidates from the
+bitonic network cut short for a small vocabulary, from `jax.lax.top_k` for a large one, with the full-sort fallback)
+keep the set that a float64 NumPy reference keeps."""
 
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import assume, given, settings
 
 from learner.sampler_replay import SamplerParams, replayed_thresholds
-from learner.sampling_transform import FULL_SORT_MAX_VOCAB, descending, kept_threshold, top_candidates
+from learner.sampling_transform import NETWORK_MAX_VOCAB, descending, kept_threshold, top_candidates
 
 
 def reference_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, float]:
@@ -33,7 +35,7 @@ def reference_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from([5, 128, FULL_SORT_MAX_VOCAB, 1500, 3000]),
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from([5, 128, NETWORK_MAX_VOCAB, 1500, 3000]),
        levels=st.sampled_from([3, 8, 0]), scale=st.floats(0.5, 8.0))
 def test_bitonic_descending_equals_sort(seed, vocab, levels, scale):
     """Ties (few distinct values, `levels` > 0) and continuous logits; -inf logits sort last."""
@@ -41,16 +43,41 @@ def test_bitonic_descending_equals_sort(seed, vocab, levels, scale):
     logits = rng.integers(0, levels, (3, vocab)) * 0.5 if levels else rng.standard_normal((3, vocab)) * scale
     logits[0, rng.integers(0, vocab)] = -np.inf
     logits = jnp.asarray(logits, jnp.float32)
-    np.testing.assert_array_equal(jax.jit(descending)(logits), jnp.flip(jnp.sort(logits, axis=-1), axis=-1))
+    np.testing.assert_array_equal(jax.jit(descending)(logits), jnp.flip(jnp.sort(logits, axis=-1), axis=-1).T)
 
 
-@settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from([7, 128, FULL_SORT_MAX_VOCAB, 1500, 4000]),
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from([3, 64, 65, 128, 300, NETWORK_MAX_VOCAB, 1500]),
+       count=st.sampled_from([4, 64]), levels=st.sampled_from([3, 40, 0]))
+def test_top_candidates_are_the_sorted_prefix(seed, vocab, count, levels):
+    """The finite candidates are the largest logits in order, every logit not listed is below them, and they are all
+    of them exactly when there are at most `count` logits."""
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(0, levels, (2, 3, vocab)) * 0.5 if levels else rng.standard_normal((2, 3, vocab))
+    logits = jnp.asarray(logits, jnp.float32)
+    got = np.moveaxis(np.asarray(jax.jit(top_candidates, static_argnums=1)(logits, count)), 0, -1)
+    full = np.moveaxis(np.asarray(descending(logits)), 0, -1)
+    assert got.shape[-1] == min(vocab, count)
+    finite = got > -np.inf
+    assert (finite[..., :-1] >= finite[..., 1:]).all()  # -inf only past the finite entries
+    np.testing.assert_array_equal(np.where(finite, got, -np.inf), np.where(finite, full[..., :got.shape[-1]], -np.inf))
+    num_finite = finite.sum(-1)
+    for position in np.ndindex(*logits.shape[:2]):
+        listed = num_finite[position]
+        if vocab <= count:
+            assert listed == vocab
+        elif listed:
+            assert (full[position][listed:] < got[position][listed - 1]).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from([7, 64, 65, 128, 300, NETWORK_MAX_VOCAB, 1500, 4000]),
        levels=st.sampled_from([2, 5, 40, 0]), scale=st.floats(0.3, 6.0), top_k=st.integers(0, 100),
        top_p=st.floats(0.05, 1.0), min_p=st.sampled_from([0.0, 0.001, 0.05, 0.3]))
 def test_replayed_threshold_keeps_the_full_sort_set(seed, vocab, levels, scale, top_k, top_p, min_p):
-    """Both paths (small vocabulary: all tokens sorted; large: top_k candidates, falling back when they do not
-    decide), with ties at every cutoff when `levels` > 0; equal to the full-sort `kept_threshold` bit for bit."""
+    """All paths (up to 64 tokens: all sorted; up to `NETWORK_MAX_VOCAB`: the bitonic network's 64 largest; above:
+    `jax.lax.top_k`'s; the last two falling back to the full sort when the candidates do not decide), with ties at
+    every cutoff when `levels` > 0; equal to the full-sort `kept_threshold` bit for bit."""
     rng = np.random.default_rng(seed)
     shape = (2, 3, vocab)
     logits = rng.integers(0, levels, shape) * scale / levels if levels else rng.standard_normal(shape) * scale
@@ -67,9 +94,10 @@ def test_replayed_threshold_keeps_the_full_sort_set(seed, vocab, levels, scale, 
         np.testing.assert_array_equal(np.asarray(scaled[position] >= threshold[position]), want)
 
 
-def test_top_candidates_drop_the_last_tied_group():
-    """`jax.lax.top_k` may cut a tie; the tied value becomes -inf so every token not listed is below the list."""
-    scaled = jnp.concatenate([jnp.array([9.0, 8.0, 7.0, 7.0, 7.0]), jnp.zeros(FULL_SORT_MAX_VOCAB)])
+@pytest.mark.parametrize("vocab", [100, NETWORK_MAX_VOCAB + 5])
+def test_top_candidates_drop_the_last_tied_group(vocab):
+    """The count largest may cut a tie; the tied value becomes -inf so every token not listed is below the list."""
+    scaled = jnp.concatenate([jnp.array([9.0, 8.0, 7.0, 7.0, 7.0]), jnp.zeros(vocab - 5)])
     assert top_candidates(scaled, count=4).tolist() == [9.0, 8.0, -jnp.inf, -jnp.inf]
     _, determined = kept_threshold(top_candidates(scaled, count=4), jax.nn.logsumexp(scaled), 3, 1.0, 0.0)
     assert not bool(determined)  # top-3 reaches the tie that was cut: needs the full sort
@@ -77,7 +105,7 @@ def test_top_candidates_drop_the_last_tied_group():
 
 def test_large_vocabulary_candidates_use_xla_topk_not_sort():
     """On CPU a sort of the vocabulary costs ~10x the output projection: the candidate path must not contain one."""
-    scaled = jnp.zeros((2, 4, FULL_SORT_MAX_VOCAB + 1))
+    scaled = jnp.zeros((2, 4, NETWORK_MAX_VOCAB + 1))
     hlo = jax.jit(top_candidates).lower(scaled).compile().as_text()
     if jax.default_backend() == "cpu":
         assert 'custom_call_target="TopK"' in hlo and " sort(" not in hlo
