@@ -16,7 +16,7 @@ model forward + chunked logprobs, jitted on the same mesh and batch) is timed at
 without replay, and with `REPLAY` replayed per row; the calls alternate so that load on a shared machine hits both
 alike, and the ratio of the medians is reported (target <= 1.3).
 
-    python scripts/bench_learner.py [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3] [--repeats 5]
+    python scripts/bench_learner.py [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--batch", nargs="+", type=int, default=[16, 4], help="rows B, one per config")
     parser.add_argument("--length", nargs="+", type=int, default=[128, 128], help="tokens T, one per config")
     parser.add_argument("--steps", type=int, default=3, help="timed calls after the compiling one")
-    parser.add_argument("--repeats", type=int, default=5, help="timed logprob passes, with and without replay")
+    parser.add_argument("--repeats", type=int, default=15, help="timed logprob passes, with and without replay")
     args = parser.parse_args()
     if not len(args.configs) == len(args.batch) == len(args.length):
         parser.error("--configs, --batch and --length need one value per config")
