@@ -14,10 +14,10 @@ One run, under ``run_dir``:
    ``num_samples`` completions each) in flight, so the rollouts of the next steps are sampled while this one
    trains (``max_staleness = 0``: synchronous, each batch is requested after the previous update's weights are
    published, so every sample is on-policy; ``fixed_staleness``: the in-flight rollouts finish before new
-   weights are published, so each sample is exactly ``max_staleness`` versions old). Each step takes one batch of groups, scores them with the task's reward, computes GRPO advantages per
-   group, trains with ONE `learner.update.make_update_fn` call under the configured corrections preset (the
-   per-token policy versions stamped by the server make the staleness metric true), publishes the new weights,
-   logs metrics (JSONL + TensorBoard), the batch (tensorstore rollout log) and, every ``checkpoint_every`` steps,
+   weights are published, so each sample is exactly ``max_staleness`` versions old). Each step takes one batch
+   of groups, scores them with the task's reward, computes GRPO advantages per group, trains with ONE
+   `learner.update.make_update_fn` call under the configured corrections preset (the per-token policy versions
+   stamped by the server make the staleness metric true), publishes the new weights, logs metrics (JSONL + TensorBoard), the batch (tensorstore rollout log) and, every ``checkpoint_every`` steps,
    a checkpoint. Batches have one fixed shape (rows ``prompts_per_step * num_samples``, length one bucket), so
    the update compiles once.
 4. Write the learning-curve PNG and print a summary table.

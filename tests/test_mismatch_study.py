@@ -102,7 +102,8 @@ def test_quick_study_end_to_end(tmp_path):
         stale = read_metrics(tmp_path / "runs" / "staleness_2" / correction / "seed_0" / "metrics.jsonl")
         assert [r["rollout_corr/staleness_mean"] for r in stale] == [0, 1, 2]  # exactly (fixed_staleness)
         # The trap: RAW ratios of truncated sampling show no mismatch; the truncation diagnostic does.
-        assert abs(rows["top_p_raw", correction]["kl"]) < 1e-5 and rows["top_p_raw", correction]["log_kept_mass"] < -0.01
+        trap = rows["top_p_raw", correction]
+        assert abs(trap["kl"]) < 1e-5 and trap["log_kept_mass"] < -0.01
     assert rows["bf16", "geo_rs_token_tis"]["seq_rejected"] > 0 and rows["bf16", "none"]["seq_rejected"] == 0
     for source in ("staleness_0", "bf16", "staleness_2", "staleness_4", "top_p_raw"):
         assert (tmp_path / f"{source}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
