@@ -17,9 +17,9 @@ One run, under ``run_dir``:
    weights are published, so each sample is exactly ``max_staleness`` versions old). Each step takes one batch
    of groups, scores them with the task's reward, computes GRPO advantages per group, trains with ONE
    `learner.update.make_update_fn` call under the configured corrections preset (the per-token policy versions
-   stamped by the server make the staleness metric true), publishes the new weights, logs metrics (JSONL + TensorBoard), the batch (tensorstore rollout log) and, every ``checkpoint_every`` steps,
-   a checkpoint. Batches have one fixed shape (rows ``prompts_per_step * num_samples``, length one bucket), so
-   the update compiles once.
+   stamped by the server make the staleness metric true), publishes the new weights, logs metrics (JSONL +
+   TensorBoard), the batch (tensorstore rollout log) and, every ``checkpoint_every`` steps, a checkpoint. Batches
+   have one fixed shape (rows ``prompts_per_step * num_samples``, length one bucket), so the update compiles once.
 4. Write the learning-curve PNG and print a summary table.
 
 Resume: rerunning the same command after a crash (even SIGKILL) restores the latest checkpoint; metrics and the
