@@ -8,7 +8,7 @@ each rollout batch echoes.
 import numpy as np
 from rollout_client.sampling_params import LogprobMode
 
-from learner.sampler_replay import SamplerParams
+from learner.sampler_replay import SamplerParams, truncates
 
 
 def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode | str) -> LogprobMode:
@@ -40,8 +40,8 @@ def replay_params(learner_mode: LogprobMode | str, batch) -> SamplerParams | Non
     mode = check_logprob_mode(learner_mode, batch.logprob_mode)
     if mode == LogprobMode.RAW:
         return None
-    untransformed = (np.all(np.asarray(batch.temperature) == 1.0) and np.all(np.asarray(batch.top_k) <= 0)
-                     and np.all(np.asarray(batch.top_p) >= 1.0) and np.all(np.asarray(batch.min_p) <= 0.0))
+    untransformed = np.all(np.asarray(batch.temperature) == 1.0) and not truncates(batch.top_k, batch.top_p,
+                                                                                   batch.min_p)
     return None if untransformed else SamplerParams.from_batch(batch)
 
 

@@ -53,6 +53,15 @@ class SamplerParams(NamedTuple):
 NEUTRAL = SamplerParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)  # plain softmax: replays no transform.
 
 
+def truncates(top_k, top_p, min_p) -> bool:
+    """Whether any row (scalars or ``[B]`` arrays) samples from a truncated distribution: top-k, top-p or min-p on.
+
+    >>> truncates(0, 1.0, 0.0), truncates(np.array([0, 5]), np.array([1.0, 1.0]), np.array([0.0, 0.0]))
+    (False, True)
+    """
+    return bool(np.any(np.asarray(top_k) > 0) or np.any(np.asarray(top_p) < 1) or np.any(np.asarray(min_p) > 0))
+
+
 def replayed_thresholds(scaled: jax.Array, log_normalizer: jax.Array, sampling: SamplerParams) -> jax.Array:
     """Kept-set thresholds ``[B, C]`` of scaled logits ``[B, C, V]`` (no gradient).
 

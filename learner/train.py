@@ -68,7 +68,7 @@ from learner.progress import ProgressBar, summary_table
 from learner.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.run_config import RunConfig, load_config, to_dict
 from learner.safetensors_io import config_from_hf, load_safetensors
-from learner.sampler_replay import SamplerParams
+from learner.sampler_replay import SamplerParams, truncates
 from learner.server_process import ServerProcess
 from learner.sharding import batch_sharding, make_mesh
 from learner.tasks import batch_rewards, get_task, prompt_example
@@ -181,9 +181,8 @@ def assemble_batch(groups, task, num_samples: int, rows: int, length: int, logpr
         advantages=advantages[:, None] * collated.loss_mask, rollout_logprobs=collated.rollout_logprobs,
         policy_version=collated.policy_versions, sampling=replay_params(logprob_mode, collated))
     batch = pad_batch(batch, BucketConfig(min_length=length, max_length=length), row_multiple=rows)
-    truncates = np.any(collated.top_k > 0) or np.any(collated.top_p < 1) or np.any(collated.min_p > 0)
     truncation = SamplerParams.from_batch(collated).pad_rows(rows) if (
-        logprob_mode.upper() == "RAW" and truncates) else None
+        logprob_mode.upper() == "RAW" and truncates(collated.top_k, collated.top_p, collated.min_p)) else None
     return batch, np.pad(rewards, (0, rows - len(samples))), len(samples), collated, truncation
 
 
@@ -407,10 +406,10 @@ def _empty_payload(trainer: Trainer):
     dtypes = (np.int32, np.int32, bool, np.float32, np.float32, np.float32, np.int32)
     rollout, sampling, truncation = trainer.config.rollout, None, None
     rows = SamplerParams(*(np.zeros(trainer.rows, t) for t in (np.float32, np.int32, np.float32, np.float32)))
-    truncates = rollout.top_k > 0 or rollout.top_p < 1 or rollout.min_p > 0
-    if rollout.logprob_mode == "processed" and (truncates or rollout.temperature != 1):
+    truncated = truncates(rollout.top_k, rollout.top_p, rollout.min_p)
+    if rollout.logprob_mode == "processed" and (truncated or rollout.temperature != 1):
         sampling = rows  # process 0's batch carries [rows] sampling params to replay
-    if rollout.logprob_mode == "raw" and truncates:
+    if rollout.logprob_mode == "raw" and truncated:
         truncation = rows  # and its truncation-bias diagnostic
     return (RolloutBatch(*(np.zeros(shape, dtype) for dtype in dtypes), sampling=sampling),
             np.zeros(trainer.rows, np.float32), np.int32(0), truncation)
