@@ -18,8 +18,8 @@ Order (SkyRL's is the reference), per sequence and vmapped over the batch unless
 
 Step 1's zeroing and steps 2-7 run as ONE per-sequence pass on the raw inputs (no cleaned [B, T] copy is
 made) that also emits each sequence's partial statistics (sums, counts, extrema, centred moments); the batch
-steps combine those [B] statistics. On CPU the pass walks the batch in chunks of rows that stay in cache
-(``rows_per_chunk``); elsewhere it is a plain ``vmap``.
+steps combine those [B] statistics. On a single CPU device the pass walks the batch in chunks of rows that
+stay in cache (``rows_per_chunk``); elsewhere it is a plain ``vmap``, which keeps a sharded batch sharded.
 """
 
 from __future__ import annotations
@@ -236,8 +236,10 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
 
 def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
     if rows_per_chunk is None:
-        traced = isinstance(rows["lp"], jax.core.Tracer)  # eager calls would recompile the loop every time
-        chunk_elements = CHUNK_ELEMENTS.get(jax.default_backend(), 0) if traced else 0
+        # Chunks only under jit (eager calls would recompile the loop every time) and with one device: a loop
+        # over the rows of a batch sharded over devices would gather the whole batch onto every device.
+        chunked = isinstance(rows["lp"], jax.core.Tracer) and jax.device_count() == 1
+        chunk_elements = CHUNK_ELEMENTS.get(jax.default_backend(), 0) if chunked else 0
         rows_per_chunk = max(1, chunk_elements // rows["lp"].shape[-1]) if chunk_elements else 0
     if rows_per_chunk <= 0:
         return jax.vmap(fn)(rows)
@@ -294,7 +296,8 @@ def compute(
       policy_lag: [B] or [B, T] learner version minus token version, for the staleness metric.
       key: PRNG key, used by clip-cov's random token choice (a fixed key if None).
       rows_per_chunk: rows per chunk of the per-sequence pass; 0 vmaps the whole batch at once. Default under
-        jit on CPU: 64K tokens a chunk (it stays in cache); elsewhere 0. Results do not depend on it.
+        jit on a single CPU device: 64K tokens a chunk (it stays in cache); elsewhere 0, and keep it 0 for a
+        batch sharded over devices (a loop over rows would gather it). Results do not depend on it.
 
     Returns:
       ``Corrected``: weights, final mask, per-token loss, the reduced loss with its numerator and denominator,
