@@ -37,6 +37,7 @@ from corrections._objectives import sapo_loss
 from corrections._pipeline import Corrected
 from corrections._pipeline import check_batch
 from corrections._pipeline import compute
+from corrections._pipeline import metrics_from_row_stats
 from corrections._presets import PRESETS
 from corrections._presets import preset
 from corrections._reductions import loss_terms

@@ -138,17 +138,24 @@ def weight_row_stats(weights, raw_ratios, mask, cap: float) -> dict:
     }
 
 
-def weight_from_rows(stats: dict, scale=1.0) -> dict:
-    """Combines [B] ``weight_row_stats`` of weights that are then divided by ``scale`` (batch normalisation)."""
+def rescale_weight_row_stats(stats: dict, scale) -> dict:
+    """``weight_row_stats`` of the same weights divided by ``scale`` (batch normalisation); the raw-ratio counts
+    stay as they are."""
+    return dict(stats, mean=stats["mean"] / scale, m2=stats["m2"] / scale**2,
+                sum_squares=stats["sum_squares"] / scale**2, max=stats["max"] / scale, min=stats["min"] / scale)
+
+
+def weight_from_rows(stats: dict) -> dict:
+    """Combines [B] ``weight_row_stats`` into the batch metrics (see ``weight_metrics``)."""
     count = stats["count"]
     rows = count > 0
     total, mean, m2 = _pooled_moments(count, stats["mean"], stats["m2"])
     mean_square = _ratio(jnp.sum(stats["sum_squares"]), total)
     metrics = {
-        "rollout_is_mean": mean / scale,
-        "rollout_is_std": jnp.sqrt(_ratio(m2, total)) / scale,
-        "rollout_is_max": masked_max(stats["max"], rows) / scale,
-        "rollout_is_min": masked_min(stats["min"], rows) / scale,
+        "rollout_is_mean": mean,
+        "rollout_is_std": jnp.sqrt(_ratio(m2, total)),
+        "rollout_is_max": masked_max(stats["max"], rows),
+        "rollout_is_min": masked_min(stats["min"], rows),
         "rollout_is_ratio_fraction_high": _ratio(jnp.sum(stats["above_cap"]), total),
         "rollout_is_ratio_fraction_low": _ratio(jnp.sum(stats["below_inverse_cap"]), total),
         "rollout_is_eff_sample_size": jnp.where(mean > 0, _ratio(mean * mean, mean_square), 0.0),
@@ -206,11 +213,18 @@ def staleness_metrics(policy_lag, mask) -> dict:
     >>> {k: float(v) for k, v in staleness_metrics(np.array([[0, 2], [1, 9]]), np.array([[1, 1], [1, 0]])).items()}
     {'rollout_corr/staleness_mean': 1.0, 'rollout_corr/staleness_max': 2.0}
     """
-    lag = jnp.asarray(policy_lag, jnp.float32)
-    mask = jnp.asarray(mask)
-    if lag.ndim == 1:
-        lag = jnp.broadcast_to(lag[:, None], mask.shape)
+    return staleness_from_rows(jax.vmap(staleness_row_stats)(zero_padding(policy_lag, mask), mask))
+
+
+def staleness_row_stats(policy_lag, mask) -> dict:
+    """For ONE sequence (``policy_lag`` float32, 0 at padding): valid tokens, their summed lag and the largest."""
+    valid = jnp.asarray(mask).astype(bool)
+    return {"count": masked_count(valid), "sum": jnp.sum(policy_lag), "max": masked_max(policy_lag, valid)}
+
+
+def staleness_from_rows(stats: dict) -> dict:
+    """Combines [B] ``staleness_row_stats`` into ``staleness_mean`` and ``staleness_max``."""
     return {
-        PREFIX + "staleness_mean": _ratio(masked_sum(lag, mask), masked_count(mask)),
-        PREFIX + "staleness_max": masked_max(lag, mask),
+        PREFIX + "staleness_mean": _ratio(jnp.sum(stats["sum"]), jnp.sum(stats["count"])),
+        PREFIX + "staleness_max": masked_max(stats["max"], stats["count"] > 0),
     }

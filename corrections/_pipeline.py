@@ -14,7 +14,8 @@ Order (SkyRL's is the reference), per sequence and vmapped over the batch unless
 7. The objective's per-token loss, times the weights; plus ``kl_coef * KL(lp || ref)`` and minus
    ``entropy_coef * entropy``.
 8. [batch] Reduction over the final mask, divided by the original or the kept mask's count.
-9. [batch] Metrics, always on the original mask.
+9. [batch] Metrics, always on the original mask, from the per-sequence statistics (``Corrected.row_stats``;
+   `metrics_from_row_stats` combines those of several micro-batches into the metrics of their union).
 
 Step 1's zeroing and steps 2-7 run as ONE per-sequence pass on the raw inputs (no cleaned [B, T] copy is
 made) that also emits each sequence's partial statistics (sums, counts, extrema, centred moments); the batch
@@ -54,6 +55,7 @@ class Corrected(NamedTuple):
     loss_numerator: jax.Array  # scalar; sum it over micro-batches for a global reduction.
     loss_denominator: jax.Array  # scalar, no gradient; sum it over micro-batches.
     metrics: dict  # flat dict of float32 scalars: ``rollout_corr/...`` and ``actor/...``.
+    row_stats: dict  # [B] partial statistics the metrics come from, no gradient (see `metrics_from_row_stats`).
 
 
 def check_batch(mask, rollout_logprobs=None, **logprobs) -> None:
@@ -195,9 +197,11 @@ def _clean(arrays: dict, mask) -> dict:
 def _sequence_pass(row: dict, config: CorrectionConfig):
     """Step 1's zeroing and steps 2-7 for ONE sequence: per-token outputs and the sequence's partial statistics."""
     valid = row["mask"].astype(bool)
-    clean = _clean({name: row[name] for name in ("lp", "old", "roll", "adv", "ref", "entropy")}, row["mask"])
+    clean = _clean({name: row[name] for name in ("lp", "old", "roll", "adv", "ref", "entropy", "lag")}, row["mask"])
     lp, old, roll, adv = clean["lp"], clean["old"], clean["roll"], clean["adv"]
     stats = {"valid": masked_count(valid)}
+    if clean["lag"] is not None:
+        stats["staleness"] = _diagnostics.staleness_row_stats(clean["lag"], valid)
     if roll is not None:
         trainer = sg(lp) if config.mode == "bypass" else old
         keep, raw, weights, rule_keeps = _sequence_decisions(trainer - roll, lp, old, adv, valid, config)
@@ -246,13 +250,29 @@ def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
     return jax.lax.map(fn, rows, batch_size=rows_per_chunk)
 
 
-def _batch_metrics(config: CorrectionConfig, stats: dict, weight_scale) -> dict:
-    """Step 9: combines the [B] partial statistics into the flat metrics dict."""
+def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
+    """Step 9: the metrics (all but ``actor/pg_loss``) from ``Corrected.row_stats``.
+
+    Row statistics of several batches concatenated along the rows give the metrics of the batches together, exactly
+    as one ``compute`` call on all of them would (up to float rounding): how a learner that splits a batch into
+    micro-batches reports the whole batch's metrics, maxima and moments included.
+
+    >>> import numpy as np
+    >>> from corrections import ImportanceWeights
+    >>> cfg = CorrectionConfig(importance=ImportanceWeights("token", high=2.0))
+    >>> lp, roll, m = np.log([[0.5, 0.5], [0.5, 0.5]]), np.log([[0.4, 0.5], [0.2, 0.5]]), np.ones((2, 2))
+    >>> halves = [compute(lp[i:i + 1], np.ones(1), m[i:i + 1], cfg, proximal_logprobs=lp[i:i + 1],
+    ...                   rollout_logprobs=roll[i:i + 1]).row_stats for i in (0, 1)]
+    >>> both = jax.tree.map(lambda *rows: jnp.concatenate(rows), *halves)
+    >>> float(metrics_from_row_stats(both, cfg)["rollout_corr/rollout_is_max"])
+    2.0
+    """
+    stats = row_stats
     metrics = {}
     kept, valid = jnp.sum(stats["kept"]), jnp.sum(stats["valid"])
     if "mismatch" in stats:
         metrics.update(_diagnostics.mismatch_from_rows(stats["mismatch"]))
-        metrics.update(_diagnostics.weight_from_rows(stats["weights"], weight_scale))
+        metrics.update(_diagnostics.weight_from_rows(stats["weights"]))
         for label, rule_stats in zip(_rule_labels(config), stats["rules"]):
             metrics.update(_diagnostics.rejection_from_rows(f"rollout_rs_{label}", rule_stats))
         metrics.update(_diagnostics.rejection_from_rows("rollout_rs", stats["rejection"]))
@@ -265,7 +285,9 @@ def _batch_metrics(config: CorrectionConfig, stats: dict, weight_scale) -> dict:
     metrics[PREFIX + "valid_tokens"] = valid
     metrics[PREFIX + "kept_tokens"] = kept
     metrics[PREFIX + "all_rejected"] = ((valid > 0) & (kept == 0)).astype(jnp.float32)
-    return metrics
+    if "staleness" in stats:
+        metrics.update(_diagnostics.staleness_from_rows(stats["staleness"]))
+    return {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
 
 
 def compute(
@@ -320,7 +342,8 @@ def compute(
         check_batch(mask, rollout_logprobs=arrays[1], proximal_logprobs=arrays[0], ref_logprobs=arrays[2])
     proximal, roll, ref, entropy = arrays
     old = roll if config.mode == "bypass" else proximal
-    rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy}
+    lag = None if policy_lag is None else jnp.asarray(policy_lag)
+    rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy, "lag": lag}
     if config.objective.name not in ROW_OBJECTIVES:
         key = jax.random.key(0) if key is None else key
         clean = _clean({"lp": lp, "old": old, "roll": roll, "adv": adv}, mask)
@@ -328,22 +351,22 @@ def compute(
             config, clean["lp"], clean["old"], clean["roll"], clean["adv"], mask.astype(bool), key
         )
     per_token, stats = _map_rows(functools.partial(_sequence_pass, config=config), rows, rows_per_chunk)
-    weights, per_token_loss, row_sums = per_token["weights"], per_token["policy_loss"], stats["policy_loss_sum"]
-    scale = jnp.float32(1.0)
+    row_sums, extra_sums = stats.pop("policy_loss_sum"), stats.pop("extra_loss_sum", None)
+    weights, per_token_loss = per_token["weights"], per_token["policy_loss"]
     if config.importance is not None and config.importance.batch_normalize:
         weight_stats = stats["weights"]
         scale = _weights.normalizer(
             _weights.batch_mean_weight(weight_stats["mean"], weight_stats["count"], config.importance.level)
         )
         weights, per_token_loss, row_sums = weights / scale, per_token_loss / scale, row_sums / scale
-    if "extra_loss" in per_token:
-        per_token_loss, row_sums = per_token_loss + per_token["extra_loss"], row_sums + stats["extra_loss_sum"]
+        stats["weights"] = _diagnostics.rescale_weight_row_stats(weight_stats, scale)
+    if extra_sums is not None:
+        per_token_loss, row_sums = per_token_loss + per_token["extra_loss"], row_sums + extra_sums
     row_counts = stats["valid"] if config.denominator == "original" else stats["kept"]
     numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1])
     reduced = divide_loss(numerator, denominator)
-    metrics = _batch_metrics(config, stats, scale)
-    metrics["actor/pg_loss"] = reduced
-    if policy_lag is not None:
-        metrics.update(_diagnostics.staleness_metrics(policy_lag, mask))
-    metrics = {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
-    return Corrected(sg(weights), per_token["mask"], per_token_loss, reduced, numerator, sg(denominator), metrics)
+    stats = jax.tree.map(sg, stats)
+    metrics = metrics_from_row_stats(stats, config)
+    metrics["actor/pg_loss"] = sg(reduced)
+    return Corrected(sg(weights), per_token["mask"], per_token_loss, reduced, numerator, sg(denominator), metrics,
+                     stats)

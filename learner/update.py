@@ -16,7 +16,8 @@ Inside the call:
 Rows are split into mini- and micro-batches by stride (part ``i`` holds rows ``i, i + n, i + 2n, ...``), so every
 part keeps the batch's ``("data", "fsdp")`` sharding and no rows move between devices except in the shuffle.
 Metrics are device arrays of shape ``[ppo_epochs * num_minibatches]`` (one entry per optimizer update); the
-corrections' metrics are averaged over the micro-batches of an update, while ``actor/pg_loss`` is the global loss.
+corrections' metrics are those of the whole mini-batch (`corrections.metrics_from_row_stats` over the row statistics
+of all its micro-batches), so they do not depend on the micro-batch count, and ``actor/pg_loss`` is the global loss.
 
 Every logprob pass (proximal, reference, and the training forward) is of the same distribution: the server's
 sampling transform replayed from the batch's per-row ``sampling`` parameters when it has them (PROCESSED logprobs),
@@ -131,7 +132,7 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Rollout
 
 
 def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig):
-    """Loss numerator of one micro-batch, with its denominator and the corrections' metrics as aux."""
+    """Loss numerator of one micro-batch, with its denominator and the corrections' row statistics as aux."""
     batch, proximal, ref = rows
     need_entropy = config.corrections.entropy_coef > 0
     out = _policy_logprobs(graphdef, params, batch, config, return_entropy=need_entropy)
@@ -140,7 +141,7 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
         logprobs, batch.advantages, batch.loss_mask, config.corrections, proximal_logprobs=proximal,
         rollout_logprobs=batch.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
         policy_lag=policy_version - batch.policy_version, key=key, rows_per_chunk=config.rows_per_chunk)
-    return corrected.loss_numerator, (corrected.loss_denominator, corrected.metrics)
+    return corrected.loss_numerator, (corrected.loss_denominator, corrected.row_stats)
 
 
 def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
@@ -160,8 +161,8 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
 
     Returns:
         ``(grads, loss, denominator, metrics)``: the gradient of the global loss ``loss = sum(numerators) /
-        max(sum(denominators), 1)``, the loss, the summed denominator and the micro-batch-averaged corrections
-        metrics.
+        max(sum(denominators), 1)``, the loss, the summed denominator and the corrections' metrics of the whole
+        mini-batch (from every micro-batch's row statistics together).
     """
     n = config.num_microbatches
     micro_rows = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, n), rows), mesh, 1)
@@ -172,18 +173,19 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     def accumulate(carry, xs):
         grads_sum, numerator_sum, denominator_sum = carry
         micro, micro_key = xs
-        (numerator, (denominator, metrics)), grads = grad_fn(params, graphdef, micro, policy_version, micro_key,
-                                                            config)
+        (numerator, (denominator, row_stats)), grads = grad_fn(params, graphdef, micro, policy_version, micro_key,
+                                                              config)
         grads_sum = constrain_like_params(jax.tree.map(jnp.add, grads_sum, grads))
-        return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), metrics
+        return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), row_stats
 
     zeros = constrain_like_params(jax.tree.map(jnp.zeros_like, params))
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads_sum, numerator, denominator), metrics = jax.lax.scan(
+    (grads_sum, numerator, denominator), row_stats = jax.lax.scan(
         accumulate, init, (micro_rows, jax.random.split(key, n)))
     scale = 1.0 / jnp.maximum(denominator, 1.0)
     grads = jax.tree.map(lambda g: g * scale, grads_sum)
-    return grads, numerator * scale, denominator, jax.tree.map(jnp.mean, metrics)
+    row_stats = jax.tree.map(lambda x: x.reshape(-1), row_stats)  # [micro-batches, rows] -> [rows]
+    return grads, numerator * scale, denominator, corrections.metrics_from_row_stats(row_stats, config.corrections)
 
 
 def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,

@@ -559,6 +559,29 @@ def test_compute_preset(name, seed):
     assert want["mask"].astype(bool).any(), "every preset should keep some tokens of this batch"
 
 
+def _per_sequence(cfg):
+    """Whether every output of a row depends on that row alone (no batch normalisation, no batch objective)."""
+    normalized = cfg.importance is not None and cfg.importance.batch_normalize
+    return not normalized and cfg.objective.name not in ("clip_cov", "kl_cov")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in corrections.PRESETS if _per_sequence(corrections.preset(n))))
+def test_row_stats_of_parts_give_the_whole_batch_metrics(data, name):
+    """Three uneven row blocks (as a learner's micro-batches), their row statistics concatenated: the metrics of
+    the whole batch (float64 reference), maxima and moments included."""
+    j, n = data
+    cfg = corrections.preset(name)
+    parts = [slice(0, 3), slice(3, 4), slice(4, B)]
+    row_stats = [corrections.compute(j["lp"][p], j["adv"][p], j["m"][p], cfg, proximal_logprobs=j["old"][p],
+                                     rollout_logprobs=j["roll"][p], policy_lag=n["lag"][p]).row_stats
+                 for p in parts]
+    combined = corrections.metrics_from_row_stats(jax.tree.map(lambda *r: jnp.concatenate(r), *row_stats), cfg)
+    want = ref.pipeline(corrections.config_to_dict(cfg), n["lp"], n["adv"], n["m"], n["old"], n["roll"],
+                        policy_lag=n["lag"])["metrics"]
+    assert set(combined) == set(want) - {"actor/pg_loss"}
+    close_dict(combined, want, keys=sorted(combined))
+
+
 EXTRA_CONFIGS = {
     "gspo_seq_mean": CorrectionConfig(objective=Objective("gspo", clip_low=0.05, clip_high=0.05),
                                       reduction="seq-mean-token-mean",

@@ -36,14 +36,20 @@ def reference():
 
 
 @pytest.mark.parametrize("mesh_shape, num_microbatches", [((8, 1, 1), 2), ((2, 4, 1), 1), ((2, 2, 2), 4)])
-def test_same_loss_and_gradients_on_every_mesh_and_microbatch_count(reference, mesh_shape, num_microbatches):
+def test_same_loss_gradients_and_metrics_on_every_mesh_and_microbatch_count(reference, mesh_shape,
+                                                                             num_microbatches):
     want_grads, want_loss = _grads_and_loss(reference)
-    grads, loss = _grads_and_loss(run_update(make_mesh(*mesh_shape), num_microbatches))
+    result = run_update(make_mesh(*mesh_shape), num_microbatches)
+    grads, loss = _grads_and_loss(result)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     assert abs(float(want_loss[0])) > 1e-3
     for path, got in jax.tree_util.tree_leaves_with_path(grads):
         want = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    want_metrics, metrics = reference[2], result[2]
+    assert metrics.keys() == want_metrics.keys()
+    for name in want_metrics:  # maxima, moments and fractions of the whole batch, not micro-batch averages
+        np.testing.assert_allclose(metrics[name], want_metrics[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_masked_positions_get_exactly_zero_gradient(reference):
