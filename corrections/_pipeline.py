@@ -56,6 +56,7 @@ class Corrected(NamedTuple):
     loss_denominator: jax.Array  # scalar, no gradient; sum it over micro-batches.
     metrics: dict  # flat dict of float32 scalars: ``rollout_corr/...`` and ``actor/...``.
     row_stats: dict  # [B] partial statistics the metrics come from, no gradient (see `metrics_from_row_stats`).
+    weight_scale: jax.Array  # scalar the weights were divided by (batch normalisation); 1 without it.
 
 
 def check_batch(mask, rollout_logprobs=None, **logprobs) -> None:
@@ -302,6 +303,7 @@ def compute(
     entropy=None,
     policy_lag=None,
     key=None,
+    weight_scale=None,
     rows_per_chunk: int | None = None,
 ) -> Corrected:
     """Applies the configured corrections and objective to a [B, T] batch.
@@ -317,6 +319,9 @@ def compute(
       entropy: [B, T] per-token entropy, for ``entropy_coef > 0`` and the entropy metric.
       policy_lag: [B] or [B, T] learner version minus token version, for the staleness metric.
       key: PRNG key, used by clip-cov's random token choice (a fixed key if None).
+      weight_scale: with ``importance.batch_normalize``, the divisor to use instead of this batch's own mean
+        weight: a learner that splits a batch into micro-batches passes the whole batch's ``Corrected.weight_scale``
+        so that every micro-batch is normalised alike.
       rows_per_chunk: rows per chunk of the per-sequence pass; 0 vmaps the whole batch at once. Default under
         jit on a single CPU device: 64K tokens a chunk (it stays in cache); elsewhere 0, and keep it 0 for a
         batch sharded over devices (a loop over rows would gather it). Results do not depend on it.
@@ -338,6 +343,8 @@ def compute(
     arrays = [None if a is None else jnp.asarray(a) for a in (proximal_logprobs, rollout_logprobs, ref_logprobs, entropy)]
     adv = jnp.asarray(advantages, jnp.float32)
     _check_inputs(config, lp, mask, adv, *arrays)
+    if weight_scale is not None and not (config.importance is not None and config.importance.batch_normalize):
+        raise ValueError("weight_scale is only used by importance.batch_normalize; drop it or enable that.")
     if config.check_values:
         check_batch(mask, rollout_logprobs=arrays[1], proximal_logprobs=arrays[0], ref_logprobs=arrays[2])
     proximal, roll, ref, entropy = arrays
@@ -353,11 +360,13 @@ def compute(
     per_token, stats = _map_rows(functools.partial(_sequence_pass, config=config), rows, rows_per_chunk)
     row_sums, extra_sums = stats.pop("policy_loss_sum"), stats.pop("extra_loss_sum", None)
     weights, per_token_loss = per_token["weights"], per_token["policy_loss"]
+    scale = jnp.float32(1.0)
     if config.importance is not None and config.importance.batch_normalize:
         weight_stats = stats["weights"]
-        scale = _weights.normalizer(
-            _weights.batch_mean_weight(weight_stats["mean"], weight_stats["count"], config.importance.level)
-        )
+        if weight_scale is None:
+            weight_scale = _weights.normalizer(
+                _weights.batch_mean_weight(weight_stats["mean"], weight_stats["count"], config.importance.level))
+        scale = sg(jnp.asarray(weight_scale, jnp.float32))
         weights, per_token_loss, row_sums = weights / scale, per_token_loss / scale, row_sums / scale
         stats["weights"] = _diagnostics.rescale_weight_row_stats(weight_stats, scale)
     if extra_sums is not None:
@@ -369,4 +378,4 @@ def compute(
     metrics = metrics_from_row_stats(stats, config)
     metrics["actor/pg_loss"] = sg(reduced)
     return Corrected(sg(weights), per_token["mask"], per_token_loss, reduced, numerator, sg(denominator), metrics,
-                     stats)
+                     stats, scale)

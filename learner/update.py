@@ -11,7 +11,8 @@ Inside the call:
    numerator in buffers sharded like the parameters, and sums its denominator; the mini-batch gradient is the sum
    divided once by the summed denominator, so the loss is a global token mean (or whatever the reduction's global
    form is), never a mean of per-micro-batch means. Under jit the arrays are global, so with several data-parallel
-   shards the denominator is global too.
+   shards the denominator is global too. Batch normalisation of decoupled weights divides by the whole rollout
+   batch's mean weight (`whole_batch_weight_scale`).
 
 Rows are split into mini- and micro-batches by stride (part ``i`` holds rows ``i, i + n, i + 2n, ...``), so every
 part keeps the batch's ``("data", "fsdp")`` sharding and no rows move between devices except in the shuffle.
@@ -54,7 +55,8 @@ class UpdateConfig:
 
     corrections: corrections.CorrectionConfig = corrections.CorrectionConfig()  # objective, weights, masks, KL.
     num_minibatches: int = 1  # optimizer updates per epoch; the batch is split into this many mini-batches.
-    num_microbatches: int = 1  # gradient-accumulation steps per mini-batch (memory, not math).
+    num_microbatches: int = 1  # gradient-accumulation steps per mini-batch (memory, not math; but bypass-mode
+    # batch normalisation of the weights is per micro-batch).
     ppo_epochs: int = 1  # passes over the batch, reshuffled each time.
     shuffle: bool = True  # permute rows before splitting them into mini-batches, every epoch.
     temperature: float = 1.0  # logprobs' temperature when the batch has no sampling params (else must be 1).
@@ -131,7 +133,7 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Rollout
     return jax.lax.stop_gradient(_constrain_rows(logprobs, mesh, 0))
 
 
-def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig):
+def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig, weight_scale=None):
     """Loss numerator of one micro-batch, with its denominator and the corrections' row statistics as aux."""
     batch, proximal, ref = rows
     need_entropy = config.corrections.entropy_coef > 0
@@ -140,13 +142,14 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
     corrected = corrections.compute(
         logprobs, batch.advantages, batch.loss_mask, config.corrections, proximal_logprobs=proximal,
         rollout_logprobs=batch.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
-        policy_lag=policy_version - batch.policy_version, key=key, rows_per_chunk=config.rows_per_chunk)
+        policy_lag=policy_version - batch.policy_version, key=key, weight_scale=weight_scale,
+        rows_per_chunk=config.rows_per_chunk)
     return corrected.loss_numerator, (corrected.loss_denominator, corrected.row_stats)
 
 
 def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
                         graphdef: nnx.GraphDef, config: UpdateConfig, mesh: Mesh | None = None,
-                        param_shardings=None):
+                        param_shardings=None, weight_scale=None):
     """Gradient and loss of one mini-batch, accumulated over ``config.num_microbatches`` micro-batches.
 
     Args:
@@ -158,6 +161,8 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
         config: the update config.
         mesh: if given, micro-batch rows are pinned to its batch axes.
         param_shardings: if given, the gradient accumulator is pinned to these shardings.
+        weight_scale: batch normalisation's divisor for every micro-batch (see `whole_batch_weight_scale`); None:
+            each micro-batch's own mean weight.
 
     Returns:
         ``(grads, loss, denominator, metrics)``: the gradient of the global loss ``loss = sum(numerators) /
@@ -174,7 +179,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
         grads_sum, numerator_sum, denominator_sum = carry
         micro, micro_key = xs
         (numerator, (denominator, row_stats)), grads = grad_fn(params, graphdef, micro, policy_version, micro_key,
-                                                              config)
+                                                              config, weight_scale)
         grads_sum = constrain_like_params(jax.tree.map(jnp.add, grads_sum, grads))
         return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), row_stats
 
@@ -190,14 +195,14 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
 
 def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
                      optimizer: optax.GradientTransformation, config: UpdateConfig, mesh: Mesh | None = None,
-                     param_shardings=None) -> tuple[TrainState, dict]:
+                     param_shardings=None, weight_scale=None) -> tuple[TrainState, dict]:
     """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state and metrics.
 
     A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it.
     """
     grads, loss, denominator, metrics = minibatch_gradients(
         state.params, rows, state.policy_version, key, graphdef=graphdef, config=config, mesh=mesh,
-        param_shardings=param_shardings)
+        param_shardings=param_shardings, weight_scale=weight_scale)
     grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -209,6 +214,24 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
         "actor/skipped_updates": skipped_updates(opt_state),
     })
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def whole_batch_weight_scale(batch: RolloutBatch, proximal, config: UpdateConfig):
+    """Batch normalisation's divisor over the whole rollout batch (verl's: the weights' mean over every row of the
+    training step), or None where each micro-batch must use its own.
+
+    Decoupled weights depend only on the proximal and rollout logprobs, so one corrections pass over the batch
+    gives the divisor every micro-batch of every epoch then shares, and the update does not depend on the
+    micro-batch count. Bypass weights depend on the current policy: None (each micro-batch's own mean).
+    """
+    corrections_config = config.corrections
+    importance = corrections_config.importance
+    if importance is None or not importance.batch_normalize or corrections_config.mode != "decoupled":
+        return None
+    weights_only = dataclasses.replace(corrections_config, kl_coef=0.0, entropy_coef=0.0)  # no ref / entropy needed
+    return corrections.compute(proximal, batch.advantages, batch.loss_mask, weights_only, proximal_logprobs=proximal,
+                               rollout_logprobs=batch.rollout_logprobs,
+                               rows_per_chunk=config.rows_per_chunk).weight_scale
 
 
 def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | None = None, *,
@@ -236,7 +259,8 @@ def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | 
     ref = recompute_logprobs(graphdef, ref_params, batch, config, mesh) if config.corrections.kl_coef > 0 else None
     rng, epochs_key = jax.random.split(jax.random.wrap_key_data(state.rng))
     update = functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
-                               param_shardings=param_shardings)
+                               param_shardings=param_shardings,
+                               weight_scale=whole_batch_weight_scale(batch, proximal, config))
 
     def epoch(state, epoch_key):
         shuffle_key, minibatch_key = jax.random.split(epoch_key)

@@ -582,6 +582,28 @@ def test_row_stats_of_parts_give_the_whole_batch_metrics(data, name):
     close_dict(combined, want, keys=sorted(combined))
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_weight_scale_normalises_parts_like_the_whole_batch(data, level):
+    """Parts given the whole batch's ``weight_scale`` get the whole batch's weights, losses and weight metrics."""
+    j, n = data
+    cfg = CorrectionConfig(importance=ImportanceWeights(level, high=5.0, batch_normalize=True))
+    run = lambda p, **kw: corrections.compute(j["lp"][p], j["adv"][p], j["m"][p], cfg,  # noqa: E731
+                                              proximal_logprobs=j["old"][p], rollout_logprobs=j["roll"][p], **kw)
+    whole = run(slice(None))
+    want = ref.pipeline(corrections.config_to_dict(cfg), n["lp"], n["adv"], n["m"], n["old"], n["roll"])
+    close(whole.weights, want["weights"])
+    assert abs(float(whole.weight_scale) - 1.0) > 1e-3  # the batch is not already normalised
+    parts = [run(p, weight_scale=whole.weight_scale) for p in (slice(0, 5), slice(5, B))]
+    for field in ("weights", "per_token_loss", "mask"):
+        same(np.concatenate([getattr(p, field) for p in parts]), getattr(whole, field), what=field)
+    combined = corrections.metrics_from_row_stats(jax.tree.map(lambda *r: jnp.concatenate(r),
+                                                               *[p.row_stats for p in parts]), cfg)
+    close_dict(combined, want["metrics"], keys=sorted(combined))
+    with pytest.raises(ValueError, match="weight_scale is only used by importance.batch_normalize"):
+        corrections.compute(j["lp"], j["adv"], j["m"], CorrectionConfig(), proximal_logprobs=j["old"],
+                            weight_scale=2.0)
+
+
 EXTRA_CONFIGS = {
     "gspo_seq_mean": CorrectionConfig(objective=Objective("gspo", clip_low=0.05, clip_high=0.05),
                                       reduction="seq-mean-token-mean",

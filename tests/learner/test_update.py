@@ -52,6 +52,24 @@ def test_same_loss_gradients_and_metrics_on_every_mesh_and_microbatch_count(refe
         np.testing.assert_allclose(metrics[name], want_metrics[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def _assert_same_update(got, want):
+    for path, value in jax.tree_util.tree_leaves_with_path(got[1]):
+        expected = functools.reduce(lambda tree, key: tree[key.key], path, want[1])
+        np.testing.assert_allclose(value, expected, rtol=1e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+    for name in want[2]:
+        np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_batch_normalized_weights_do_not_depend_on_the_microbatch_count():
+    """Decoupled weights are divided by the whole batch's mean weight in every micro-batch (verl's divisor)."""
+    config = CorrectionConfig(importance=ImportanceWeights("token", high=2.0, batch_normalize=True))
+    whole = run_update(make_mesh(1, 1, 1, devices=jax.devices()[:1]), num_microbatches=1, corrections=config)
+    split = run_update(make_mesh(2, 2, 2), num_microbatches=4, corrections=config)
+    _assert_same_update(split, whole)
+    assert abs(float(whole[2]["rollout_corr/rollout_is_mean"][0]) - 1.0) < 1e-5  # normalised over the batch
+    assert abs(float(whole[2]["actor/pg_loss"][0])) > 1e-3
+
+
 def test_masked_positions_get_exactly_zero_gradient(reference):
     grads, _ = _grads_and_loss(reference)
     embedding_grads = grads["embed"]["embedding"]

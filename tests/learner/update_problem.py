@@ -46,9 +46,11 @@ def rollout_batch() -> RolloutBatch:
                         policy_version=np.zeros((ROWS, LENGTH), np.int32))
 
 
-def update_config(num_microbatches: int) -> UpdateConfig:
-    """PPO + token TIS + KL, one mini-batch, no shuffle."""
-    corrections = CorrectionConfig(importance=ImportanceWeights("token", high=2.0), kl_coef=0.1, kl_estimator="k3")
+CORRECTIONS = CorrectionConfig(importance=ImportanceWeights("token", high=2.0), kl_coef=0.1, kl_estimator="k3")
+
+
+def update_config(num_microbatches: int, corrections: CorrectionConfig = CORRECTIONS) -> UpdateConfig:
+    """PPO + token TIS + KL (by default), one mini-batch, no shuffle."""
     return UpdateConfig(corrections=corrections, num_microbatches=num_microbatches, shuffle=False,
                         logprob_chunk_size=8, rows_per_chunk=0)
 
@@ -63,14 +65,16 @@ def global_batch(batch: RolloutBatch, mesh) -> RolloutBatch:
                                                                          x.shape), batch)
 
 
-def run_update(mesh, num_microbatches: int = 1, batch: RolloutBatch | None = None):
+def run_update(mesh, num_microbatches: int = 1, batch: RolloutBatch | None = None,
+               corrections: CorrectionConfig = CORRECTIONS):
     """One update call on ``mesh`` (of `rollout_batch` by default); returns host ``(params_before, params_after,
     metrics)`` as pure dicts."""
     graphdef, state, shardings = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=0)
     _, reference, _ = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=1)
     gather = multihost_utils.process_allgather
     before = gather(nnx.to_pure_dict(state.params), tiled=True)
-    update = make_update_fn(graphdef, OPTIMIZER, update_config(num_microbatches), mesh, shardings, FAST_COMPILE)
+    update = make_update_fn(graphdef, OPTIMIZER, update_config(num_microbatches, corrections), mesh, shardings,
+                            FAST_COMPILE)
     batch = rollout_batch() if batch is None else batch
     state, metrics = update(state, global_batch(batch, mesh), reference.params)
     return before, gather(nnx.to_pure_dict(state.params), tiled=True), gather(metrics, tiled=True)
