@@ -180,15 +180,16 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
         micro, micro_key = xs
         (numerator, (denominator, row_stats)), grads = grad_fn(params, graphdef, micro, policy_version, micro_key,
                                                               config, weight_scale)
-        grads_sum = constrain_like_params(jax.tree.map(jnp.add, grads_sum, grads))
+        grads_sum = constrain_like_params(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads))
         return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), row_stats
 
-    zeros = constrain_like_params(jax.tree.map(jnp.zeros_like, params))
+    # float32 accumulators whatever the parameter dtype: summing bfloat16 gradients in bfloat16 loses their low bits.
+    zeros = constrain_like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     (grads_sum, numerator, denominator), row_stats = jax.lax.scan(
         accumulate, init, (micro_rows, jax.random.split(key, n)))
     scale = 1.0 / jnp.maximum(denominator, 1.0)
-    grads = jax.tree.map(lambda g: g * scale, grads_sum)
+    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads_sum, params)
     row_stats = jax.tree.map(lambda x: x.reshape(-1), row_stats)  # [micro-batches, rows] -> [rows]
     return grads, numerator * scale, denominator, corrections.metrics_from_row_stats(row_stats, config.corrections)
 

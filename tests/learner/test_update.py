@@ -15,11 +15,13 @@ from flax import nnx
 from learner.batch import RolloutBatch
 from learner.bucketing import BucketConfig, pad_batch
 from learner.logprobs import token_logprobs
+from learner.model import model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
 from learner.sampler_replay import NEUTRAL, SamplerParams
 from learner.sharding import make_mesh
 from learner.train_state import create_sharded_train_state
-from learner.update import UpdateConfig, make_update_fn, minibatch_update, recompute_logprobs, update_step
+from learner.update import (UpdateConfig, make_update_fn, minibatch_gradients, minibatch_update,
+                            recompute_logprobs, update_step)
 from tests.learner import update_problem
 from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, OPTIMIZER, PAD_TOKEN, ROWS, run_update
 
@@ -68,6 +70,24 @@ def test_batch_normalized_weights_do_not_depend_on_the_microbatch_count():
     _assert_same_update(split, whole)
     assert abs(float(whole[2]["rollout_corr/rollout_is_mean"][0]) - 1.0) < 1e-5  # normalised over the batch
     assert abs(float(whole[2]["actor/pg_loss"][0])) > 1e-3
+
+
+def test_bfloat16_gradients_accumulate_in_float32():
+    """The micro-batch accumulators (the scan's carry) are float32; the gradient handed on has the params' dtype."""
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    graphdef, state, _ = create_sharded_train_state(model_config("tiny", param_dtype="bfloat16"), OPTIMIZER, mesh)
+    config = UpdateConfig(corrections=update_problem.CORRECTIONS.replace(kl_coef=0.0), num_microbatches=4,
+                          logprob_chunk_size=8, rows_per_chunk=0)
+    batch = jax.tree.map(jnp.asarray, update_problem.rollout_batch())
+    proximal = jnp.zeros(batch.tokens.shape, jnp.float32)
+    fn = functools.partial(minibatch_gradients, graphdef=graphdef, config=config)
+    jaxpr = jax.make_jaxpr(fn)(state.params, (batch, proximal, None), jnp.int32(0), jax.random.key(0))
+    scan = next(eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan")
+    carry = scan.params["jaxpr"].in_avals[scan.params["num_consts"]:][:scan.params["num_carry"]]
+    assert len(carry) == len(jax.tree.leaves(state.params)) + 2  # gradient sums, numerator, denominator
+    assert {aval.dtype for aval in carry} == {jnp.dtype(jnp.float32)}
+    grads = jax.eval_shape(fn, state.params, (batch, proximal, None), jnp.int32(0), jax.random.key(0))[0]
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_masked_positions_get_exactly_zero_gradient(reference):
