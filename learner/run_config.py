@@ -74,6 +74,7 @@ class ServerSection:
     decode_steps_per_call: int = 4  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
     start_timeout_s: float = 180.0  # how long to wait for the embedded server to bind and serve.
+    generate_deadline_s: float = 30.0  # one Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,8 @@ _POSITIVE = {"task.num_prompts", "warmup.batch_size", "rollout.prompts_per_step"
              "rollout.max_new_tokens", "server.max_batch_size", "server.decode_steps_per_call",
              "update.num_minibatches", "update.num_microbatches", "update.ppo_epochs", "update.logprob_chunk_size",
              "loop.steps", "loop.checkpoint_every", "loop.keep_checkpoints", "loop.plot_every",
-             "distributed.num_processes", "server.start_timeout_s", "rollout.temperature"}
+             "distributed.num_processes", "server.start_timeout_s", "server.generate_deadline_s",
+             "rollout.temperature"}
 _NON_NEGATIVE = {"warmup.steps", "rollout.max_staleness", "optimizer.learning_rate", "optimizer.warmup_steps",
                  "optimizer.weight_decay", "warmup.learning_rate", "mesh.cpu_devices", "distributed.process_id",
                  "optimizer.max_grad_norm", "rollout.top_k", "rollout.min_p"}
@@ -272,6 +274,10 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     Traceback (most recent call last):
     ...
     ValueError: loop.stepz: unknown field; known: steps, seed, checkpoint_every, keep_checkpoints, plot_every
+    >>> load_config(None, ["server.generate_deadline_s=0"])
+    Traceback (most recent call last):
+    ...
+    ValueError: server.generate_deadline_s=0.0: must be > 0
     """
     data = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
     for override in overrides:

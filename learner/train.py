@@ -351,7 +351,8 @@ class Rollouts:
                 run_dir / "server.log", config.server.start_timeout_s)
             address = self.server.address
         token = os.environ.get(config.server.auth_token_env) if config.server.auth_token_env else None
-        self.client = RolloutClient(ClientConfig(target=address, auth_token=token))
+        self.client = RolloutClient(ClientConfig(target=address, auth_token=token,
+                                                 deadline_base_s=config.server.generate_deadline_s))
         self.buffer = None
 
     def publish(self, version: int, weights: dict[str, np.ndarray]) -> int:

@@ -51,7 +51,8 @@ class ClientConfig:
     deadline_base_s: float = 30.0  # Generate deadline = base + per_token * max_new_tokens.
     deadline_per_token_s: float = 0.05
     control_deadline_s: float = 120.0  # Pause, resume, info, abort, weight updates.
-    max_attempts: int = 5  # Generate attempts on UNAVAILABLE.
+    max_attempts: int = 5  # Generate attempts on UNAVAILABLE or DEADLINE_EXCEEDED (a retry asks only for the
+    # samples still missing, with the request's seed, so they are the same draws).
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     validation: ValidationConfig = ValidationConfig()
@@ -166,13 +167,15 @@ class AsyncRolloutClient:
             try:
                 await self._generate_once(request, prompt, missing, results, deadline_s)
             except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise errors.RolloutDeadlineError(
-                        f"Generate {request.request_id}: no result within {deadline_s:.1f}s "
-                        f"(max_new_tokens={request.sampling.max_new_tokens})") from error
-                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                deadline = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if not deadline and error.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 failures = 0 if len(results) > received_before else failures + 1
+                if deadline and failures >= self.config.max_attempts:
+                    raise errors.RolloutDeadlineError(
+                        f"Generate {request.request_id}: no result within {deadline_s:.1f}s in {failures} "
+                        f"attempts (max_new_tokens={request.sampling.max_new_tokens}); raise the deadline "
+                        f"(ClientConfig.deadline_base_s) if the server is just slow") from error
                 if failures >= self.config.max_attempts:
                     raise errors.RolloutUnavailableError(
                         f"Generate {request.request_id}: server {self.config.target} unavailable after "

@@ -135,11 +135,31 @@ def test_pause_wait_times_out_after_the_configured_time_and_stays_unpaused(start
     assert sample.finish_reason == FinishReason.ABORT and sample.completion_token_ids.size > 0
 
 
-def test_deadline_exceeded_raises_deadline_error(scripted_server):
-    config = ClientConfig(target=scripted_server.target, deadline_base_s=0.3, deadline_per_token_s=0.0)
+def test_deadline_exceeded_is_retried_then_raises_deadline_error(scripted_server):
+    config = ClientConfig(target=scripted_server.target, deadline_base_s=0.3, deadline_per_token_s=0.0,
+                          max_attempts=2, initial_backoff_s=0.01)
     with RolloutClient(config) as short_deadline_client:
-        with pytest.raises(RolloutDeadlineError, match="no result within 0.3s"):
+        start = time.monotonic()
+        with pytest.raises(RolloutDeadlineError, match="no result within 0.3s in 2 attempts"):
             short_deadline_client.generate(long_request())
+        assert time.monotonic() - start >= 0.6
+        assert short_deadline_client.metrics()["generate/retries"] == 1
+
+
+def test_deadline_after_some_samples_retries_only_the_missing_ones(start_server):
+    """Two KV rows, four 200-token samples of ~1 s each: the first attempt's deadline (1.5 s) passes with samples
+    0 and 1 done and 2 and 3 half way; the retry asks for 2 and 3 only and gets the same draws (same seed)."""
+    server = start_server("--engine", "scripted", "--step-delay-s", "0.005", "--max-batch-size", "2")
+    request = RolloutRequest([5, 6], SamplingParams(max_new_tokens=200, stop_token_ids=(), seed=4), num_samples=4)
+    config = ClientConfig(target=server.target, deadline_base_s=1.5, deadline_per_token_s=0.0, max_attempts=2)
+    with RolloutClient(config) as rollout_client:
+        samples = rollout_client.generate(request)
+        assert rollout_client.metrics()["generate/retries"] == 1
+    with RolloutClient(ClientConfig(target=server.target)) as fresh_client:
+        expected = fresh_client.generate(request)
+    assert [s.sample_index for s in samples] == [0, 1, 2, 3]
+    for got, want in zip(samples, expected, strict=True):
+        np.testing.assert_array_equal(got.completion_token_ids, want.completion_token_ids)
 
 
 def test_wait_ready_times_out_with_clear_error():
