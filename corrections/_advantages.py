@@ -76,7 +76,12 @@ def reinforce_pp_advantages(token_rewards, mask, gamma: float = 1.0, eps: float 
 
 
 def broadcast_to_tokens(advantages, mask) -> jax.Array:
-    """Sequence advantages [B] -> per-token [B, T], 0 at padding."""
+    """Sequence advantages [B] -> per-token [B, T], 0 at padding.
+
+    >>> import numpy as np
+    >>> broadcast_to_tokens(np.array([2.0, -1.0]), np.array([[1, 1, 0], [1, 0, 0]])).tolist()
+    [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]]
+    """
     mask = jnp.asarray(mask)
     return jnp.where(mask.astype(bool), jnp.asarray(advantages, jnp.float32)[:, None], 0.0)
 

@@ -46,7 +46,15 @@ def _ordered(owner: str, low, high, low_name="low", high_name="high") -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ImportanceWeights:
-    """Truncated importance weights between the proximal (or current) policy and the rollout policy."""
+    """Truncated importance weights between the proximal (or current) policy and the rollout policy.
+
+    >>> ImportanceWeights("sequence", high=5.0).level
+    'sequence'
+    >>> ImportanceWeights("token", high=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: importance.high=-1.0 must be > 0.0.
+    """
 
     level: str = "token"  # "token": one weight per token; "sequence": exp(sum log-ratio); "geometric": exp(mean).
     high: float | None = 2.0  # upper bound C on the weight; None leaves it uncapped.
@@ -71,6 +79,13 @@ class RejectionRule:
     and mean what they say. k2/k3 rules keep ``stat <= high``. ``outlier`` drops a sequence if any valid token
     has ratio ``> high`` or ``< low``. Aliases: ``token`` (token_k1), ``geometric`` (seq_mean_k1),
     ``product`` (seq_sum_k1).
+
+    >>> RejectionRule("geometric", 0.999, 1.001).name, RejectionRule("geometric", 0.999, 1.001).sequence_level
+    ('seq_mean_k1', True)
+    >>> RejectionRule("geometric", 1.1, 0.9)
+    Traceback (most recent call last):
+    ...
+    ValueError: rejection[seq_mean_k1]: low=1.1 > high=0.9; the lower bound must not exceed the upper.
     """
 
     name: str  # one of REJECTION_RULES or an alias.
@@ -100,7 +115,15 @@ class RejectionRule:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The per-token policy objective and its constants."""
+    """The per-token policy objective and its constants.
+
+    >>> Objective("ppo", clip_high=0.28, dual_clip=3.0).clip_high
+    0.28
+    >>> Objective("ppo", dual_clip=0.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: objective.dual_clip=0.5 must be > 1 (verl and SkyRL use 3.0).
+    """
 
     name: str = "ppo"  # one of OBJECTIVES.
     clip_low: float = 0.2  # ratio clip 1 - clip_low (PPO, GSPO, CISPO, rollout_is, clip-cov).
@@ -134,7 +157,15 @@ class Objective:
 
 @dataclasses.dataclass(frozen=True)
 class CorrectionConfig:
-    """Everything the correction pipeline does to one batch, in the order ``compute`` applies it."""
+    """Everything the correction pipeline does to one batch, in the order ``compute`` applies it.
+
+    >>> CorrectionConfig(importance=ImportanceWeights("token", high=2.0)).needs_rollout_logprobs
+    True
+    >>> CorrectionConfig(mode="bypas")
+    Traceback (most recent call last):
+    ...
+    ValueError: config.mode='bypas' is not an option; use one of decoupled, bypass.
+    """
 
     mode: str = "decoupled"  # "decoupled": ratio vs recomputed proximal logprobs; "bypass": proximal := rollout.
     objective: Objective = Objective()  # the per-token policy loss.
@@ -210,7 +241,12 @@ def config_from_dict(data: Mapping[str, Any]) -> CorrectionConfig:
 
 
 def config_to_dict(config: CorrectionConfig) -> dict[str, Any]:
-    """The nested plain-data form of a config (inverse of ``config_from_dict``)."""
+    """The nested plain-data form of a config (inverse of ``config_from_dict``).
+
+    >>> data = config_to_dict(CorrectionConfig(objective=Objective("cispo")))
+    >>> data["objective"]["name"], config_from_dict(data) == CorrectionConfig(objective=Objective("cispo"))
+    ('cispo', True)
+    """
     data = dataclasses.asdict(config)
     data["rejection"] = [dict(rule) for rule in data["rejection"]]
     return data

@@ -166,7 +166,14 @@ def weight_from_rows(stats: dict) -> dict:
 def weight_metrics(weights, raw_ratios, mask, cap: float) -> dict:
     """Importance-weight statistics over valid tokens: mean, std, max, min of the final weights, the fraction
     of raw ratios above ``cap`` and below ``1/cap``, and the effective sample size (see
-    ``effective_sample_size``)."""
+    ``effective_sample_size``).
+
+    >>> import numpy as np
+    >>> m = weight_metrics(np.array([[1.0, 2.0, 0.0]]), np.array([[1.0, 3.0, 0.0]]), np.array([[1, 1, 0]]), 2.0)
+    >>> [round(float(m[PREFIX + k]), 4) for k in ("rollout_is_mean", "rollout_is_std",
+    ...                                           "rollout_is_ratio_fraction_high", "rollout_is_eff_sample_size")]
+    [1.5, 0.5, 0.5, 0.9]
+    """
     weights, raw_ratios = zero_padding(weights, mask), zero_padding(raw_ratios, mask)
     return weight_from_rows(jax.vmap(weight_row_stats, in_axes=(0, 0, 0, None))(weights, raw_ratios, mask, cap))
 
@@ -202,7 +209,13 @@ def rejection_from_rows(name: str, stats: dict) -> dict:
 
 
 def rejection_metrics(name: str, keep, mask) -> dict:
-    """For one rule: the fraction of valid tokens it rejects, and of non-empty sequences it touches."""
+    """For one rule: the fraction of valid tokens it rejects, and of non-empty sequences it touches.
+
+    >>> import numpy as np
+    >>> m = rejection_metrics("geo", np.array([[1, 1, 0], [0, 0, 0]]), np.array([[1, 1, 0], [1, 1, 1]]))
+    >>> {k: round(float(v), 4) for k, v in m.items()}
+    {'rollout_corr/geo_masked_fraction': 0.6, 'rollout_corr/geo_seq_masked_fraction': 0.5}
+    """
     return rejection_from_rows(name, jax.vmap(rejection_row_stats)(keep, mask))
 
 

@@ -99,7 +99,12 @@ def rollout_is_loss(logprobs, rollout_logprobs, advantages, clip_low=0.2, clip_h
 
 
 def cross_entropy_loss(logprobs):
-    """Supervised cross entropy ``-lp``."""
+    """Supervised cross entropy ``-lp``.
+
+    >>> import numpy as np
+    >>> np.asarray(cross_entropy_loss(np.log([0.5, 0.25]))[0], float).round(4).tolist()
+    [0.6931, 1.3863]
+    """
     (lp,) = _f32(logprobs)
     return -lp, {}
 
@@ -142,6 +147,13 @@ def clip_cov_loss(logprobs, old_logprobs, advantages, mask, key, clip_low=0.2, c
     """Clip-Cov over a [B, T] batch (verl/SkyRL): PPO clip, then cut the gradient of
     ``max(int(ratio * n_valid), 1)`` random unclipped tokens whose centred covariance of A and lp lies strictly
     inside ``(clip_cov_low, clip_cov_high)``.
+
+    >>> import jax, numpy as np
+    >>> lp, old = np.log([[0.5, 0.5, 0.9, 0.1]]), np.log([[0.5, 0.4, 0.9, 0.1]])  # ratio 1.25 on token 1
+    >>> loss, aux = clip_cov_loss(lp, old, np.array([[1.0, 2.0, -1.0, 0.5]]), np.ones((1, 4)), jax.random.key(0),
+    ...                           clip_cov_ratio=0.25, clip_cov_low=-10.0, clip_cov_high=10.0)
+    >>> round(float(loss[0, 1]), 4), float(aux["pg_clipfrac"].sum()), float(aux["pg_clipfrac"][0, 1])
+    (-2.4, 1.0, 0.0)
     """
     lp, old, adv = _f32(logprobs, old_logprobs, advantages)
     valid = jnp.asarray(mask).astype(bool)
@@ -160,6 +172,12 @@ def clip_cov_loss(logprobs, old_logprobs, advantages, mask, key, clip_low=0.2, c
 def kl_cov_loss(logprobs, old_logprobs, advantages, mask, kl_cov_ratio=2e-3, kl_cov_coef=1.0):
     """KL-Cov over a [B, T] batch (verl/SkyRL): ``-A*r``, plus ``coef * |lp - old|`` on the
     ``max(1, int(n_valid * ratio))`` valid tokens of largest centred covariance of A and lp.
+
+    >>> import numpy as np
+    >>> lp, old = np.log([[0.5, 0.5, 0.9, 0.1]]), np.log([[0.5, 0.4, 0.9, 0.1]])
+    >>> loss, aux = kl_cov_loss(lp, old, np.array([[1.0, 2.0, -1.0, 0.5]]), np.ones((1, 4)), kl_cov_ratio=0.25)
+    >>> np.asarray(loss, float).round(4).tolist(), aux["pg_clipfrac"].tolist()  # token 1: -2.5 + |log 0.5/0.4|
+    ([[-1.0, -2.2769, 1.0, -0.5]], [[0.0, 1.0, 0.0, 0.0]])
     """
     lp, old, adv = _f32(logprobs, old_logprobs, advantages)
     valid = jnp.asarray(mask).astype(bool)

@@ -45,7 +45,13 @@ NEEDS_OLD = ("ppo", "gspo", "cispo", "sapo", "clip_cov", "kl_cov")
 
 
 class Corrected(NamedTuple):
-    """What ``compute`` returns (a pytree: fine to return from jit)."""
+    """What ``compute`` returns (a pytree: fine to return from jit).
+
+    >>> import numpy as np
+    >>> out = compute(np.log([[0.5, 0.5]]), np.array([1.0]), np.array([[1, 0]]), proximal_logprobs=np.log([[0.5, 0.5]]))
+    >>> out.mask.tolist(), float(out.loss), float(out.loss_denominator), float(out.weight_scale)
+    ([[1.0, 0.0]], -1.0, 1.0, 1.0)
+    """
 
     weights: jax.Array  # [B, T] stop-gradient behaviour weights; 0 at padding and at tokens dropped before step 4
     # (1 at the other tokens when none are configured).

@@ -88,12 +88,26 @@ def divergence_mask(log_ratio, mask, rule: str, low=None, high=None) -> jax.Arra
 
 
 def geometric_sequence_mask(log_ratio, mask, low=0.999, high=1.001) -> jax.Array:
-    """Keeps the sequence iff ``low <= exp(masked_mean(lr)) <= high`` (SkyRL geometric, verl Geo-RS)."""
+    """Keeps the sequence iff ``low <= exp(masked_mean(lr)) <= high`` (SkyRL geometric, verl Geo-RS).
+
+    >>> import numpy as np
+    >>> geometric_sequence_mask(np.log([1.0005, 0.9995, 5.0]), np.array([1, 1, 0])).tolist()  # padding ignored
+    [True, True, True]
+    >>> geometric_sequence_mask(np.log([1.01, 1.01]), np.array([1, 1])).tolist()
+    [False, False]
+    """
     return divergence_mask(log_ratio, mask, "seq_mean_k1", low, high)
 
 
 def product_sequence_mask(log_ratio, mask, low=0.5, high=2.0) -> jax.Array:
-    """Keeps the sequence iff ``low <= exp(sum m*lr) <= high`` (SkyRL product, verl seq_sum_k1)."""
+    """Keeps the sequence iff ``low <= exp(sum m*lr) <= high`` (SkyRL product, verl seq_sum_k1).
+
+    >>> import numpy as np
+    >>> product_sequence_mask(np.log([1.2, 1.5]), np.array([1, 1])).tolist()  # 1.8
+    [True, True]
+    >>> product_sequence_mask(np.log([1.5, 1.5, 9.0]), np.array([1, 1, 0])).tolist()  # 2.25
+    [False, False, False]
+    """
     return divergence_mask(log_ratio, mask, "seq_sum_k1", low, high)
 
 
