@@ -122,11 +122,17 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old, roll, mask))
 
 
-def weight_row_stats(weights, raw_ratios, mask, cap: float) -> dict:
-    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence (``weights`` 0 at padding)."""
+def weight_row_stats(weights, raw_ratios, mask, cap: float, bounds: tuple | None = None) -> dict:
+    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence (``weights`` 0 at padding);
+    with ``bounds = (low, high)`` (``high`` may be None) also the valid tokens whose raw ratio lies outside them."""
     valid = jnp.asarray(mask).astype(bool)
     count, mean, m2 = _row_moments(weights, valid)
-    return {
+    extra = {}
+    if bounds is not None:
+        low, high = bounds
+        outside = (raw_ratios < low) | (raw_ratios > (jnp.inf if high is None else high))
+        extra["out_of_bounds"] = masked_count(valid & outside)
+    return extra | {
         "count": count,
         "mean": mean,
         "m2": m2,
@@ -139,10 +145,11 @@ def weight_row_stats(weights, raw_ratios, mask, cap: float) -> dict:
 
 
 def rescale_weight_row_stats(stats: dict, scale) -> dict:
-    """``weight_row_stats`` of the same weights divided by ``scale`` (batch normalisation); the raw-ratio counts
-    stay as they are."""
+    """``weight_row_stats`` of the same weights divided by ``scale`` (batch normalisation), which each row also
+    records; the raw-ratio counts stay as they are."""
     return dict(stats, mean=stats["mean"] / scale, m2=stats["m2"] / scale**2,
-                sum_squares=stats["sum_squares"] / scale**2, max=stats["max"] / scale, min=stats["min"] / scale)
+                sum_squares=stats["sum_squares"] / scale**2, max=stats["max"] / scale, min=stats["min"] / scale,
+                scale=jnp.broadcast_to(scale, stats["count"].shape))
 
 
 def weight_from_rows(stats: dict) -> dict:
@@ -160,6 +167,10 @@ def weight_from_rows(stats: dict) -> dict:
         "rollout_is_ratio_fraction_low": _ratio(jnp.sum(stats["below_inverse_cap"]), total),
         "rollout_is_eff_sample_size": jnp.where(mean > 0, _ratio(mean * mean, mean_square), 0.0),
     }
+    if "out_of_bounds" in stats:  # verl's metric for "lo_up" (IcePop) thresholds
+        metrics["rollout_is_oob_ratio"] = _ratio(jnp.sum(stats["out_of_bounds"]), total)
+    if "scale" in stats:  # the divisor of batch normalisation (the mean over rows, should micro-batches differ)
+        metrics["rollout_is_batch_norm_factor"] = jnp.mean(stats["scale"])
     return {PREFIX + k: v for k, v in metrics.items()}
 
 

@@ -212,9 +212,12 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     if roll is not None:
         trainer = sg(lp) if config.mode == "bypass" else old
         keep, raw, weights, rule_keeps = _sequence_decisions(trainer - roll, lp, old, adv, valid, config)
-        cap = config.importance.high if config.importance is not None and config.importance.high else 2.0
+        importance = config.importance
+        cap = importance.high if importance is not None and importance.high else 2.0
+        masking = importance is not None and importance.overflow == "mask"
         stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, roll, valid)
-        stats["weights"] = _diagnostics.weight_row_stats(weights, raw, valid, cap)
+        stats["weights"] = _diagnostics.weight_row_stats(weights, raw, valid, cap,
+                                                         (importance.low, importance.high) if masking else None)
         stats["rules"] = tuple(_diagnostics.rejection_row_stats(rule_keep, valid) for rule_keep in rule_keeps)
         stats["rejection"] = _diagnostics.rejection_row_stats(keep, valid)
     else:

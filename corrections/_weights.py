@@ -23,8 +23,9 @@ def _finish(weights: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def unbounded_ratios(log_ratio, mask, level: str = "token") -> jax.Array:
-    """The ratio before any bound, on every position: ``exp(clamp(lr))`` per token, or the sequence's
-    ``exp(clamp(sum_t m*lr))`` (``sequence``) or ``exp(clamp(masked_mean(lr)))`` (``geometric``) broadcast.
+    """The ratio before any bound, for ONE sequence ([T]; vmap it over a batch), on every position:
+    ``exp(clamp(lr))`` per token, or the sequence's ``exp(clamp(sum_t m*lr))`` (``sequence``) or
+    ``exp(clamp(masked_mean(lr)))`` (``geometric``) broadcast.
 
     >>> import numpy as np
     >>> unbounded_ratios(np.log([2.0, 2.0, 9.0]), np.array([1, 1, 0]), "sequence").tolist()

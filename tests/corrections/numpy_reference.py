@@ -125,15 +125,17 @@ def off_policy_is(lp, roll, m, low=0.0, high=2.0):
     return token_tis(clean(lp, m) - clean(roll, m), m, high=high, low=low)
 
 
-def batch_normalize(w, m, level="token"):
-    """w / batch mean of w (token: masked mean; sequence: mean over valid rows of row masked means);
-    skipped when the mean is <= 1e-8."""
+def batch_norm_factor(w, m, level="token"):
+    """The batch mean of w (token: masked mean; sequence: mean over valid rows of row masked means), or 1 when
+    that mean is <= 1e-8 (normalisation skipped)."""
     w, mm = f64(w), bmask(m)
-    if level == "token":
-        mean = mmean(w, mm)
-    else:
-        mean = mean_over_rows(row_mean(w, mm), mm)
-    return w / mean if mean > 1e-8 else w
+    mean = mmean(w, mm) if level == "token" else mean_over_rows(row_mean(w, mm), mm)
+    return mean if mean > 1e-8 else 1.0
+
+
+def batch_normalize(w, m, level="token"):
+    """w / its batch mean (``batch_norm_factor``)."""
+    return f64(w) / batch_norm_factor(w, m, level)
 
 
 WEIGHTS = {"token": token_tis, "sequence": sequence_tis, "geometric": geometric_weight}
@@ -603,10 +605,15 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
             k &= opsm[b]
         keep[b] = k
     weights = np.where(mm, weights, 0.0)
-    if imp is not None and imp["batch_normalize"]:
-        weights = batch_normalize(weights, mm, imp["level"])
-
     metrics = {}
+    if imp is not None and imp["batch_normalize"]:
+        metrics[P + "rollout_is_batch_norm_factor"] = batch_norm_factor(weights, mm, imp["level"])
+        weights = batch_normalize(weights, mm, imp["level"])
+    if imp is not None and imp["overflow"] == "mask":  # verl's "lo_up" metric: raw ratios outside the bounds
+        high = np.inf if imp["high"] is None else imp["high"]
+        outside = (f64(raw) < imp["low"]) | (f64(raw) > high)
+        metrics[P + "rollout_is_oob_ratio"] = float(outside[mm].mean()) if mm.any() else 0.0
+
     metrics.update(mismatch(trainer, roll, mm))
     cap = imp["high"] if imp is not None and imp["high"] else 2.0
     metrics.update(weight_stats(weights, raw, mm, cap))

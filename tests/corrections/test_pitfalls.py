@@ -1,4 +1,4 @@
-"""One regression test per pitfall of section 8 of ../shared/reference/corrections.md (items 1-8).
+"""One regression test per pitfall of section 8 of ../shared/reference/corrections.md (items 1-9).
 
 Each builds a small batch by hand on which the buggy behaviour gives a different number, asserts Tether's value,
 and shows the buggy number through the reference port (tests/reference_ports) where one exists.
@@ -239,3 +239,59 @@ def test_pitfall_8_denominator_after_rejection():
                                                                         rollout_rs_threshold="0.99_1.01")
     verl_loss, _ = verl.compute_policy_loss_vanilla(old, lp, A, verl_mask, "token-mean")
     assert verl_loss == approx(float(kept.loss))
+
+
+# --------------------------------------------------------------------------------------------------- 9
+def processed_reference(logits, temperature, top_p):
+    """NumPy float64: softmax(logits / T), keep the smallest prefix (by probability) with mass >= top_p; returns the
+    plain and the renormalised (PROCESSED) logprobs, the kept set and the cumulative masses (for a margin check)."""
+    scaled = np.asarray(logits, np.float64) / temperature
+    plain = scaled - scaled.max() - np.log(np.exp(scaled - scaled.max()).sum())
+    order = np.argsort(-plain)
+    cumulative = np.cumsum(np.exp(plain[order]))
+    kept = np.zeros(plain.shape, bool)
+    kept[order[np.concatenate([[0.0], cumulative[:-1]]) < top_p]] = True
+    return plain, plain - np.log(np.exp(plain[kept]).sum()), kept, cumulative
+
+
+def test_pitfall_9_sampler_truncation_replayed_from_recorded_params():
+    """Top-p at T != 1: the server's PROCESSED logprob is log_softmax(logits / T) - log(kept mass); the client records
+    the parameters with every sample and the learner replays them, giving the server's value, not the biased one."""
+    from learner.logprob_mode import replay_params
+    from learner.sampler_replay import replayed_token_stats
+    from rollout_client import FinishReason, LogprobMode, RolloutRequest, SamplingParams, collate
+    from rollout_client.protocol import pb
+    from rollout_client.samples import RawSample, build_sample
+
+    # values exact in float32 (the wire's type), so the echoed parameters compare equal
+    logits = np.random.default_rng(9).normal(0.0, 2.0, (2, 3, 16)).astype(np.float32)
+    params = [SamplingParams(temperature=0.75, top_k=0, top_p=0.75, min_p=0.0, max_new_tokens=3, seed=1),
+              SamplingParams(temperature=1.25, top_k=0, top_p=0.625, min_p=0.0, max_new_tokens=3, seed=2)]
+    refs = [[processed_reference(logits[b, t], params[b].temperature, params[b].top_p) for t in range(3)]
+            for b in range(2)]
+    targets = np.array([[np.flatnonzero(k)[np.argmin(p[k])] for _, p, k, _ in row] for row in refs])  # last kept
+    plain = np.array([[p[i] for (p, _, _, _), i in zip(row, ti)] for row, ti in zip(refs, targets)])
+    want = np.array([[q[i] for (_, q, _, _), i in zip(row, ti)] for row, ti in zip(refs, targets)])
+    mass = np.array([[np.exp(p[k]).sum() for p, _, k, _ in row] for row in refs])
+    assert all(np.abs(c - params[b].top_p).min() > 1e-3 for b in range(2) for *_, c in refs[b])  # no float32 tie
+    # (a) without replay the ratio is off by exactly -log(kept mass), here at least 0.02 nats
+    np.testing.assert_allclose(want - plain, -np.log(mass), rtol=0, atol=1e-12)
+    assert np.all(-np.log(mass) > 0.02)
+    # (c) the request carries the parameters, the server echoes them into every Sample, collate keeps them per row
+    samples = []
+    for b, sp in enumerate(params):
+        wire = RolloutRequest([1, 2], sp).to_proto()
+        assert SamplingParams.from_proto(wire.sampling) == sp
+        raw = RawSample(targets[b].astype(np.int32), want[b].astype(np.float32), [(0, 3, 0)],
+                        pb.SampleResult(finish_reason=int(FinishReason.LENGTH), sampling=wire.sampling))
+        samples.append(build_sample(raw, f"r{b}", 0, np.array([1, 2], np.int32), LogprobMode.PROCESSED))
+        assert samples[-1].sampling == sp
+    batch = collate(samples, pad_to_multiple=1)
+    np.testing.assert_array_equal(batch.temperature, [0.75, 1.25])
+    np.testing.assert_array_equal(batch.top_p, [0.75, 0.625])
+    # (b) the learner's replay from the batch's parameters gives the server's value; its kept mass is the same
+    sampling = replay_params("PROCESSED", batch)
+    stats = replayed_token_stats(jnp.asarray(logits), jnp.asarray(targets, jnp.int32), sampling)
+    np.testing.assert_allclose(np.asarray(stats["logprobs"]), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats["logprobs"]), batch.rollout_logprobs[:, 2:], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats["log_kept_mass"]), np.log(mass), rtol=0, atol=1e-5)

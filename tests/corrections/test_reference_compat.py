@@ -214,6 +214,8 @@ def check_against_verl(config, verl_kwargs, is_metrics=True, d=None):
         keys += ["rollout_is_mean", "rollout_is_std", "rollout_is_eff_sample_size"]
         if verl_kwargs.get("rollout_is") == "token":  # sequence level: verl reports raw ratios (own test)
             keys += ["rollout_is_max", "rollout_is_min"]
+    if P + "rollout_is_oob_ratio" in want.metrics:  # "lo_up" (IcePop) thresholds
+        keys.append("rollout_is_oob_ratio")
     if verl_kwargs.get("rs"):
         keys += ["rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"]
         # Per-rule fractions: verl's are standalone, Tether's after the earlier rules (own test): first rule only.
@@ -288,6 +290,7 @@ def test_from_verl_batch_normalize_matches_verl_weights_and_loss(level):
     got, want = check_against_verl(config, dict(rollout_is=level, thr=2.0, bn=True), is_metrics=False)
     factor = want.metrics[P + "rollout_is_batch_norm_factor"]
     assert factor != pytest.approx(1.0, abs=1e-3)
+    close(got.metrics[P + "rollout_is_batch_norm_factor"], factor, what="batch_norm_factor")
     close(got.metrics[P + "rollout_is_mean"] * factor, want.metrics[P + "rollout_is_mean"], what="mean")
 
 
