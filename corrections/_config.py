@@ -177,7 +177,9 @@ class CorrectionConfig:
     kl_coef: float = 0.0  # weight of the KL penalty to a reference policy (needs ref_logprobs).
     kl_estimator: str = "low_var_kl"  # one of KL_ESTIMATORS.
     entropy_coef: float = 0.0  # entropy bonus weight (needs entropy).
-    check_values: bool = False  # run value checks (mask is 0/1, finite logprobs); under jit wrap with chex.chexify.
+    # Value checks (mask is 0/1, logprobs finite where it is 1): None runs them on concrete inputs (eager calls) and
+    # skips them under jit; True always (under jit wrap the caller with chex.chexify); False never.
+    check_values: bool | None = None
 
     def __post_init__(self):
         _choice("config", "mode", self.mode, MODES)

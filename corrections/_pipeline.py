@@ -2,8 +2,8 @@
 
 Order (SkyRL's is the reference), per sequence and vmapped over the batch unless marked [batch]:
 
-1. Inputs are checked (shapes with chex; values when ``config.check_values``) and every padded position is
-   zeroed, so NaN or inf in padding never reaches an output or a gradient.
+1. Inputs are checked (shapes with chex; values on eager calls, see ``config.check_values``) and every padded
+   position is zeroed, so NaN or inf in padding never reaches an output or a gradient.
 2. ``old`` is the proximal logprobs (decoupled) or the rollout logprobs (bypass). The behaviour log-ratio is
    ``lr = old - roll`` (decoupled) or ``sg(lp) - roll`` (bypass).
 3. Outlier (veto) rules on the original mask, then token rules.
@@ -354,7 +354,8 @@ def compute(
     _check_inputs(config, lp, mask, adv, *arrays)
     if weight_scale is not None and not (config.importance is not None and config.importance.batch_normalize):
         raise ValueError("weight_scale is only used by importance.batch_normalize; drop it or enable that.")
-    if config.check_values:
+    traced = any(isinstance(a, jax.core.Tracer) for a in (lp, mask, *arrays))
+    if config.check_values or (config.check_values is None and not traced):
         check_batch(mask, rollout_logprobs=arrays[1], proximal_logprobs=arrays[0], ref_logprobs=arrays[2])
     proximal, roll, ref, entropy = arrays
     old = roll if config.mode == "bypass" else proximal

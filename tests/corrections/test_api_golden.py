@@ -151,6 +151,25 @@ def test_check_batch_raises(mask, arrays, match):
         corrections.check_batch(np.float32(mask), **{k: np.float32(v) for k, v in arrays.items()})
 
 
+def test_compute_checks_values_on_eager_calls_by_default():
+    """Eager ``compute`` rejects a mask of 2 and NaN inside the mask; ``check_values=False`` and jit skip the check;
+    ``check_values=True`` under ``chex.chexify`` runs it inside jit."""
+    import chex
+
+    lp, bad_mask, roll = np.float32([[-1.0, -2.0]]), np.float32([[1, 2]]), np.float32([[-1.0, NAN]])
+    run = lambda mask, roll=None, **cfg: corrections.compute(  # noqa: E731
+        lp, np.ones(1, np.float32), mask, CorrectionConfig(**cfg), proximal_logprobs=lp, rollout_logprobs=roll)
+    with pytest.raises(AssertionError, match="mask must hold only 0 and 1"):
+        run(bad_mask)
+    with pytest.raises(AssertionError, match="rollout_logprobs must be finite where the mask is 1"):
+        run(np.float32([[1, 1]]), roll)
+    run(bad_mask, check_values=False)
+    jax.jit(lambda m: run(m).loss)(bad_mask)
+    checked = chex.chexify(jax.jit(lambda m: run(m, check_values=True).loss), async_check=False)
+    with pytest.raises(AssertionError, match="mask must hold only 0 and 1"):
+        checked(bad_mask)
+
+
 # --------------------------------------------------------------------------------------------- config dicts
 def contained(part, whole) -> bool:
     """Whether every leaf of the nested plain data ``part`` is in ``whole`` with the same value."""
