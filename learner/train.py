@@ -271,11 +271,13 @@ class Trainer:
         under the pre-update weights and added to the metrics.
         """
         device_batch = self.device_batch(batch)
-        proximal = self.proximal_fn(self.state.params, device_batch)
+        # The update recomputes the proximal logprobs in decoupled mode and returns them; bypass mode needs a pass.
+        proximal = (self.proximal_fn(self.state.params, device_batch)
+                    if self.update_config.corrections.mode == "bypass" else None)
         bias = {} if truncation is None else self.truncation_fn(
             self.state.params, self.device_batch(batch.replace(sampling=truncation)))
-        self.state, metrics = self.update_fn(self.state, device_batch, None)
-        return _mean_metrics(metrics) | _mean_metrics(bias), np.asarray(proximal)
+        self.state, metrics, recomputed = self.update_fn(self.state, device_batch, None)
+        return _mean_metrics(metrics) | _mean_metrics(bias), np.asarray(recomputed if proximal is None else proximal)
 
     def restore(self, checkpointer: Checkpointer, iterator) -> int | None:
         """Restores the latest checkpoint (state and data position); returns its step, or None if there is none."""
@@ -322,7 +324,7 @@ class Trainer:
         for _ in range(warmup.steps):
             batch = demonstration_batch(self.task, rng, warmup.batch_size, warmup.noise, self.length,
                                         sft_config.row_multiple(self.data_parallel))
-            state, metrics = update(state, self.device_batch(batch), None)
+            state, metrics, _ = update(state, self.device_batch(batch), None)
             losses.append(_mean_metrics({"loss": metrics["actor/pg_loss"]})["loss"])
         self.state = jax.jit(lambda s: s.replace(opt_state=self.optimizer.init(s.params)),
                              out_shardings=self.shardings)(state)

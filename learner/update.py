@@ -237,15 +237,16 @@ def whole_batch_weight_scale(batch: RolloutBatch, proximal, config: UpdateConfig
 
 def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | None = None, *,
                 graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
-                mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, dict]:
+                mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, dict, jax.Array | None]:
     """The whole update for one rollout batch (un-jitted; see `make_update_fn`).
 
     Rows ``B`` must be a multiple of ``config.num_minibatches * config.num_microbatches`` (pad with fully masked
     rows: `learner.bucketing`). ``ref_params`` is required when ``config.corrections.kl_coef > 0``.
 
     Returns:
-        The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split)
-        and metrics of shape ``[ppo_epochs * num_minibatches]``.
+        The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split),
+        metrics of shape ``[ppo_epochs * num_minibatches]``, and the proximal logprobs ``[B, T]`` it recomputed
+        (the pre-update policy's, for the caller's log; None in bypass mode, which recomputes none).
     """
     parts = config.num_minibatches * config.num_microbatches
     if batch.tokens.shape[0] % parts:
@@ -275,22 +276,22 @@ def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | 
 
     state, metrics = jax.lax.scan(epoch, state, jax.random.split(epochs_key, config.ppo_epochs))
     metrics = jax.tree.map(lambda m: m.reshape(-1), metrics)
-    return state.replace(policy_version=state.policy_version + 1, rng=jax.random.key_data(rng)), metrics
+    return state.replace(policy_version=state.policy_version + 1, rng=jax.random.key_data(rng)), metrics, proximal
 
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
                    mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None):
-    """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params) -> (state, metrics)``.
+    """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params) -> (state, metrics, proximal_logprobs)``.
 
     The state is donated and keeps ``shardings`` (from `learner.train_state.train_state_shardings`); batch leaves
-    are sharded over ``("data", "fsdp")``; ``ref_params`` (None unless ``kl_coef > 0``) like the parameters;
-    metrics come back replicated. Each new batch shape compiles a new program: bucket them (`learner.bucketing`).
-    ``compiler_options`` are XLA options for this program (e.g. ``{"xla_backend_optimization_level": 0}`` trades
-    CPU run time for a faster compile in tests).
+    are sharded over ``("data", "fsdp")``; ``ref_params`` (None unless ``kl_coef > 0``) like the parameters; metrics
+    and the proximal logprobs come back replicated. Each new batch shape compiles a new program: bucket them
+    (`learner.bucketing`). ``compiler_options`` are XLA options for this program (e.g.
+    ``{"xla_backend_optimization_level": 0}`` trades CPU run time for a faster compile in tests).
     """
     step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
                              param_shardings=shardings.params)
     ref_shardings = shardings.params if config.corrections.kl_coef > 0 else None
     return jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings),
-                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0,
-                   compiler_options=compiler_options)
+                   out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
+                   donate_argnums=0, compiler_options=compiler_options)

@@ -111,13 +111,13 @@ def bench(name: str, batch_size: int, length: int, steps: int, repeats: int) -> 
     update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings)
     batch = synthetic_batch(config, batch_size, length)
     start = time.perf_counter()
-    state, metrics = update(state, batch, None)
+    state, metrics, _ = update(state, batch, None)
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - start
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state, metrics = update(state, batch, None)
+        state, metrics, _ = update(state, batch, None)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     logprob_s, replay_s = logprob_pass_seconds(graphdef, state.params, batch, update_config, mesh, repeats)

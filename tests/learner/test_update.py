@@ -110,10 +110,11 @@ def test_minibatch_scan_equals_the_same_updates_one_by_one():
     graphdef, state, _ = create_sharded_train_state(MODEL, optimizer, mesh)
     batch = jax.tree.map(jnp.asarray, update_problem.rollout_batch())
     step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config)
-    scanned, metrics = jax.jit(step, compiler_options=FAST_COMPILE)(state, batch)
+    scanned, metrics, proximal_returned = jax.jit(step, compiler_options=FAST_COMPILE)(state, batch)
 
     proximal = jax.jit(recompute_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)(
         graphdef, state.params, batch, config)
+    np.testing.assert_allclose(proximal_returned, proximal, rtol=1e-6, atol=1e-6)  # the update returns what it used
     one_update = jax.jit(functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config),
                          compiler_options=FAST_COMPILE)
     losses = []
@@ -182,7 +183,7 @@ def test_ppo_improves_a_bandit_objective_and_shuffles_minibatches(bandit):
     start = expected_reward(state)
     denominators = []
     for _ in range(5):
-        state, metrics = update(state, batch, None)
+        state, metrics, _ = update(state, batch, None)
         denominators.append(np.asarray(metrics["actor/loss_denominator"]).reshape(2, 2))
     assert start == pytest.approx(0.5, abs=0.05)
     assert expected_reward(state) > 0.9
@@ -196,7 +197,7 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(bandit):
     update, fresh_state, batch, _ = bandit
     advantages = batch.advantages.copy()
     advantages[0, len(BANDIT_PROMPT)] = np.nan
-    state, metrics = update(fresh_state(), batch.replace(advantages=advantages), None)
+    state, metrics, _ = update(fresh_state(), batch.replace(advantages=advantages), None)
     newly_skipped = np.diff(metrics["actor/skipped_updates"], prepend=0)  # the metric is a running total
     np.testing.assert_array_equal(newly_skipped, np.isnan(metrics["actor/pg_loss"]))
     assert newly_skipped.sum() == 2  # row 0 lands in one mini-batch per epoch

@@ -76,5 +76,5 @@ def run_update(mesh, num_microbatches: int = 1, batch: RolloutBatch | None = Non
     update = make_update_fn(graphdef, OPTIMIZER, update_config(num_microbatches, corrections), mesh, shardings,
                             FAST_COMPILE)
     batch = rollout_batch() if batch is None else batch
-    state, metrics = update(state, global_batch(batch, mesh), reference.params)
+    state, metrics, _ = update(state, global_batch(batch, mesh), reference.params)
     return before, gather(nnx.to_pure_dict(state.params), tiled=True), gather(metrics, tiled=True)
