@@ -869,3 +869,247 @@ def test_areal_dual_clip_and_intermediate_modes():
         got = run(CorrectionConfig(importance=importance))
         close(got.weights, stat["behave_imp_weight"], where=valid, what=mode)
         close(got.loss, want, what=mode)
+
+
+# ================================================================ migration-page mappings (docs/corrections.md)
+
+def verl_token_veto(n, mask, threshold):
+    """Older verl's ``rollout_token_veto_threshold`` (rollout_corr_helper, "Step 4: apply token veto"; the port in
+    tests/reference_ports/verl.py is of the newer helper, which has no veto): ``log_ratio = old - roll``; a row with
+    any valid token where ``log_ratio < log(threshold)`` has its whole modified response mask zeroed; the IS
+    weights are left as they are."""
+    catastrophic = (n["old"] - n["roll"] < math.log(threshold)) & (n["m"] > 0)
+    return mask * (~catastrophic.any(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("ours,theirs", [
+    (dict(rollout_is="token", rollout_is_threshold=2.0), dict(rollout_is="token", thr=2.0)),
+    (dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
+     dict(rollout_is="token", thr=2.0, rs="token_k1", rs_thr="0.5_2.0")),
+], ids=["token_tis", "token_tis_token_k1"])
+def test_verl_token_veto_is_an_appended_outlier_rule(ours, theirs):
+    """docs: ``rollout_token_veto_threshold: 1e-4`` == ``RejectionRule("outlier", low=1e-4)`` appended to the
+    ``from_verl`` config. verl's final mask is its rejection mask times the veto mask; its PPO loss (dual clip 3,
+    token-mean over the final mask) then uses that mask."""
+    n = data().n
+    config = corrections.from_verl(**ours)
+    config = config.replace(rejection=config.rejection + (RejectionRule("outlier", low=1e-4),))
+    w, mask, _ = verl.compute_rollout_correction_and_rejection_mask(
+        n["old"], n["roll"], n["m"], theirs.get("rollout_is"), theirs.get("thr", 2.0), False, theirs.get("rs"),
+        theirs.get("rs_thr"))
+    vetoed = verl_token_veto(n, mask, 1e-4)
+    # the helper is slime's calculate_veto_mask (mis.py kept verl's veto), row by row
+    slime_veto = np.stack([slime.calculate_veto_mask(n["old"][b] - n["roll"][b], n["m"][b], 1e-4)
+                           for b in range(B)])
+    np.testing.assert_array_equal(vetoed, mask * slime_veto)
+    dropped = mask.any(-1) & ~vetoed.any(-1)
+    assert dropped.tolist() == [b == 6 for b in range(B)], "the veto drops row 6 (ratio 4.5e-5), and only it"
+
+    def loss_fn(mm, agg):
+        return verl.compute_policy_loss_vanilla(n["old"], n["lp"], n["A"], mm, agg, clip_ratio_c=3.0,
+                                                rollout_is_weights=w)[0]
+
+    got = run(config)
+    same_mask(got.mask, vetoed)
+    kept = vetoed.astype(bool)
+    close(got.weights, w, where=kept, what="IS weights on kept tokens")
+    close(got.per_token, per_token_of(loss_fn, vetoed), where=n["m"] > 0, what="per-token loss")
+    close(got.loss, loss_fn(vetoed, "token-mean"), what="token-mean loss over the vetoed mask")
+    without = run(corrections.from_verl(**ours))  # the appended rule is what drops row 6
+    assert without.mask[6].any() and not got.mask[6].any()
+
+
+class _Ordered:
+    """An ``rng`` for the SkyRL clip-cov port whose permutation puts the given candidates first: the port then cuts
+    exactly those (the candidates are enumerated in np.argwhere order, as the port does)."""
+
+    def __init__(self, candidates, first):
+        self.order = np.array(sorted(range(len(candidates)), key=lambda i: not first[tuple(candidates[i])]))
+
+    def permutation(self, k):
+        assert k == len(self.order)
+        return self.order
+
+
+SKYRL_CLIP_COV_WINDOW = (0.1, 2.0)  # Tether's (clip_cov_low, clip_cov_high); SkyRL's is this divided by N
+
+
+def _skyrl_clip_cov_candidates(n, lb, ub):
+    """SkyRL's clip-cov candidates: unclipped valid tokens whose covariance of the N-divided advantages lies in
+    (lb, ub) (the port's selection, before the random pick)."""
+    m = n["m"]
+    adv = skyrl.apply_loss_reduction_to_advantages_minibatch(n["A"], m, "token_mean")
+    ratio = np.exp(n["lp"] - n["old"])
+    clipped = -adv * np.clip(ratio, 0.8, 1.2) > -adv * ratio
+    cov = (adv - skyrl.masked_mean(adv, m)) * (n["lp"] - skyrl.masked_mean(n["lp"], m))
+    return (m > 0) & ~clipped & (cov > lb) & (cov < ub)
+
+
+@pytest.mark.parametrize("clip_ratio", [0.5, 0.2], ids=["every_candidate_cut", "random_pick"])
+def test_skyrl_clip_cov_window_is_tethers_divided_by_n(clip_ratio):
+    """docs: SkyRL's ``clip_cov: {clip_ratio, clip_cov_lb, clip_cov_ub}`` is ``Objective("clip_cov",
+    clip_cov_ratio=clip_ratio, clip_cov_low=N * lb, clip_cov_high=N * ub)`` (N: valid tokens). Both cut
+    ``min(max(int(ratio * N), 1), #candidates)`` candidates at random: same count, Tether's cut tokens are SkyRL's
+    candidates, and SkyRL's loss with those same tokens cut (a permutation that lists them first) is Tether's."""
+    n = data().n
+    count = n["m"].sum()
+    low, high = SKYRL_CLIP_COV_WINDOW
+    lb, ub = low / count, high / count
+    candidates = _skyrl_clip_cov_candidates(n, lb, ub)
+    clip_num = max(int(clip_ratio * count), 1)
+    alg = dict(clip_cov=dict(clip_ratio=clip_ratio, clip_cov_lb=lb, clip_cov_ub=ub))
+    adv = skyrl.apply_loss_reduction_to_advantages_minibatch(n["A"], n["m"], "token_mean")
+
+    def skyrl_loss(rng):
+        return skyrl.compute_policy_loss_clip_cov(n["lp"], n["old"], adv, alg, loss_mask=n["m"], rng=rng)
+
+    cut_count = min(clip_num, int(candidates.sum()))
+    for seed in range(3):
+        _, metrics = skyrl_loss(np.random.default_rng(seed))
+        close(metrics["clip_ratio"] * count, cut_count, what="SkyRL cuts min(clip_num, #candidates)")
+    if clip_ratio == 0.5:
+        assert 0 < candidates.sum() <= clip_num, "every candidate is cut: deterministic"
+    else:
+        assert clip_num < candidates.sum(), "fewer cuts than candidates: the pick is random"
+
+    got = run(CorrectionConfig(objective=Objective("clip_cov", clip_cov_ratio=clip_ratio, clip_cov_low=low,
+                                                   clip_cov_high=high)))
+    cut = (n["m"] > 0) & (got.per_token == 0)
+    assert cut.sum() == cut_count
+    close(got.metrics["actor/pg_clipfrac"], cut_count / count, what="Tether's cut fraction")
+    assert not (cut & ~candidates).any(), "Tether cuts only SkyRL's candidates"
+    if clip_ratio == 0.5:
+        np.testing.assert_array_equal(cut, candidates)
+        close(got.loss, skyrl_loss(None)[0], what="loss, every candidate cut")
+    want, _ = skyrl_loss(_Ordered(np.argwhere(candidates), cut))
+    close(got.loss, want, what="loss with the same tokens cut")
+    # the division by N matters: SkyRL's window taken as Tether's own selects other tokens
+    assert not np.array_equal(_skyrl_clip_cov_candidates(n, low, high), candidates)
+
+
+@pytest.mark.parametrize("frac,coef", [(0.2, 1.0), (0.1, 0.5), (0.35, 2.0)])
+def test_skyrl_kl_cov_coef_is_tethers_divided_by_n(frac, coef):
+    """docs: SkyRL's ``kl_cov: {kl_cov_frac, ppo_kl_coef}`` is ``Objective("kl_cov", kl_cov_ratio=kl_cov_frac,
+    kl_cov_coef=N * ppo_kl_coef)``. The choice is the top-k covariance (deterministic in both): compare the loss."""
+    n = data().n
+    count = n["m"].sum()
+    assert (count * frac) % 1 > 0.05  # int() and float32 floor agree
+    adv = skyrl.apply_loss_reduction_to_advantages_minibatch(n["A"], n["m"], "token_mean")
+    want, _ = skyrl.compute_policy_loss_kl_cov(n["lp"], n["old"], adv, dict(kl_cov=dict(kl_cov_frac=frac,
+                                                                                        ppo_kl_coef=coef)),
+                                               loss_mask=n["m"])
+    got = run(CorrectionConfig(objective=Objective("kl_cov", kl_cov_ratio=frac, kl_cov_coef=count * coef)))
+    close(got.loss, want)
+    close(got.metrics["actor/pg_clipfrac"], int(count * frac) / count, what="penalised fraction")
+    plain = run(CorrectionConfig(objective=Objective("kl_cov", kl_cov_ratio=frac, kl_cov_coef=coef)))
+    assert not math.isclose(plain.loss, want, rel_tol=1e-3)
+
+
+# slime ``tis_batch_normalize`` (docs: ``importance.batch_normalize=True``) is not tested here: the slime port
+# (tests/reference_ports/slime.py, compute_mis_weights) has no batch-normalisation option.
+
+def _areal_rows():
+    tok, geo = ImportanceWeights("token", high=None), ImportanceWeights("geometric", high=None)
+    e = math.exp
+    rows = {
+        # name: (AReaL rejection_sampling kwargs, Tether config as the docs row writes it)
+        "ratio/token/mask": (dict(metric="ratio", level="token", action="mask", lower=0.5, upper=2.0),
+                             CorrectionConfig(importance=tok, rejection=(RejectionRule("token_k1", 0.5, 2.0),))),
+        "ratio/token/mask=overflow_mask": (
+            dict(metric="ratio", level="token", action="mask", lower=0.5, upper=2.0),
+            CorrectionConfig(importance=ImportanceWeights("token", low=0.5, high=2.0, overflow="mask"))),
+        "ratio/token/mask/no_lower=overflow_mask": (
+            dict(metric="ratio", level="token", action="mask", upper=2.0),
+            CorrectionConfig(importance=ImportanceWeights("token", low=0.0, high=2.0, overflow="mask"))),
+        "ratio/token/clamp": (dict(metric="ratio", level="token", action="clamp", lower=0.5, upper=2.0),
+                              CorrectionConfig(importance=ImportanceWeights("token", low=0.5, high=2.0))),
+        "kl_k1/token/clamp/no_lower": (dict(metric="kl_k1", level="token", action="clamp", upper=1.5),
+                                       CorrectionConfig(importance=ImportanceWeights("token", low=0.0, high=1.5))),
+        "kl_k2/token/clamp": (dict(metric="kl_k2", level="token", action="clamp", lower=0.7, upper=1.5),
+                              CorrectionConfig(importance=ImportanceWeights("token", low=0.7, high=1.5))),
+        "ratio/sequence/mean/mask": (
+            dict(metric="ratio", level="sequence", agg="mean", action="mask", lower=0.99, upper=1.01),
+            CorrectionConfig(importance=geo, rejection=(RejectionRule("seq_mean_k1", 0.99, 1.01),))),
+        "ratio/sequence/sum/mask": (
+            dict(metric="ratio", level="sequence", agg="sum", action="mask", lower=0.5, upper=2.0),
+            CorrectionConfig(importance=geo, rejection=(RejectionRule("seq_sum_k1", 0.5, 2.0),))),
+        "ratio/sequence/max/mask": (
+            dict(metric="ratio", level="sequence", agg="max", action="mask", upper=2.0),
+            CorrectionConfig(importance=geo, rejection=(RejectionRule("outlier", high=2.0),))),
+        "ratio/sequence/mean/clamp": (
+            dict(metric="ratio", level="sequence", agg="mean", action="clamp", lower=0.99, upper=1.01),
+            CorrectionConfig(importance=ImportanceWeights("geometric", low=0.99, high=1.01))),
+        "ratio/sequence/mean/clamp/no_lower": (
+            dict(metric="ratio", level="sequence", agg="mean", action="clamp", upper=1.01),
+            CorrectionConfig(importance=ImportanceWeights("geometric", low=0.0, high=1.01))),
+        "kl_k1/token/mask": (dict(metric="kl_k1", level="token", action="mask", lower=-0.5, upper=0.5),
+                             CorrectionConfig(importance=tok,
+                                              rejection=(RejectionRule("token_k1", e(-0.5), e(0.5)),))),
+        "kl_k1/sequence/mean/mask": (
+            dict(metric="kl_k1", level="sequence", agg="mean", action="mask", lower=-0.01, upper=0.01),
+            CorrectionConfig(importance=tok, rejection=(RejectionRule("seq_mean_k1", e(-0.01), e(0.01)),))),
+        "kl_k1/sequence/sum/mask": (
+            dict(metric="kl_k1", level="sequence", agg="sum", action="mask", lower=-0.7, upper=0.7),
+            CorrectionConfig(importance=tok, rejection=(RejectionRule("seq_sum_k1", e(-0.7), e(0.7)),))),
+        "kl_k1/sequence/max/mask": (
+            dict(metric="kl_k1", level="sequence", agg="max", action="mask", upper=0.7),
+            CorrectionConfig(importance=tok, rejection=(RejectionRule("outlier", high=e(0.7)),))),
+        "kl_k2/token/mask": (dict(metric="kl_k2", level="token", action="mask", upper=0.03),
+                             CorrectionConfig(importance=tok, rejection=(RejectionRule("token_k2", high=0.03),))),
+        "kl_k2/sequence/sum/mask": (
+            dict(metric="kl_k2", level="sequence", agg="sum", action="mask", upper=0.5),
+            CorrectionConfig(importance=tok, rejection=(RejectionRule("seq_sum_k2", high=0.5),))),
+        "kl_k2/sequence/mean/mask": (
+            dict(metric="kl_k2", level="sequence", agg="mean", action="mask", upper=0.01),
+            CorrectionConfig(importance=tok, rejection=(RejectionRule("seq_mean_k2", high=0.01),))),
+        "kl_k2/sequence/max/mask": (
+            dict(metric="kl_k2", level="sequence", agg="max", action="mask", upper=0.2),
+            CorrectionConfig(importance=tok, rejection=(RejectionRule("seq_max_k2", high=0.2),))),
+    }
+    return rows
+
+
+AREAL_RS_ROWS = _areal_rows()
+
+
+def _nudged(kwargs, sign):
+    """The same AReaL bounds moved by a small relative step (outward for sign=+1)."""
+    out = dict(kwargs)
+    for key, direction in (("lower", -1), ("upper", 1)):
+        if out.get(key) is not None:
+            out[key] = out[key] + sign * direction * 1e-4 * max(abs(out[key]), 1e-2)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(AREAL_RS_ROWS))
+def test_areal_rejection_sampling_rows(name):
+    """Each ``rejection_sampling`` row of the AReaL table: AReaL's (prox, old) are Tether's (proximal, rollout);
+    loss (original count), weights and, for rejection configs, the final mask equal AReaL's
+    ``ppo_actor_loss_fn`` with ``apply_rejection_sampling``."""
+    kwargs, config = AREAL_RS_ROWS[name]
+    n = data().n
+    valid = n["m"] > 0
+    mask, bw, _ = areal.apply_rejection_sampling(n["old"], n["roll"], n["m"], **kwargs)
+    for sign in (1, -1):  # every statistic sits clearly on one side of the bounds (float32 and float64 agree)
+        nudged, _, _ = areal.apply_rejection_sampling(n["old"], n["roll"], n["m"], **_nudged(kwargs, sign))
+        np.testing.assert_array_equal(nudged, mask)
+    want, stat = areal.ppo_actor_loss_fn_rs(n["lp"], n["old"], n["roll"], n["A"], 0.2, n["m"],
+                                            rejection_sampling=kwargs)
+    close(stat["behave_imp_weight"], bw)
+    got = run(config)
+    if kwargs["action"] == "mask":
+        assert 0 < mask.sum() < valid.sum(), "the row rejects some tokens on this batch"
+    else:
+        raw = np.exp((n["old"] - n["roll"]) if kwargs["level"] == "token" else
+                     np.broadcast_to(((n["old"] - n["roll"]) * n["m"]).sum(-1, keepdims=True)
+                                     / n["m"].sum(-1, keepdims=True), valid.shape))
+        assert (valid & ~np.isclose(bw, raw)).any(), "the clamp changes some weights on this batch"
+        np.testing.assert_array_equal(mask, valid)
+    if config.rejection:
+        same_mask(got.mask, mask)
+        close(got.weights, bw, where=mask, what="weights on kept tokens")
+    else:  # no rule: AReaL's rejected tokens are Tether's zero weights (overflow="mask") in the same loss
+        same_mask(got.mask, valid)
+        close(got.weights, bw, where=valid, what="weights (0 where AReaL rejects)")
+    close(got.per_token, stat["loss"], where=mask, what="per-token loss on kept tokens")
+    close(got.loss, want, what="loss over the original count")
