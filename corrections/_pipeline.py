@@ -277,26 +277,25 @@ def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
     >>> float(metrics_from_row_stats(both, cfg)["rollout_corr/rollout_is_max"])
     2.0
     """
-    stats = row_stats
     metrics = {}
-    kept, valid = jnp.sum(stats["kept"]), jnp.sum(stats["valid"])
-    if "mismatch" in stats:
-        metrics.update(_diagnostics.mismatch_from_rows(stats["mismatch"]))
-        metrics.update(_diagnostics.weight_from_rows(stats["weights"]))
-        for label, rule_stats in zip(_rule_labels(config), stats["rules"]):
+    kept, valid = jnp.sum(row_stats["kept"]), jnp.sum(row_stats["valid"])
+    if "mismatch" in row_stats:
+        metrics.update(_diagnostics.mismatch_from_rows(row_stats["mismatch"]))
+        metrics.update(_diagnostics.weight_from_rows(row_stats["weights"]))
+        for label, rule_stats in zip(_rule_labels(config), row_stats["rules"]):
             metrics.update(_diagnostics.rejection_from_rows(f"rollout_rs_{label}", rule_stats))
-        metrics.update(_diagnostics.rejection_from_rows("rollout_rs", stats["rejection"]))
-    for name, sums in stats["aux"].items():
+        metrics.update(_diagnostics.rejection_from_rows("rollout_rs", row_stats["rejection"]))
+    for name, sums in row_stats["aux"].items():
         metrics[f"actor/{name}"] = jnp.sum(sums) / jnp.maximum(kept, 1.0)
-    if "kl_loss" in stats:
-        metrics["actor/kl_loss"] = jnp.sum(stats["kl_loss"]) / jnp.maximum(kept, 1.0)
-    if "entropy" in stats:
-        metrics["actor/entropy"] = jnp.sum(stats["entropy"]) / jnp.maximum(valid, 1.0)
+    if "kl_loss" in row_stats:
+        metrics["actor/kl_loss"] = jnp.sum(row_stats["kl_loss"]) / jnp.maximum(kept, 1.0)
+    if "entropy" in row_stats:
+        metrics["actor/entropy"] = jnp.sum(row_stats["entropy"]) / jnp.maximum(valid, 1.0)
     metrics[PREFIX + "valid_tokens"] = valid
     metrics[PREFIX + "kept_tokens"] = kept
     metrics[PREFIX + "all_rejected"] = ((valid > 0) & (kept == 0)).astype(jnp.float32)
-    if "staleness" in stats:
-        metrics.update(_diagnostics.staleness_from_rows(stats["staleness"]))
+    if "staleness" in row_stats:
+        metrics.update(_diagnostics.staleness_from_rows(row_stats["staleness"]))
     return {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
 
 

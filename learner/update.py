@@ -229,7 +229,7 @@ def whole_batch_weight_scale(batch: RolloutBatch, proximal, config: UpdateConfig
     importance = corrections_config.importance
     if importance is None or not importance.batch_normalize or corrections_config.mode != "decoupled":
         return None
-    weights_only = dataclasses.replace(corrections_config, kl_coef=0.0, entropy_coef=0.0)  # no ref / entropy needed
+    weights_only = corrections_config.replace(kl_coef=0.0, entropy_coef=0.0)  # needs no ref logprobs or entropy
     return corrections.compute(proximal, batch.advantages, batch.loss_mask, weights_only, proximal_logprobs=proximal,
                                rollout_logprobs=batch.rollout_logprobs,
                                rows_per_chunk=config.rows_per_chunk).weight_scale
