@@ -5,10 +5,9 @@ RAW: ``log_softmax`` of the untouched model logits on both sides. PROCESSED: of 
 each rollout batch echoes.
 """
 
-import numpy as np
 from rollout_client.sampling_params import LogprobMode
 
-from learner.sampler_replay import SamplerParams, truncates
+from learner.sampler_replay import SamplerParams, transforms
 
 
 def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode | str) -> LogprobMode:
@@ -40,9 +39,8 @@ def replay_params(learner_mode: LogprobMode | str, batch) -> SamplerParams | Non
     mode = check_logprob_mode(learner_mode, batch.logprob_mode)
     if mode == LogprobMode.RAW:
         return None
-    untransformed = np.all(np.asarray(batch.temperature) == 1.0) and not truncates(batch.top_k, batch.top_p,
-                                                                                   batch.min_p)
-    return None if untransformed else SamplerParams.from_batch(batch)
+    transformed = transforms(batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    return SamplerParams.from_batch(batch) if transformed else None
 
 
 def _mode(side: str, mode: LogprobMode | str) -> LogprobMode:

@@ -62,6 +62,15 @@ def truncates(top_k, top_p, min_p) -> bool:
     return bool(np.any(np.asarray(top_k) > 0) or np.any(np.asarray(top_p) < 1) or np.any(np.asarray(min_p) > 0))
 
 
+def transforms(temperature, top_k, top_p, min_p) -> bool:
+    """Whether any row's sampler differs from the plain softmax: a temperature other than 1, or truncation.
+
+    >>> transforms(1.0, 0, 1.0, 0.0), transforms(np.array([1.0, 0.7]), 0, 1.0, 0.0)
+    (False, True)
+    """
+    return bool(np.any(np.asarray(temperature) != 1)) or truncates(top_k, top_p, min_p)
+
+
 def replayed_thresholds(scaled: jax.Array, log_normalizer: jax.Array, sampling: SamplerParams) -> jax.Array:
     """Kept-set thresholds ``[B, C]`` of scaled logits ``[B, C, V]`` (no gradient).
 

@@ -68,7 +68,7 @@ from learner.progress import ProgressBar, summary_table
 from learner.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.run_config import RunConfig, load_config, to_dict
 from learner.safetensors_io import config_from_hf, load_safetensors
-from learner.sampler_replay import SamplerParams, truncates
+from learner.sampler_replay import SamplerParams, transforms, truncates
 from learner.server_process import ServerProcess
 from learner.sharding import batch_sharding, make_mesh
 from learner.tasks import batch_rewards, get_task, prompt_example
@@ -409,10 +409,10 @@ def _empty_payload(trainer: Trainer):
     dtypes = (np.int32, np.int32, bool, np.float32, np.float32, np.float32, np.int32)
     rollout, sampling, truncation = trainer.config.rollout, None, None
     rows = SamplerParams(*(np.zeros(trainer.rows, t) for t in (np.float32, np.int32, np.float32, np.float32)))
-    truncated = truncates(rollout.top_k, rollout.top_p, rollout.min_p)
-    if rollout.logprob_mode == "processed" and (truncated or rollout.temperature != 1):
+    if rollout.logprob_mode == "processed" and transforms(rollout.temperature, rollout.top_k, rollout.top_p,
+                                                          rollout.min_p):
         sampling = rows  # process 0's batch carries [rows] sampling params to replay
-    if rollout.logprob_mode == "raw" and truncated:
+    if rollout.logprob_mode == "raw" and truncates(rollout.top_k, rollout.top_p, rollout.min_p):
         truncation = rows  # and its truncation-bias diagnostic
     return (RolloutBatch(*(np.zeros(shape, dtype) for dtype in dtypes), sampling=sampling),
             np.zeros(trainer.rows, np.float32), np.int32(0), truncation)
