@@ -1,4 +1,4 @@
-"""The rollout batch the update step trains on: right-padded ``[B, T]`` arrays, aligned with the scored token.
+"""The batch the update step trains on (`TrainBatch`): right-padded ``[B, T]`` arrays, aligned with the scored token.
 
 Column ``t`` of every per-token field describes token ``tokens[:, t]``: ``rollout_logprobs[:, t]`` is the
 logprob the server sampled it with, ``loss_mask[:, t]`` says whether it is trained on (completion tokens: 1;
@@ -20,8 +20,8 @@ from learner.sampler_replay import SamplerParams
 
 
 @struct.dataclass
-class RolloutBatch:
-    """One rollout batch; every field but ``sampling`` is ``[B, T]`` (host NumPy or device arrays)."""
+class TrainBatch:
+    """One batch to train on (rollouts, or demonstrations in the warm-up); every field but ``sampling`` is ``[B, T]`` (host NumPy or device arrays)."""
 
     tokens: jax.Array  # int32 token ids, prompt then completion, right-padded.
     positions: jax.Array  # int32 RoPE positions, usually arange(T) per row.

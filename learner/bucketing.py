@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ def bucket_length(length: int, config: BucketConfig) -> int:
     return bucket
 
 
-def pad_batch(batch: RolloutBatch, config: BucketConfig, row_multiple: int = 1) -> RolloutBatch:
+def pad_batch(batch: TrainBatch, config: BucketConfig, row_multiple: int = 1) -> TrainBatch:
     """Cuts ``batch`` to its longest real row, then pads T to its bucket and B to a multiple of ``row_multiple``.
 
     Args:
@@ -72,13 +72,13 @@ def pad_batch(batch: RolloutBatch, config: BucketConfig, row_multiple: int = 1) 
         row_multiple: rows are padded with fully masked rows to a multiple of this.
 
     Returns:
-        A `RolloutBatch` of NumPy arrays ``[B', T']`` (``sampling``: ``[B']``); the original rows and columns
+        A `TrainBatch` of NumPy arrays ``[B', T']`` (``sampling``: ``[B']``); the original rows and columns
         first, padding zero (neutral sampling parameters).
 
     Example:
         >>> tokens = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0]])
         >>> zeros = np.zeros_like(tokens)
-        >>> batch = RolloutBatch(tokens, zeros, tokens > 0, zeros, zeros, zeros, zeros)
+        >>> batch = TrainBatch(tokens, zeros, tokens > 0, zeros, zeros, zeros, zeros)
         >>> pad_batch(batch, BucketConfig(min_length=4), row_multiple=4).tokens.tolist()
         [[1, 2, 3, 0], [4, 5, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     """

@@ -29,7 +29,7 @@ def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode
 
 
 def replay_params(learner_mode: LogprobMode | str, batch) -> SamplerParams | None:
-    """What to pass as ``sampling=`` to `learner.logprobs.token_logprobs` for a `RolloutBatch`.
+    """What to pass as ``sampling=`` to `learner.logprobs.token_logprobs` for a collated `rollout_client.RolloutBatch`.
 
     The batch's mode is checked against the learner's; PROCESSED gives the batch's sampling parameters, RAW gives
     None (plain ``log_softmax`` at temperature 1, as the server's RAW logprobs are). So does a PROCESSED batch

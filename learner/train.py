@@ -54,7 +54,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.bucketing import BucketConfig, pad_batch
 from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
 from learner.data import prompt_dataset, prompt_iterator
@@ -175,7 +175,7 @@ def assemble_batch(groups, task, num_samples: int, rows: int, length: int, logpr
     advantages = np.asarray(corrections.grpo_advantages(rewards, num_samples), np.float32)
     width = collated.tokens.shape[1]
     lengths = collated.prompt_lengths + collated.completion_lengths
-    batch = RolloutBatch(
+    batch = TrainBatch(
         tokens=collated.tokens, positions=np.broadcast_to(np.arange(width, dtype=np.int32), collated.tokens.shape),
         attention_mask=np.arange(width) < lengths[:, None], loss_mask=collated.loss_mask,
         advantages=advantages[:, None] * collated.loss_mask, rollout_logprobs=collated.rollout_logprobs,
@@ -197,7 +197,7 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
         tokens[row, :len(prompt) + len(completion)] = np.concatenate([prompt, completion])
         loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0
     zeros = np.zeros_like(loss_mask)
-    batch = RolloutBatch(tokens=tokens, positions=np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
+    batch = TrainBatch(tokens=tokens, positions=np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
                          attention_mask=tokens != task.tokenizer.pad_id, loss_mask=loss_mask, advantages=zeros,
                          rollout_logprobs=zeros, policy_version=np.zeros_like(tokens))
     return pad_batch(batch, BucketConfig(min_length=length, max_length=length), row_multiple=row_multiple)
@@ -257,13 +257,13 @@ class Trainer:
     def policy_version(self) -> int:
         return int(self.state.policy_version)
 
-    def device_batch(self, batch: RolloutBatch) -> RolloutBatch:
+    def device_batch(self, batch: TrainBatch) -> TrainBatch:
         """Host batch (the same on every process) -> global arrays sharded over the batch axes."""
         sharding = batch_sharding(self.mesh)
         return jax.tree.map(
             lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]), batch)
 
-    def train(self, batch: RolloutBatch, truncation: SamplerParams | None = None
+    def train(self, batch: TrainBatch, truncation: SamplerParams | None = None
               ) -> tuple[dict[str, float], np.ndarray]:
         """One RL update on a host batch; returns the mean metrics and the proximal logprobs (for the log).
 
@@ -414,7 +414,7 @@ def _empty_payload(trainer: Trainer):
         sampling = rows  # process 0's batch carries [rows] sampling params to replay
     if rollout.logprob_mode == "raw" and truncates(rollout.top_k, rollout.top_p, rollout.min_p):
         truncation = rows  # and its truncation-bias diagnostic
-    return (RolloutBatch(*(np.zeros(shape, dtype) for dtype in dtypes), sampling=sampling),
+    return (TrainBatch(*(np.zeros(shape, dtype) for dtype in dtypes), sampling=sampling),
             np.zeros(trainer.rows, np.float32), np.int32(0), truncation)
 
 

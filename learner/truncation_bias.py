@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.logprobs import map_token_chunks
 from learner.sampler_replay import SamplerParams
 from learner.sampler_replay import replayed_token_stats
@@ -40,7 +40,7 @@ def truncation_bias_metrics(log_mass: jax.Array, loss_mask: jax.Array) -> dict[s
             "sampler/log_kept_mass_min": jnp.min(jnp.where(valid, log_mass, 0.0))}
 
 
-def batch_truncation_bias(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, *,
+def batch_truncation_bias(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, *,
                           chunk_size: int = 512) -> dict[str, jax.Array]:
     """`truncation_bias_metrics` of a rollout batch sampled with ``batch.sampling`` and scored RAW (one forward)."""
     model = nnx.merge(graphdef, params)

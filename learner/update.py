@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.logprobs import token_logprobs
 from learner.optimizer import skipped_updates
 from learner.sharding import BATCH_AXES, batch_sharding
@@ -97,14 +97,14 @@ def _constrain_rows(tree, mesh: Mesh | None, leading: int):
     return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(*(None,) * leading, BATCH_AXES)))
 
 
-def _check_sampling(batch: RolloutBatch, config: UpdateConfig) -> None:
+def _check_sampling(batch: TrainBatch, config: UpdateConfig) -> None:
     """One source of temperature: the batch's per-row sampling params, or ``config.temperature``, never both."""
     if batch.sampling is not None and config.temperature != 1.0:
         raise ValueError(f"UpdateConfig.temperature={config.temperature} with a batch that has sampling params: "
                          "each row's own temperature is replayed, so leave UpdateConfig.temperature at 1.0.")
 
 
-def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, config: UpdateConfig,
+def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
                      return_entropy: bool = False):
     """`learner.logprobs.token_logprobs` of ``batch``'s rows under ``params``: their sampling params replayed, or
     at ``config.temperature`` when the batch has none."""
@@ -113,7 +113,7 @@ def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBa
                           return_entropy=return_entropy, sampling=batch.sampling)
 
 
-def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: RolloutBatch, config: UpdateConfig,
+def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
                        mesh: Mesh | None = None) -> jax.Array:
     """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient.
 
@@ -121,7 +121,7 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Rollout
         >>> from learner.model import Transformer, model_config
         >>> graphdef, params = nnx.split(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)))
         >>> tokens = jnp.ones((2, 4), jnp.int32)
-        >>> batch = RolloutBatch(tokens, jnp.broadcast_to(jnp.arange(4), (2, 4)), tokens > 0, *(tokens,) * 4)
+        >>> batch = TrainBatch(tokens, jnp.broadcast_to(jnp.arange(4), (2, 4)), tokens > 0, *(tokens,) * 4)
         >>> recompute_logprobs(graphdef, params, batch, UpdateConfig(num_microbatches=2)).shape
         (2, 4)
     """
@@ -217,7 +217,7 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
 
-def whole_batch_weight_scale(batch: RolloutBatch, proximal, config: UpdateConfig):
+def whole_batch_weight_scale(batch: TrainBatch, proximal, config: UpdateConfig):
     """Batch normalisation's divisor over the whole rollout batch (verl's: the weights' mean over every row of the
     training step), or None where each micro-batch must use its own.
 
@@ -235,7 +235,7 @@ def whole_batch_weight_scale(batch: RolloutBatch, proximal, config: UpdateConfig
                                rows_per_chunk=config.rows_per_chunk).weight_scale
 
 
-def update_step(state: TrainState, batch: RolloutBatch, ref_params: nnx.State | None = None, *,
+def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | None = None, *,
                 graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
                 mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, dict, jax.Array | None]:
     """The whole update for one rollout batch (un-jitted; see `make_update_fn`).

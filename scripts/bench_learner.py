@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import corrections
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.model import ModelConfig, count_params, model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
 from learner.sampler_replay import SamplerParams
@@ -65,12 +65,12 @@ def update_flops(config: ModelConfig, batch: int, length: int) -> float:
     return 8 * matmul_params * batch * length + 4 * attention
 
 
-def synthetic_batch(config: ModelConfig, batch: int, length: int) -> RolloutBatch:
+def synthetic_batch(config: ModelConfig, batch: int, length: int) -> TrainBatch:
     """Full-length rows: a prompt half and a trained completion half."""
     rng = np.random.default_rng(0)
     shape = (batch, length)
     loss_mask = np.broadcast_to(np.arange(length) >= length // 2, shape).astype(np.float32)
-    return RolloutBatch(tokens=rng.integers(0, config.vocab_size, shape).astype(np.int32),
+    return TrainBatch(tokens=rng.integers(0, config.vocab_size, shape).astype(np.int32),
                         positions=np.broadcast_to(np.arange(length, dtype=np.int32), shape),
                         attention_mask=np.ones(shape, bool), loss_mask=loss_mask,
                         advantages=np.broadcast_to(rng.normal(size=(batch, 1)), shape).astype(np.float32),
@@ -84,7 +84,7 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def logprob_pass_seconds(graphdef, params, batch: RolloutBatch, update_config: UpdateConfig, mesh,
+def logprob_pass_seconds(graphdef, params, batch: TrainBatch, update_config: UpdateConfig, mesh,
                          repeats: int) -> tuple[float, float]:
     """Median seconds of the update's logprob pass without and with sampler replay (see the module docstring)."""
     rows = batch.tokens.shape[0]

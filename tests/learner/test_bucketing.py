@@ -5,15 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.bucketing import BucketConfig, bucket_length, pad_batch
 
 
-def _random_batch(rng: np.random.Generator, rows: int, columns: int) -> RolloutBatch:
+def _random_batch(rng: np.random.Generator, rows: int, columns: int) -> TrainBatch:
     lengths = rng.integers(1, columns + 1, rows)
     real = np.arange(columns)[None, :] < lengths[:, None]
     values = lambda dtype: np.where(real, rng.normal(size=(rows, columns)), 0).astype(dtype)  # noqa: E731
-    return RolloutBatch(tokens=np.where(real, rng.integers(1, 100, (rows, columns)), 0).astype(np.int32),
+    return TrainBatch(tokens=np.where(real, rng.integers(1, 100, (rows, columns)), 0).astype(np.int32),
                         positions=np.broadcast_to(np.arange(columns, dtype=np.int32), (rows, columns)),
                         attention_mask=real, loss_mask=real.astype(np.float32), advantages=values(np.float32),
                         rollout_logprobs=values(np.float32), policy_version=np.ones((rows, columns), np.int32))

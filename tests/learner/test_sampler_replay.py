@@ -15,7 +15,7 @@ from flax import nnx
 from hypothesis import given, settings
 
 from corrections import CorrectionConfig, ImportanceWeights, mismatch_metrics
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.logprob_mode import check_logprob_mode, replay_params
 from learner.logprobs import logprobs_from_hidden, token_logprobs
 from learner.model import Transformer, model_config
@@ -251,7 +251,7 @@ def test_update_step_replays_the_servers_processed_logprobs(server_client):
     collated = rollouts(server_client, LogprobMode.PROCESSED, temperatures=(0.8, 1.0))
     shape = collated.tokens.shape
     lengths = collated.prompt_lengths + collated.completion_lengths
-    batch = RolloutBatch(tokens=collated.tokens, positions=np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape),
+    batch = TrainBatch(tokens=collated.tokens, positions=np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape),
                          attention_mask=np.arange(shape[1]) < lengths[:, None], loss_mask=collated.loss_mask,
                          advantages=collated.loss_mask * np.array([[1.0], [-1.0], [0.5], [-0.5]], np.float32),
                          rollout_logprobs=collated.rollout_logprobs, policy_version=collated.policy_versions,

@@ -12,7 +12,7 @@ import corrections
 from corrections import CorrectionConfig, ImportanceWeights, grpo_advantages
 from flax import nnx
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.bucketing import BucketConfig, pad_batch
 from learner.logprobs import token_logprobs
 from learner.model import model_config
@@ -136,14 +136,14 @@ BANDIT_ARMS = 12  # one prompt, 12 distinct one-token completions, the first hal
 BANDIT_PROMPT = np.array([5, 9, 2, 7])
 
 
-def _bandit_batch(advantages: np.ndarray, rollout_logprob: float) -> RolloutBatch:
+def _bandit_batch(advantages: np.ndarray, rollout_logprob: float) -> TrainBatch:
     """Rows ``prompt + arm``; padded with fully masked rows to 16 (2 mini-batches x 2 micro-batches x 4)."""
     arms = 10 + np.arange(BANDIT_ARMS)
     tokens = np.concatenate([np.tile(BANDIT_PROMPT, (BANDIT_ARMS, 1)), arms[:, None]], axis=1)
     length = tokens.shape[1]
     loss_mask = np.zeros(tokens.shape, np.float32)
     loss_mask[:, -1] = 1.0
-    batch = RolloutBatch(tokens=tokens.astype(np.int32),
+    batch = TrainBatch(tokens=tokens.astype(np.int32),
                          positions=np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
                          attention_mask=np.ones(tokens.shape, bool), loss_mask=loss_mask,
                          advantages=np.broadcast_to(advantages[:, None], tokens.shape).astype(np.float32),
@@ -230,7 +230,7 @@ SAMPLING = SamplerParams(temperature=np.linspace(0.6, 1.4, ROWS).astype(np.float
 SINGLE_DEVICE = dict(data=1, fsdp=1, tensor=1)
 
 
-def _sampled_batch() -> RolloutBatch:
+def _sampled_batch() -> TrainBatch:
     return update_problem.rollout_batch().replace(sampling=SAMPLING)
 
 

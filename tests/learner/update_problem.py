@@ -13,7 +13,7 @@ from flax import nnx
 from corrections import CorrectionConfig, ImportanceWeights
 from jax.experimental import multihost_utils
 
-from learner.batch import RolloutBatch
+from learner.batch import TrainBatch
 from learner.model import model_config
 from learner.sharding import batch_sharding
 from learner.train_state import create_sharded_train_state
@@ -27,7 +27,7 @@ OPTIMIZER = optax.sgd(1.0)
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def rollout_batch() -> RolloutBatch:
+def rollout_batch() -> TrainBatch:
     """The fixed host batch (last row fully masked)."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(PROMPT + 2, LENGTH + 1, ROWS)
@@ -38,7 +38,7 @@ def rollout_batch() -> RolloutBatch:
     loss_mask = real & (np.arange(LENGTH)[None, :] >= PROMPT)
     advantages = np.broadcast_to(rng.normal(size=(ROWS, 1)), (ROWS, LENGTH))
     rollout_logprobs = np.where(loss_mask, -rng.uniform(3.0, 6.0, (ROWS, LENGTH)), np.nan)
-    return RolloutBatch(tokens=tokens.astype(np.int32),
+    return TrainBatch(tokens=tokens.astype(np.int32),
                         positions=np.broadcast_to(np.arange(LENGTH, dtype=np.int32), (ROWS, LENGTH)),
                         attention_mask=real, loss_mask=loss_mask.astype(np.float32),
                         advantages=advantages.astype(np.float32),
@@ -55,7 +55,7 @@ def update_config(num_microbatches: int, corrections: CorrectionConfig = CORRECT
                         logprob_chunk_size=8, rows_per_chunk=0)
 
 
-def global_batch(batch: RolloutBatch, mesh) -> RolloutBatch:
+def global_batch(batch: TrainBatch, mesh) -> TrainBatch:
     """Each process contributes the rows on its own devices (`jax.make_array_from_process_local_data`)."""
     sharding = batch_sharding(mesh)
     indices = sharding.addressable_devices_indices_map(batch.tokens.shape).values()
@@ -65,7 +65,7 @@ def global_batch(batch: RolloutBatch, mesh) -> RolloutBatch:
                                                                          x.shape), batch)
 
 
-def run_update(mesh, num_microbatches: int = 1, batch: RolloutBatch | None = None,
+def run_update(mesh, num_microbatches: int = 1, batch: TrainBatch | None = None,
                corrections: CorrectionConfig = CORRECTIONS):
     """One update call on ``mesh`` (of `rollout_batch` by default); returns host ``(params_before, params_after,
     metrics)`` as pure dicts."""
