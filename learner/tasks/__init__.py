@@ -1,21 +1,78 @@
-"""Verifiable tasks for RL: prompts, exact-match rewards and demonstrations, on one character tokenizer.
+"""Tasks: the prompts an RL run samples from and the rewards of the completions, behind one small protocol.
 
-Implement ``TextTask`` (two methods) or the ``Task`` protocol, then ``register_task`` it.
+A `Task` is a tokenizer (the `Tokenizer` protocol), random-access prompt records (``prompts()``) and a reward
+function (``rewards(rows, completions)``). The loop loads it from the run config with `load_task`:
+``task.name`` is a registered name (`task_names`: the digit tasks, `register_task` adds more) or an import path
+``"package.module:attribute"``, and ``task.args`` are the keyword arguments of that class or factory. The loop
+shuffles, batches and checkpoints its position in ``prompts()``, so a task knows nothing of epochs or processes.
+A task that also has ``noisy_demonstration`` (`Demonstrations`) can feed the supervised warm-up.
+
+A task is any class with these members; no base class is needed. Copy a digit string:
+
+>>> import numpy as np
+>>> from learner.tasks import CharTokenizer, Task
+>>> class Copy:
+...     name, tokenizer = "copy", CharTokenizer()
+...     def __init__(self, n=1000, digits=4, seed=0):
+...         self.max_prompt_tokens = self.max_completion_tokens = digits + 1  # digits, then sep / eos
+...         rng = np.random.default_rng(seed)
+...         self.answers = [self.tokenizer.encode("".join(rng.choice(list("0123456789"), digits)))
+...                         for _ in range(n)]
+...     def prompts(self):  # "prompt_ids" (int32, unpadded) and what the reward needs
+...         return [{"prompt_ids": np.append(a, self.tokenizer.sep_id), "answer_ids": a} for a in self.answers]
+...     def rewards(self, rows, completions):  # 1 for exactly the digits, then eos
+...         return np.array([np.array_equal(c, np.append(row["answer_ids"], self.tokenizer.eos_ids[0]))
+...                          for row, c in zip(rows, completions)], np.float32)
+>>> task = Copy(n=3)
+>>> isinstance(task, Task), len(task.prompts())
+(True, 3)
+>>> row = task.prompts()[0]
+>>> task.rewards([row, row], [np.append(row["answer_ids"], 2), row["answer_ids"]])  # with eos; truncated
+array([1., 0.], dtype=float32)
+
+Saved as ``my_tasks.py`` on the Python path, it is the run config's ``task.name = "my_tasks:Copy"`` with
+``task.args = {n = 5000}``. For question/answer text on the character tokenizer, subclass `TextTask` instead:
+two methods (a random question, its answer) give prompts, exact-match rewards and demonstrations.
 """
 
-from learner.tasks._base import Task
-from learner.tasks._base import TextTask
 from learner.tasks._digit_tasks import Addition
 from learner.tasks._digit_tasks import ReverseDigits
 from learner.tasks._digit_tasks import SortDigits
 from learner.tasks._prompts import batch_rewards
 from learner.tasks._prompts import prompt_example
+from learner.tasks._protocols import Demonstrations
+from learner.tasks._protocols import Task
+from learner.tasks._protocols import Tokenizer
 from learner.tasks._registry import get_task
+from learner.tasks._registry import load_task
 from learner.tasks._registry import register_task
 from learner.tasks._registry import task_names
+from learner.tasks._text_task import TextTask
 from learner.tasks._tokenizer import BOS_ID
 from learner.tasks._tokenizer import EOS_ID
 from learner.tasks._tokenizer import PAD_ID
 from learner.tasks._tokenizer import SEP_ID
 from learner.tasks._tokenizer import TOKENIZER
 from learner.tasks._tokenizer import CharTokenizer
+
+__all__ = (
+    "Addition",
+    "BOS_ID",
+    "CharTokenizer",
+    "Demonstrations",
+    "EOS_ID",
+    "PAD_ID",
+    "ReverseDigits",
+    "SEP_ID",
+    "SortDigits",
+    "TOKENIZER",
+    "Task",
+    "TextTask",
+    "Tokenizer",
+    "batch_rewards",
+    "get_task",
+    "load_task",
+    "prompt_example",
+    "register_task",
+    "task_names",
+)

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from learner.tasks._base import TextTask
+from learner.tasks._text_task import TextTask
 
 
 @dataclasses.dataclass(frozen=True)

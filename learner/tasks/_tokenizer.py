@@ -28,6 +28,8 @@ class CharTokenizer:
     [21, 22, 15, 27]
     >>> tokenizer.decode(tokenizer.encode("12+7"))
     '12+7'
+    >>> tokenizer.eos_ids
+    (2,)
     """
 
     pad_id: int = PAD_ID
@@ -35,6 +37,11 @@ class CharTokenizer:
     eos_id: int = EOS_ID
     sep_id: int = SEP_ID
     vocab_size: int = _LAST_CHAR + _CHAR_OFFSET + 1
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The stop ids (the `Tokenizer` protocol's): eos alone."""
+        return (self.eos_id,)
 
     def encode(self, text: str) -> np.ndarray:
         """int32 ids of ``text``; raises ValueError on characters outside printable ASCII."""

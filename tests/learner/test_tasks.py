@@ -1,4 +1,8 @@
-"""Tasks: exact-match rewards on hand cases, tokenizer round trip, per-seed determinism, demonstrations score 1."""
+"""Tasks: exact-match rewards on hand cases, tokenizer round trip, per-seed determinism, demonstrations score 1;
+loading by name or import path, with args, and every loading error."""
+
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -12,10 +16,14 @@ from learner.tasks import (
     PAD_ID,
     TOKENIZER,
     Addition,
+    Demonstrations,
+    SortDigits,
     Task,
     TextTask,
+    Tokenizer,
     batch_rewards,
     get_task,
+    load_task,
     prompt_example,
     register_task,
     task_names,
@@ -133,8 +141,8 @@ def test_noisy_demonstrations(name):
     assert 0.0 < mean_reward < 0.6
 
 
-def test_a_user_task_in_a_few_lines(monkeypatch):
-    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))  # keep the global registry as it was
+def test_a_registered_user_task_in_a_few_lines(monkeypatch):
+    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))  # keep the global registry as it was
 
     class Parity(TextTask):
         name, max_question_chars, max_answer_chars = "test_parity", 4, 1
@@ -145,11 +153,142 @@ def test_a_user_task_in_a_few_lines(monkeypatch):
         def solve(self, question):
             return str(question.count("1") % 2)
 
-    register_task(Parity())
-    task = get_task("test_parity")
-    assert isinstance(task, Task)
+    register_task("test_parity", Parity)
+    task = load_task("test_parity", {"num_prompts": 10})
+    assert isinstance(task, Task) and isinstance(task, Demonstrations) and len(task.prompts()) == 10
     prompt, answer = task.make_prompt(np.random.default_rng(0))
     assert task.reward(prompt, _completion(answer, EOS_ID)) == 1.0
     assert task.reward(prompt, _completion(str(1 - int(answer)), EOS_ID)) == 0.0
     with pytest.raises(ValueError, match="already registered"):
-        register_task(Parity())
+        register_task("test_parity", Parity)
+    with pytest.raises(ValueError, match="':' marks an import path"):
+        register_task("my:parity", Parity)
+
+
+USER_TASKS = """
+    import numpy as np
+    from learner.tasks import CharTokenizer
+
+    class Copy:
+        name, tokenizer = "copy", CharTokenizer()
+        max_prompt_tokens = max_completion_tokens = 4
+
+        def __init__(self, n):
+            self.n = n
+
+        def prompts(self):
+            return [{"prompt_ids": self.tokenizer.encode(f"{i:03d}"), "answer": f"{i:03d}"} for i in range(self.n)]
+
+        def rewards(self, rows, completions):
+            targets = [np.append(self.tokenizer.encode(row["answer"]), self.tokenizer.eos_ids) for row in rows]
+            return np.array([np.array_equal(c, t) for c, t in zip(completions, targets)], np.float32)
+
+    COPY_3 = Copy(3)
+
+    class NoRewards(Copy):
+        rewards = None  # not callable: as good as missing
+
+    class NoEosIds:
+        vocab_size, pad_id = 10, 0
+        def encode(self, text): return np.zeros(len(text), np.int32)
+        def decode(self, ids): return ""
+
+    class BadTokenizer(Copy):
+        tokenizer = NoEosIds()
+
+    def no_prompts():
+        class Incomplete:
+            name, tokenizer, max_prompt_tokens, max_completion_tokens = "t", CharTokenizer(), 1, 1
+            def rewards(self, rows, completions): return np.zeros(len(rows), np.float32)
+        return Incomplete()
+"""
+
+
+@pytest.fixture
+def user_tasks(tmp_path, monkeypatch):
+    """A module ``user_tasks`` on ``sys.path``, written by a user who does not touch learner.tasks."""
+    (tmp_path / "user_tasks.py").write_text(textwrap.dedent(USER_TASKS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_tasks", raising=False)
+
+
+def test_user_task_loads_from_an_import_path_with_args(user_tasks):
+    task = load_task("user_tasks:Copy", {"n": 5})
+    assert type(task).__name__ == "Copy" and task.n == 5 and isinstance(task, Task)
+    assert not isinstance(task, Demonstrations)
+    rows = task.prompts()
+    assert len(rows) == 5
+    np.testing.assert_array_equal(rows[3]["prompt_ids"], TOKENIZER.encode("003"))
+    completions = [_completion("000", EOS_ID), _completion("001", EOS_ID), _completion("002"), _completion("1", EOS_ID)]
+    np.testing.assert_array_equal(task.rewards(rows[:4], completions), [1.0, 1.0, 0.0, 0.0])
+
+
+def test_user_task_instance_loads_without_args(user_tasks):
+    task = load_task("user_tasks:COPY_3")
+    assert task is sys.modules["user_tasks"].COPY_3 and len(task.prompts()) == 3
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("user_tasks:Nope", None, "task.name='user_tasks:Nope': module 'user_tasks' has no attribute 'Nope'"),
+    ("no_such_module:Copy", None, "task.name='no_such_module:Copy': No module named 'no_such_module'"),
+    ("foo", None, "task.name='foo': unknown task; registered: addition_1digit, addition_2digit, reverse_digits, "
+                  "sort_digits (or give an import path 'package.module:attribute')"),
+    ("user_tasks:Copy", {"n": 5, "m": 1}, "task.args: Copy() got an unexpected keyword argument 'm'"),
+    ("user_tasks:Copy", None, "task.args: Copy() missing a required argument: 'n'"),
+    ("sort_digits", {"digits": 3}, "task.args: sort_digits() got an unexpected keyword argument 'digits'"),
+    ("user_tasks:COPY_3", {"n": 5}, "task.args: 'user_tasks:COPY_3' is a task instance, which takes no args; "
+                                    "got ['n']"),
+    ("user_tasks:NoRewards", {"n": 5}, "task.name='user_tasks:NoRewards': NoRewards is not a Task: it lacks rewards"),
+    ("user_tasks:BadTokenizer", {"n": 5},
+     "task.name='user_tasks:BadTokenizer': BadTokenizer is not a Task: it lacks tokenizer.eos_ids"),
+    ("user_tasks:no_prompts", None, "task.name='user_tasks:no_prompts': Incomplete is not a Task: it lacks prompts"),
+    ("user_tasks:np", None, "task.name='user_tasks:np': module is not a Task: it lacks name, tokenizer, "
+                            "max_prompt_tokens, max_completion_tokens, prompts, rewards"),
+])
+def test_load_task_errors_name_the_config_key(user_tasks, name, args, message):
+    with pytest.raises(ValueError) as error:
+        load_task(name, args)
+    assert str(error.value) == message
+
+
+def test_registered_digit_tasks_take_args():
+    task = load_task("sort_digits", {"num_prompts": 10, "seed": 3})
+    assert task == SortDigits(num_prompts=10, seed=3) and len(task.prompts()) == 10
+    assert load_task("addition_2digit", {"seed": 5}) == Addition(digits=2, seed=5)
+    for i in (0, 9, -1):
+        example = prompt_example(task, 3, range(10)[i])
+        np.testing.assert_array_equal(task.prompts()[i]["prompt_ids"],
+                                      example["prompt_ids"][: example["prompt_length"]])
+    with pytest.raises(IndexError):
+        task.prompts()[10]
+
+
+def test_default_prompts_are_todays_stream():
+    task = load_task("addition_1digit")
+    assert task == get_task("addition_1digit") == Addition(digits=1, num_prompts=4096, seed=0)
+    rows = task.prompts()
+    assert len(rows) == 4096
+    assert [TOKENIZER.decode(rows[i]["prompt_ids"][1:-1]) for i in range(4)] == ["8+6", "5+8", "9+0", "5+8"]
+    assert [rows[i]["answer"] for i in range(4)] == ["14", "13", "9", "13"]
+    for i in range(50):
+        example = prompt_example(task, 0, i)
+        assert rows[i]["prompt_ids"].dtype == np.int32
+        np.testing.assert_array_equal(rows[i]["prompt_ids"], example["prompt_ids"][: example["prompt_length"]])
+
+
+@pytest.mark.parametrize("name", task_names())
+def test_rewards_are_the_per_row_reward(name):
+    task = load_task(name)
+    rng = np.random.default_rng(1)
+    rows = [task.prompts()[i] for i in range(100)]
+    completions = [task.noisy_demonstration(row["prompt_ids"], rng, noise=0.3) for row in rows]
+    completions[0] = completions[0][:-1]  # truncated: no eos
+    rewards = task.rewards(rows, completions)
+    assert rewards.dtype == np.float32 and rewards.shape == (100,) and 0 < rewards.sum() < 100 and rewards[0] == 0
+    np.testing.assert_array_equal(rewards, [task.reward(row["prompt_ids"], c) for row, c in zip(rows, completions)])
+    with pytest.raises(ValueError, match="2 prompt records but 1 completions"):
+        task.rewards(rows[:2], completions[:1])
+
+
+def test_char_tokenizer_is_a_tokenizer():
+    assert isinstance(TOKENIZER, Tokenizer) and TOKENIZER.eos_ids == (EOS_ID,)

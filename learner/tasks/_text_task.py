@@ -1,4 +1,4 @@
-"""The task interface: prompts from a random generator, a verifiable reward, and demonstrations for a warm-up.
+"""Question/answer tasks on the character tokenizer, from two methods: a random question and its answer.
 
 A prompt is ``[bos] + question + [sep]``; a correct completion is ``answer + [eos]``. ``reward`` re-derives the
 answer from the prompt ids alone, so scoring a rollout needs nothing but the tokens the server returned.
@@ -7,60 +7,42 @@ answer from the prompt ids alone, so scoring a rollout needs nothing but the tok
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Protocol, runtime_checkable
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
+from learner.tasks._prompts import PromptRecords
 from learner.tasks._tokenizer import TOKENIZER, CharTokenizer
 
 
-@runtime_checkable
-class Task(Protocol):
-    """What the training loop needs from a task; ``TextTask`` implements it from two short methods."""
-
-    name: str
-    tokenizer: CharTokenizer
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """Length of the longest prompt (bos, question, separator)."""
-
-    @property
-    def max_completion_tokens(self) -> int:
-        """Length of the longest correct completion (answer, eos)."""
-
-    def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, str]:
-        """A new prompt: its int32 ids and the answer as text."""
-
-    def reward(self, prompt_ids, completion_ids) -> float:
-        """The reward of a completion (ids as sampled, possibly without eos) for a prompt."""
-
-    def demonstration(self, prompt_ids) -> np.ndarray:
-        """A correct completion's int32 ids, eos included: reward 1."""
-
-    def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float) -> np.ndarray:
-        """A demonstration whose answer characters are each replaced with probability ``noise``."""
-
-
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TextTask(abc.ABC):
-    """A task given as text: subclasses set the class attributes and implement ``make_question`` and ``solve``.
+    """A `Task` (and `Demonstrations`) given as text: subclasses set the class attributes and implement
+    ``make_question`` and ``solve``.
 
-    Reward: 1.0 when the completion up to its first eos is exactly the answer, else 0.0 (no partial credit: a
-    completion without eos, e.g. truncated at the length limit, scores 0; so does any extra character before
-    eos). Tokens after the first eos are ignored (servers stop there; the rest is padding).
+    Prompts: record ``i`` is ``make_prompt`` with the generator ``np.random.default_rng((seed, i))``, for
+    ``i < num_prompts``. Reward: 1.0 when the completion up to its first eos is exactly the answer, else 0.0 (no
+    partial credit: a completion without eos, e.g. truncated at the length limit, scores 0; so does any extra
+    character before eos). Tokens after the first eos are ignored (servers stop there; the rest is padding).
+    Subclasses that are dataclasses must be frozen, like this one.
 
     >>> import numpy as np
     >>> class Double(TextTask):
     ...     name, max_question_chars, max_answer_chars = "double", 1, 2
     ...     def make_question(self, rng): return str(rng.integers(10))
     ...     def solve(self, question): return str(2 * int(question))
-    >>> task = Double()
-    >>> prompt, answer = task.make_prompt(np.random.default_rng(0))
-    >>> task.tokenizer.decode(prompt[1:-1]), answer
+    >>> task = Double(num_prompts=100)
+    >>> row = task.prompts()[0]
+    >>> task.tokenizer.decode(row["prompt_ids"][1:-1]), row["answer"]
     ('8', '16')
-    >>> task.reward(prompt, task.demonstration(prompt)), task.reward(prompt, task.tokenizer.encode("16"))
-    (1.0, 0.0)
+    >>> task.rewards([row, row], [task.demonstration(row["prompt_ids"]), task.tokenizer.encode("16")])
+    array([1., 0.], dtype=float32)
     """
+
+    num_prompts: int = 4096  # prompt records.
+    seed: int = 0  # the prompt stream: the same seed gives the same records.
 
     name: ClassVar[str]
     max_question_chars: ClassVar[int]
@@ -85,10 +67,15 @@ class TextTask(abc.ABC):
         return self.max_answer_chars + 1
 
     def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+        """A new prompt: its int32 ids and the answer as text."""
         question = self.make_question(rng)
         tok = self.tokenizer
         prompt = np.concatenate([[tok.bos_id], tok.encode(question), [tok.sep_id]]).astype(np.int32)
         return prompt, self.solve(question)
+
+    def prompts(self) -> PromptRecords:
+        """``{"prompt_ids", "answer"}`` records, computed when read (see the class docstring)."""
+        return PromptRecords(self, self.seed, self.num_prompts)
 
     def answer_ids(self, prompt_ids) -> np.ndarray:
         """The int32 ids of the answer to a prompt (``[bos] + question + [sep]``, right padding allowed)."""
@@ -100,16 +87,25 @@ class TextTask(abc.ABC):
         return self.tokenizer.encode(self.solve(question))
 
     def reward(self, prompt_ids, completion_ids) -> float:
+        """The reward of one completion (ids as sampled, possibly without eos) for a prompt."""
         completion_ids = np.asarray(completion_ids)
         eos = np.flatnonzero(completion_ids == self.tokenizer.eos_id)
         if eos.size == 0:
             return 0.0
         return float(np.array_equal(completion_ids[: eos[0]], self.answer_ids(prompt_ids)))
 
+    def rewards(self, rows: Sequence[Mapping[str, Any]], completions: Sequence) -> np.ndarray:
+        """float32 ``[n]``: ``reward`` of completion ``b`` for ``rows[b]["prompt_ids"]``."""
+        if len(rows) != len(completions):
+            raise ValueError(f"{len(rows)} prompt records but {len(completions)} completions")
+        return np.array([self.reward(row["prompt_ids"], c) for row, c in zip(rows, completions)], np.float32)
+
     def demonstration(self, prompt_ids) -> np.ndarray:
+        """A correct completion's int32 ids, eos included: reward 1."""
         return np.append(self.answer_ids(prompt_ids), self.tokenizer.eos_id).astype(np.int32)
 
     def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float) -> np.ndarray:
+        """A demonstration whose answer characters are each replaced with probability ``noise``."""
         completion = self.demonstration(prompt_ids)
         answer = completion[:-1]
         replace = rng.random(answer.shape) < noise
