@@ -21,12 +21,14 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from learner.param_paths import parameter_path
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 Rules = Sequence[tuple[str, P]]
 
-# Paths are "/"-joined parameter paths of learner.model.Transformer (see its module docstring).
+# Paths are learner.param_paths.parameter_path of learner.model.Transformer's parameters.
 DEFAULT_RULES: Rules = (
     (r"^embed/embedding$", P("tensor", "fsdp")),  # [V, D]
     (r"/attn/[qkv]_proj/kernel$", P("fsdp", "tensor", None)),  # [D, heads, Dh]
@@ -88,16 +90,6 @@ def partition_spec(path: str, shape: Sequence[int], mesh: Mesh, rules: Rules = D
     return P(*fitted)
 
 
-def _path_str(key_path) -> str:
-    parts = []
-    for key in key_path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-    return "/".join(parts)  # attribute keys (Variable.value) are not part of the parameter path
-
-
 def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
     """Tree of NamedShardings with the structure of ``state`` (an nnx.State or any pytree of arrays).
 
@@ -109,7 +101,7 @@ def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
         P('tensor', 'fsdp')
     """
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, partition_spec(_path_str(path), x.shape, mesh, rules)), state)
+        lambda path, x: NamedSharding(mesh, partition_spec(parameter_path(path), x.shape, mesh, rules)), state)
 
 
 def shard_state(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):

@@ -63,21 +63,20 @@ from learner.logprob_mode import check_logprob_mode, replay_params
 from learner.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
 from learner.model import Transformer, model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
+from learner.param_paths import parameter_names
 from learner.plots import plot_learning_curves
 from learner.progress import ProgressBar, summary_table
 from learner.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.run_config import RunConfig, load_config, to_dict
 from learner.safetensors_io import config_from_hf, load_safetensors
 from learner.sampler_replay import SamplerParams, transforms, truncates
-from learner.server_process import ServerProcess
 from learner.sharding import batch_sharding, make_mesh
 from learner.tasks import batch_rewards, get_task, prompt_example
 from learner.train_state import TrainState, create_sharded_train_state, train_state_shardings
 from learner.truncation_bias import batch_truncation_bias
 from learner.update import UpdateConfig, make_update_fn, recompute_logprobs
 from rollout_client import ClientConfig, LogprobMode, RolloutBuffer, RolloutClient, RolloutRequest, SamplingParams
-from rollout_client import collate
-from rollout_client.server.model_generator import parameter_names
+from rollout_client import EngineProcess, collate
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "learning_curves.png"
@@ -345,8 +344,9 @@ class Rollouts:
         self.server = None
         address = config.server.address
         if address is None:
-            self.server = ServerProcess(
-                ["--engine", "model", "--model-config", config.model.name, "--dtype", config.server.dtype,
+            self.server = EngineProcess(
+                "learner.serving",
+                ["--model-config", config.model.name, "--dtype", config.server.dtype,
                  "--eos-ids", str(trainer.task.tokenizer.eos_id), "--max-batch-size", str(config.server.max_batch_size),
                  "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
                  "--seed", str(config.loop.seed)],

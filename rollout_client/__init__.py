@@ -1,7 +1,8 @@
 """rollout_client: the rollout.v1 protocol, its client, batching and validation of rollouts.
 
-The reference inference server lives in `rollout_client.server`
-(``python -m rollout_client.server``).
+The reference inference server's shell lives in `rollout_client.server` (``python -m rollout_client.server`` serves
+the scripted engine; ``python -m learner.serving`` the learner's model). `EngineProcess` runs an engine's server as a
+child process. Nothing here imports flax or `learner`.
 """
 
 from rollout_client.batching import RolloutBatch
@@ -10,6 +11,7 @@ from rollout_client.buffer import RolloutBuffer
 from rollout_client.client import AsyncRolloutClient
 from rollout_client.client import ClientConfig
 from rollout_client.client import RolloutRequest
+from rollout_client.engine_process import EngineProcess
 from rollout_client.errors import InvalidRolloutError
 from rollout_client.errors import ProtocolError
 from rollout_client.errors import RolloutDeadlineError
@@ -27,6 +29,7 @@ from rollout_client.validation import ValidationConfig
 __all__ = [
     "AsyncRolloutClient",
     "ClientConfig",
+    "EngineProcess",
     "FinishReason",
     "InvalidRolloutError",
     "LogprobMode",

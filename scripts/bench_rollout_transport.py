@@ -128,10 +128,10 @@ def decode_tokens_per_second(batch_size: int = 16, steps: int = 8, calls: int = 
 
     from learner.model import Transformer
     from learner.model import model_config
+    from learner.serving import ModelGenerator
     from rollout_client.sampling_params import LogprobMode
     from rollout_client.server.generator import ResolvedSampling
     from rollout_client.server.generator import SequenceSpec
-    from rollout_client.server.model_generator import ModelGenerator
 
     generator = ModelGenerator(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)), max_batch_size=batch_size,
                                decode_steps_per_call=steps)

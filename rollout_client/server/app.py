@@ -50,7 +50,7 @@ async def serve(config: ServerConfig, generator: Generator,
     scheduler = Scheduler(generator, config.policy_version)
     interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    servicer = servicer_class(scheduler, generator.info, config.pause_wait_timeout_s)
+    servicer = servicer_class(scheduler, generator.info, config.pause_wait_timeout_s, generator.weight_readers)
     pb_grpc.add_RolloutServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -15,6 +15,8 @@ import numpy as np
 from rollout_client.protocol import pb
 from rollout_client.sampling_params import FinishReason
 from rollout_client.sampling_params import LogprobMode
+from rollout_client.server.weights_io import WeightReaders
+from rollout_client.server.weights_io import read_safetensors
 
 
 class PreconditionError(Exception):
@@ -112,6 +114,11 @@ class Generator(abc.ABC):
           (float32) in the sequence's logprob mode. The scheduler truncates at stop
           tokens and length limits, so a generator may overshoot.
         """
+
+    @property
+    def weight_readers(self) -> WeightReaders:
+        """The on-disk formats ``UpdateWeights(path)`` accepts for this engine, and how each is read."""
+        return {pb.WEIGHTS_FORMAT_SAFETENSORS: read_safetensors}
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:

@@ -20,6 +20,7 @@ from rollout_client.server.generator import SequenceOutput
 from rollout_client.server.generator import SequenceSpec
 from rollout_client.server.request_resolution import resolve_request
 from rollout_client.server.scheduler import Scheduler
+from rollout_client.server.weights_io import WeightReaders
 from rollout_client.server.weights_io import load_weights
 from rollout_client.weight_chunks import assemble_weights
 
@@ -32,12 +33,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
       info: the generator's `GeneratorInfo`.
       pause_wait_timeout_s: how long Pause(WAIT) waits for active requests to finish
         before it fails with DEADLINE_EXCEEDED (and generation continues unpaused).
+      weight_readers: the generator's `weight_readers`, for UpdateWeights from a path.
     """
 
-    def __init__(self, scheduler: Scheduler, info, pause_wait_timeout_s: float):
+    def __init__(self, scheduler: Scheduler, info, pause_wait_timeout_s: float, weight_readers: WeightReaders):
         self._scheduler = scheduler
         self._info = info
         self._pause_wait_timeout_s = pause_wait_timeout_s
+        self._weight_readers = weight_readers
         self._requests: dict[str, list[int]] = {}
         self._weights_lock = asyncio.Lock()
 
@@ -121,7 +124,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def UpdateWeights(self, request, context) -> pb.UpdateWeightsResponse:
         async def load():
-            return await asyncio.to_thread(load_weights, request.path, request.format)
+            return await asyncio.to_thread(load_weights, request.path, request.format, self._weight_readers)
 
         return await self._update(request.policy_version, load, context)
 

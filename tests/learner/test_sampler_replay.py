@@ -19,6 +19,7 @@ from learner.batch import TrainBatch
 from learner.logprob_mode import check_logprob_mode, replay_params
 from learner.logprobs import logprobs_from_hidden, token_logprobs
 from learner.model import Transformer, model_config
+from learner.param_paths import parameter_names
 from learner.sampler_replay import SamplerParams, replayed_thresholds, replayed_token_stats
 from learner.sampling_transform import descending, kept_threshold, processed_logprobs
 from learner.sharding import make_mesh
@@ -26,7 +27,6 @@ from learner.train_state import create_sharded_train_state
 from learner.truncation_bias import log_kept_mass, truncation_bias_metrics
 from learner.update import UpdateConfig, make_update_fn
 from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
-from rollout_client.server.model_generator import parameter_names
 from tests.learner.update_problem import FAST_COMPILE
 from tests.rollout_client.conftest import ServerProcess
 
@@ -180,7 +180,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def server_client(tmp_path_factory, model):
-    server = ServerProcess([sys.executable, "-m", "rollout_client.server", "--engine", "model", "--dtype", "float32",
+    server = ServerProcess([sys.executable, "-m", "learner.serving", "--dtype", "float32",
                             "--max-batch-size", "4", "--max-seq-len", "64"], tmp_path_factory.mktemp("replay"))
     client = RolloutClient(ClientConfig(target=server.target, ready_timeout_s=60))
     state = nnx.state(model)

@@ -4,16 +4,15 @@ Run as ``python -m tests.rollout_client.faulty_server --fault FAULT [server args
 """
 
 import argparse
-import asyncio
 
 import numpy as np
 
 from rollout_client.packed_arrays import LOGPROB_DTYPE
 from rollout_client.packed_arrays import TOKEN_ID_DTYPE
-from rollout_client.server.__main__ import config_from_args
-from rollout_client.server.__main__ import generator_from_args
-from rollout_client.server.__main__ import parse_args
-from rollout_client.server.app import serve
+from rollout_client.server.__main__ import add_scripted_arguments
+from rollout_client.server.__main__ import scripted_engine
+from rollout_client.server.cli import run
+from rollout_client.server.cli import server_parser
 from rollout_client.server.service import RolloutServicer
 
 FAULTS = ("nan_logprobs", "length_mismatch", "odd_byte_length", "out_of_vocab", "empty")
@@ -57,8 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", required=True, choices=FAULTS)
     known, rest = parser.parse_known_args()
-    args = parse_args(rest)
-    asyncio.run(serve(config_from_args(args), generator_from_args(args), faulty_servicer(known.fault)))
+    server = server_parser("python -m tests.rollout_client.faulty_server")
+    add_scripted_arguments(server)
+    run(server, {"scripted": scripted_engine}, rest, faulty_servicer(known.fault))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The model engine against the learner's own logprobs, as a real server process."""
+"""The model engine (``python -m learner.serving``) against the learner's own logprobs, as a real server process."""
 
 import signal
 import sys
@@ -13,6 +13,8 @@ from flax import nnx
 
 from learner.model import Transformer
 from learner.model import model_config
+from learner.param_paths import parameter_names
+from learner.sampling_transform import processed_logprobs
 from rollout_client import ClientConfig
 from rollout_client import LogprobMode
 from rollout_client import RolloutClient
@@ -20,8 +22,6 @@ from rollout_client import RolloutRequest
 from rollout_client import SamplingParams
 from rollout_client import collate
 from rollout_client.protocol import pb
-from rollout_client.server.model_generator import parameter_names
-from rollout_client.server.sampling import processed_logprobs
 from tests.rollout_client.conftest import ServerProcess
 
 PROMPTS = ([3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
@@ -42,7 +42,7 @@ def learner_weights(model) -> dict[str, np.ndarray]:
 
 
 def serve_learner_model(tmp_path_factory, learner_model, dtype):
-    server = ServerProcess([sys.executable, "-m", "rollout_client.server", "--engine", "model", "--dtype", dtype,
+    server = ServerProcess([sys.executable, "-m", "learner.serving", "--dtype", dtype,
                             "--max-batch-size", "4", "--max-seq-len", "64", "--decode-steps-per-call", "8",
                             "--eos-ids", *map(str, EOS_IDS)],
                            tmp_path_factory.mktemp(f"model-{dtype}"))

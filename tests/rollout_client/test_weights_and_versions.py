@@ -81,3 +81,11 @@ def test_update_from_missing_path_names_the_field(client):
         client.publish_weights(2, path="/nonexistent/weights.safetensors")
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("path:")
+
+
+def test_update_in_a_format_the_engine_cannot_read_is_invalid_argument(client, tmp_path):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        client.publish_weights(2, path=str(tmp_path), weights_format=pb.WEIGHTS_FORMAT_ORBAX)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == ("format: this engine reads WEIGHTS_FORMAT_SAFETENSORS, "
+                                      "got WEIGHTS_FORMAT_ORBAX")

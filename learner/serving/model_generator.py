@@ -8,13 +8,13 @@ effect at that granularity). The token at position x of sample i is drawn with
 key ``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
 sequences share the batch. Weights are received in the learner's parameter dtype
 and cast to the serving dtype; kept sequences keep their cached keys and values
-across a weight update.
+across a weight update. Besides safetensors files, UpdateWeights(path) reads the
+learner's orbax checkpoints (`read_orbax`).
 """
 
 import dataclasses
 import functools
 import hashlib
-import pathlib
 from collections.abc import Mapping
 
 import jax
@@ -24,21 +24,16 @@ from flax import nnx
 
 from learner.model import Transformer
 from learner.model import cast_model
-from learner.model import model_config
+from learner.param_paths import parameter_names
+from learner.serving.orbax_weights import read_orbax
+from learner.serving.sampling import sample_token
+from rollout_client.protocol import pb
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.server.generator import Generator
 from rollout_client.server.generator import GeneratorInfo
 from rollout_client.server.generator import SequenceSpec
 from rollout_client.server.generator import check_weights_match
-from rollout_client.server.sampling import sample_token
-from rollout_client.server.weights_io import load_weights
-
-
-def parameter_names(state) -> tuple[list[str], jax.tree_util.PyTreeDef]:
-    """Parameter paths joined by "/" (as in learner/model.py), in leaf order, and the tree structure."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    names = [jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value") for path, _ in leaves]
-    return names, treedef
+from rollout_client.server.weights_io import WeightReaders
 
 
 def sample_key(seed: int, sample_index: int) -> np.ndarray:
@@ -98,20 +93,13 @@ class ModelGenerator(Generator):
         self._prefill = jax.jit(functools.partial(_prefill, self._graphdef), donate_argnums=(1, 2))
         self._decode = jax.jit(functools.partial(_decode, self._graphdef, self._steps), donate_argnums=(1, 2))
 
-    @classmethod
-    def from_args(cls, args) -> "ModelGenerator":
-        """Built from the server's command line (random weights unless --weights)."""
-        model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
-        generator = cls(model, dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                        decode_steps_per_call=args.decode_steps_per_call, eos_token_ids=tuple(args.eos_ids or ()))
-        if args.weights:
-            weights_format = 1 if pathlib.Path(args.weights).suffix == ".safetensors" else 2
-            generator.load_weights(load_weights(args.weights, weights_format))
-        return generator
-
     @property
     def info(self) -> GeneratorInfo:
         return self._info
+
+    @property
+    def weight_readers(self) -> WeightReaders:
+        return {**super().weight_readers, pb.WEIGHTS_FORMAT_ORBAX: read_orbax}
 
     def add(self, sequence_id: int, spec: SequenceSpec) -> None:
         slot = int(np.flatnonzero(~self._active)[0])

@@ -1,0 +1,52 @@
+"""The reference server with the learner's model engine: ``python -m learner.serving --help``.
+
+The server shell (network, auth, TLS, drain, policy version) is `rollout_client.server.cli`'s; this entry point adds
+the model engine's arguments. Weights are random (from --seed) unless --weights names a safetensors file or an orbax
+checkpoint in the server's naming.
+"""
+
+import argparse
+import pathlib
+
+from flax import nnx
+
+from learner.model import Transformer
+from learner.model import model_config
+from learner.serving.model_generator import ModelGenerator
+from rollout_client.protocol import pb
+from rollout_client.server.cli import run
+from rollout_client.server.cli import server_parser
+from rollout_client.server.weights_io import load_weights
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model engine's own arguments."""
+    parser.add_argument("--model-config", default="tiny", help="name for learner.model.model_config")
+    parser.add_argument("--dtype", default="float32", help="compute dtype of the served model")
+    parser.add_argument("--weights", help="initial weights (safetensors file or orbax dir); default: random")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
+    parser.add_argument("--decode-steps-per-call", type=int, default=8,
+                        help="decode steps fused into one jitted call")
+
+
+def model_engine(args: argparse.Namespace) -> ModelGenerator:
+    """The model engine the arguments describe; without --eos-ids a request without stop tokens runs to its end."""
+    model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
+    generator = ModelGenerator(model, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                               max_seq_len=args.max_seq_len, decode_steps_per_call=args.decode_steps_per_call,
+                               eos_token_ids=tuple(args.eos_ids or ()))
+    if args.weights:
+        weights_format = (pb.WEIGHTS_FORMAT_SAFETENSORS if pathlib.Path(args.weights).suffix == ".safetensors"
+                          else pb.WEIGHTS_FORMAT_ORBAX)
+        generator.load_weights(load_weights(args.weights, weights_format, generator.weight_readers))
+    return generator
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = server_parser("python -m learner.serving", __doc__)
+    add_model_arguments(parser)
+    run(parser, {"model": model_engine}, argv)
+
+
+if __name__ == "__main__":
+    main()
