@@ -25,6 +25,8 @@ from corrections._masked import SAFETY
 from corrections._masked import masked_mean
 from corrections._masked import masked_sum
 from corrections._masked import safe_exp
+from corrections._objectives import OBJECTIVES
+from corrections._objectives import ObjectiveSpec
 from corrections._objectives import cispo_loss
 from corrections._objectives import clip_cov_loss
 from corrections._objectives import cross_entropy_loss
@@ -58,3 +60,62 @@ from corrections._weights import unbounded_ratios
 from corrections._verl import from_verl
 from corrections._verl import verl_importance
 from corrections._verl import verl_rejection_rules
+
+__all__ = (
+    "batch_normalize_weights",
+    "broadcast_to_tokens",
+    "check_batch",
+    "cispo_loss",
+    "clip_cov_loss",
+    "compute",
+    "config_from_dict",
+    "config_to_dict",
+    "Corrected",
+    "CorrectionConfig",
+    "cross_entropy_loss",
+    "divergence_mask",
+    "dr_grpo_advantages",
+    "effective_sample_size",
+    "from_verl",
+    "geometric_sequence_mask",
+    "geometric_sequence_weights",
+    "grpo_advantages",
+    "gspo_loss",
+    "icepop_weights",
+    "ImportanceWeights",
+    "kl_cov_loss",
+    "kl_penalty",
+    "loss_terms",
+    "masked_mean",
+    "masked_sum",
+    "metrics_from_row_stats",
+    "mismatch_metrics",
+    "Objective",
+    "OBJECTIVES",
+    "ObjectiveSpec",
+    "off_policy_is_weights",
+    "opsm_mask",
+    "outlier_sequence_mask",
+    "ppo_clip_loss",
+    "preset",
+    "PRESETS",
+    "product_sequence_mask",
+    "reduce_loss",
+    "reinforce_loss",
+    "reinforce_pp_advantages",
+    "rejection_metrics",
+    "RejectionRule",
+    "rloo_advantages",
+    "rollout_is_loss",
+    "safe_exp",
+    "SAFETY",
+    "sapo_loss",
+    "sequence_tis_weights",
+    "staleness_metrics",
+    "token_mask",
+    "token_tis_weights",
+    "unbounded_ratios",
+    "verl_importance",
+    "verl_rejection_rules",
+    "weight_metrics",
+)

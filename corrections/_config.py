@@ -11,8 +11,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from corrections._objectives import OBJECTIVES, ObjectiveSpec
+
 MODES = ("decoupled", "bypass")
-OBJECTIVES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "rollout_is", "clip_cov", "kl_cov", "cross_entropy")
 WEIGHT_LEVELS = ("token", "sequence", "geometric")
 WEIGHT_OVERFLOWS = ("truncate", "mask")
 K1_RULES = ("token_k1", "seq_sum_k1", "seq_mean_k1")
@@ -125,7 +126,7 @@ class Objective:
     ValueError: objective.dual_clip=0.5 must be > 1 (verl and SkyRL use 3.0).
     """
 
-    name: str = "ppo"  # one of OBJECTIVES.
+    name: str = "ppo"  # a key of corrections.OBJECTIVES.
     clip_low: float = 0.2  # ratio clip 1 - clip_low (PPO, GSPO, CISPO, rollout_is, clip-cov).
     clip_high: float = 0.2  # ratio clip 1 + clip_high (DAPO clip-higher: 0.28).
     dual_clip: float | None = None  # dual-clip constant c > 1 for negative advantages (verl/SkyRL: 3.0).
@@ -139,7 +140,7 @@ class Objective:
     kl_cov_coef: float = 1.0  # kl-cov: penalty coefficient.
 
     def __post_init__(self):
-        _choice("objective", "name", self.name, OBJECTIVES)
+        _choice("objective", "name", self.name, tuple(OBJECTIVES))
         for field in ("clip_low", "clip_high", "log_ratio_cap", "clip_cov_low", "kl_cov_coef"):
             _number("objective", field, getattr(self, field))
         for field in ("tau_pos", "tau_neg", "clip_cov_high"):
@@ -153,6 +154,11 @@ class Objective:
             _number("objective", "dual_clip", self.dual_clip)
             if self.dual_clip <= 1.0:
                 raise ValueError(f"objective.dual_clip={self.dual_clip} must be > 1 (verl and SkyRL use 3.0).")
+
+    @property
+    def spec(self) -> ObjectiveSpec:
+        """The registry entry of this objective: its loss and the inputs it reads."""
+        return OBJECTIVES[self.name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +206,7 @@ class CorrectionConfig:
     @property
     def needs_rollout_logprobs(self) -> bool:
         """Whether ``compute`` needs the rollout (behaviour) logprobs for this config."""
-        uses_rollout = self.objective.name == "rollout_is" or self.opsm_delta is not None
+        uses_rollout = self.objective.spec.reads_rollout or self.opsm_delta is not None
         return self.mode == "bypass" or self.importance is not None or bool(self.rejection) or uses_rollout
 
     def replace(self, **changes) -> "CorrectionConfig":

@@ -4,7 +4,14 @@ indicator or value whose masked mean the pipeline reports (``pg_clipfrac``, ``pp
 Elementwise objectives work on any shape; GSPO needs one sequence ([T]) and is vmapped; clip-cov and kl-cov
 select tokens across the whole batch ([B, T]). All log-ratios are clamped to [-20, 20] before ``exp``.
 Behaviour weights from ``corrections.token_tis_weights`` and friends multiply the returned loss.
+
+``OBJECTIVES`` registers each one under its ``Objective.name``: config validation, the pipeline's dispatch and
+its input checks all read it, so adding an objective is one entry there.
 """
+
+import dataclasses
+import types
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +194,50 @@ def kl_cov_loss(logprobs, old_logprobs, advantages, mask, kl_cov_ratio=2e-3, kl_
     chosen = _ranked_selection(_centered_covariance(adv, lp, valid), valid, count)
     loss = jnp.where(chosen, loss + kl_cov_coef * jnp.abs(lp - old), loss)
     return loss, {"pg_clipfrac": chosen.astype(jnp.float32), "ppo_kl": -log_ratio}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+    """One registered objective as the pipeline sees it: how to call its loss and which inputs it reads.
+
+    ``loss(objective, *, lp, old, roll, adv, mask, key)`` takes the ``Objective`` config (its constants) and the
+    cleaned float32 inputs: one sequence ([T], ``key`` None) or, if ``whole_batch``, the batch ([B, T]). It returns
+    ``(per-token loss, aux)`` like the functions above; ``aux`` names the objective's ``actor/...`` metrics.
+
+    >>> import corrections
+    >>> [name for name, spec in corrections.OBJECTIVES.items() if spec.whole_batch]
+    ['clip_cov', 'kl_cov']
+    >>> corrections.OBJECTIVES["rollout_is"].reads_rollout, corrections.OBJECTIVES["reinforce"].reads_proximal
+    (True, False)
+    """
+
+    loss: Callable[..., tuple[jax.Array, dict]]
+    reads_proximal: bool = False  # reads ``old``: decoupled mode then requires proximal_logprobs.
+    reads_rollout: bool = False  # reads ``roll``: rollout_logprobs are required in either mode.
+    whole_batch: bool = False  # selects tokens across the [B, T] batch: runs once, before the per-sequence pass.
+
+
+# Read-only; the order is the one error messages list the names in.
+OBJECTIVES: Mapping[str, ObjectiveSpec] = types.MappingProxyType({
+    "ppo": ObjectiveSpec(
+        lambda o, lp, old, adv, **_: ppo_clip_loss(lp, old, adv, o.clip_low, o.clip_high, o.dual_clip),
+        reads_proximal=True),
+    "gspo": ObjectiveSpec(
+        lambda o, lp, old, adv, mask, **_: gspo_loss(lp, old, adv, mask, o.clip_low, o.clip_high, o.log_ratio_cap),
+        reads_proximal=True),
+    "cispo": ObjectiveSpec(
+        lambda o, lp, old, adv, **_: cispo_loss(lp, old, adv, o.clip_low, o.clip_high), reads_proximal=True),
+    "sapo": ObjectiveSpec(
+        lambda o, lp, old, adv, **_: sapo_loss(lp, old, adv, o.tau_pos, o.tau_neg), reads_proximal=True),
+    "reinforce": ObjectiveSpec(lambda o, lp, adv, **_: reinforce_loss(lp, adv)),
+    "rollout_is": ObjectiveSpec(
+        lambda o, lp, roll, adv, **_: rollout_is_loss(lp, roll, adv, o.clip_low, o.clip_high), reads_rollout=True),
+    "clip_cov": ObjectiveSpec(
+        lambda o, lp, old, adv, mask, key, **_: clip_cov_loss(
+            lp, old, adv, mask, key, o.clip_low, o.clip_high, o.clip_cov_ratio, o.clip_cov_low, o.clip_cov_high),
+        reads_proximal=True, whole_batch=True),
+    "kl_cov": ObjectiveSpec(
+        lambda o, lp, old, adv, mask, **_: kl_cov_loss(lp, old, adv, mask, o.kl_cov_ratio, o.kl_cov_coef),
+        reads_proximal=True, whole_batch=True),
+    "cross_entropy": ObjectiveSpec(lambda o, lp, **_: cross_entropy_loss(lp)),
+})

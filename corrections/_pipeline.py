@@ -32,7 +32,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from corrections import _diagnostics, _objectives, _rejection, _weights
+from corrections import _diagnostics, _rejection, _weights
 from corrections._advantages import kl_penalty
 from corrections._config import CorrectionConfig
 from corrections._diagnostics import PREFIX
@@ -40,8 +40,6 @@ from corrections._masked import masked_count, masked_sum, safe_exp, zero_padding
 from corrections._reductions import divide_loss, loss_terms_from_rows
 
 sg = jax.lax.stop_gradient
-
-NEEDS_OLD = ("ppo", "gspo", "cispo", "sapo", "clip_cov", "kl_cov")
 
 
 class Corrected(NamedTuple):
@@ -96,7 +94,7 @@ def _check_inputs(config: CorrectionConfig, logprobs, mask, advantages, proximal
     if config.needs_rollout_logprobs and rollout is None:
         why = "bypass mode" if config.mode == "bypass" else "importance weights / rejection / rollout_is"
         raise ValueError(f"rollout_logprobs is required by {why}; pass the server's logprobs or drop that setting.")
-    if config.mode == "decoupled" and config.objective.name in NEEDS_OLD and proximal is None:
+    if config.mode == "decoupled" and config.objective.spec.reads_proximal and proximal is None:
         raise ValueError(
             f"proximal_logprobs is required by objective {config.objective.name!r} in decoupled mode; pass the "
             "recomputed logprobs, or use mode='bypass' (proximal := rollout)."
@@ -161,35 +159,7 @@ def _importance(log_ratio, keep, config: CorrectionConfig):
     return weights, _weights.unbounded_ratios(log_ratio, keep, spec.level)
 
 
-ROW_OBJECTIVES = ("ppo", "reinforce", "cispo", "sapo", "rollout_is", "cross_entropy", "gspo")
 CHUNK_ELEMENTS = {"cpu": 65536}  # tokens per chunk of the per-sequence pass, by backend (0: vmap everything)
-
-
-def _objective_loss(config: CorrectionConfig, lp, old, roll, adv, mask, key):
-    """The objective's (loss, aux) on one sequence ([T]) or, for clip-cov and kl-cov, on the whole batch."""
-    objective = config.objective
-    name = objective.name
-    if name == "ppo":
-        return _objectives.ppo_clip_loss(lp, old, adv, objective.clip_low, objective.clip_high, objective.dual_clip)
-    if name == "reinforce":
-        return _objectives.reinforce_loss(lp, adv)
-    if name == "cispo":
-        return _objectives.cispo_loss(lp, old, adv, objective.clip_low, objective.clip_high)
-    if name == "sapo":
-        return _objectives.sapo_loss(lp, old, adv, objective.tau_pos, objective.tau_neg)
-    if name == "rollout_is":
-        return _objectives.rollout_is_loss(lp, roll, adv, objective.clip_low, objective.clip_high)
-    if name == "cross_entropy":
-        return _objectives.cross_entropy_loss(lp)
-    if name == "gspo":
-        return _objectives.gspo_loss(lp, old, adv, mask, objective.clip_low, objective.clip_high,
-                                     objective.log_ratio_cap)
-    if name == "clip_cov":
-        return _objectives.clip_cov_loss(
-            lp, old, adv, mask, key, objective.clip_low, objective.clip_high,
-            objective.clip_cov_ratio, objective.clip_cov_low, objective.clip_cov_high,
-        )
-    return _objectives.kl_cov_loss(lp, old, adv, mask, objective.kl_cov_ratio, objective.kl_cov_coef)
 
 
 def _clean(arrays: dict, mask) -> dict:
@@ -225,7 +195,8 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     if "loss" in row:
         loss, aux = row["loss"], row["aux"]
     else:
-        loss, aux = _objective_loss(config, lp, old, roll, adv, valid, None)
+        loss, aux = config.objective.spec.loss(config.objective, lp=lp, old=old, roll=roll, adv=adv, mask=valid,
+                                               key=None)
     extra = []  # the KL and entropy terms, when configured
     if config.kl_coef > 0:
         kl = kl_penalty(lp, clean["ref"], config.kl_estimator)
@@ -360,12 +331,11 @@ def compute(
     old = roll if config.mode == "bypass" else proximal
     lag = None if policy_lag is None else jnp.asarray(policy_lag)
     rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy, "lag": lag}
-    if config.objective.name not in ROW_OBJECTIVES:
+    if config.objective.spec.whole_batch:
         key = jax.random.key(0) if key is None else key
         clean = _clean({"lp": lp, "old": old, "roll": roll, "adv": adv}, mask)
-        rows["loss"], rows["aux"] = _objective_loss(
-            config, clean["lp"], clean["old"], clean["roll"], clean["adv"], mask.astype(bool), key
-        )
+        rows["loss"], rows["aux"] = config.objective.spec.loss(config.objective, **clean, mask=mask.astype(bool),
+                                                               key=key)
     per_token, stats = _map_rows(functools.partial(_sequence_pass, config=config), rows, rows_per_chunk)
     row_sums, extra_sums = stats.pop("policy_loss_sum"), stats.pop("extra_loss_sum", None)
     weights, per_token_loss = per_token["weights"], per_token["policy_loss"]
