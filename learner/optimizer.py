@@ -48,9 +48,9 @@ class OptimizerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"OptimizerConfig.{name}={value!r} must be an int >= {minimum}.")
-        if self.warmup_steps > self.total_steps:
-            raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps} exceeds "
-                             f"total_steps={self.total_steps}; total_steps includes the warmup.")
+        if self.warmup_steps >= self.total_steps:
+            raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps} must be fewer than "
+                             f"total_steps={self.total_steps} (which include the warmup; optax needs decay steps).")
         if self.end_learning_rate > self.peak_learning_rate:
             raise ValueError(f"OptimizerConfig.end_learning_rate={self.end_learning_rate} exceeds "
                              f"peak_learning_rate={self.peak_learning_rate}.")

@@ -1,4 +1,8 @@
-"""rollout_client: the rollout.v1 protocol, its client, batching and validation of rollouts.
+"""rollout_client: the engine interface and its backends, the rollout.v1 protocol, its client, batching and
+validation of rollouts.
+
+`Engine` is what the learner talks to; each backend declares its `EngineCapabilities` and `check_capabilities`
+refuses a run it cannot honour. `TetherEngine` (rollout.v1) is the first backend.
 
 The reference inference server's shell lives in `rollout_client.server` (``python -m rollout_client.server`` serves
 the scripted engine; ``python -m learner.serving`` the learner's model). `EngineProcess` runs an engine's server as a
@@ -11,6 +15,14 @@ from rollout_client.buffer import RolloutBuffer
 from rollout_client.client import AsyncRolloutClient
 from rollout_client.client import ClientConfig
 from rollout_client.client import RolloutRequest
+from rollout_client.engine import Engine
+from rollout_client.engine import EngineCapabilities
+from rollout_client.engine import EngineCapabilityError
+from rollout_client.engine import EngineInfo
+from rollout_client.engine import EngineRequirements
+from rollout_client.engine import VersionReporting
+from rollout_client.engine import WeightTransport
+from rollout_client.engine import check_capabilities
 from rollout_client.engine_process import EngineProcess
 from rollout_client.errors import InvalidRolloutError
 from rollout_client.errors import ProtocolError
@@ -24,12 +36,18 @@ from rollout_client.sampling_params import PauseMode
 from rollout_client.sampling_params import SamplingParams
 from rollout_client.samples import Sample
 from rollout_client.sync_client import RolloutClient
+from rollout_client.tether_engine import TetherEngine
 from rollout_client.validation import ValidationConfig
 
 __all__ = [
     "AsyncRolloutClient",
     "ClientConfig",
+    "Engine",
+    "EngineCapabilities",
+    "EngineCapabilityError",
+    "EngineInfo",
     "EngineProcess",
+    "EngineRequirements",
     "FinishReason",
     "InvalidRolloutError",
     "LogprobMode",
@@ -45,6 +63,10 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "ServerNotReadyError",
+    "TetherEngine",
     "ValidationConfig",
+    "VersionReporting",
+    "WeightTransport",
+    "check_capabilities",
     "collate",
 ]

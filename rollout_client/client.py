@@ -10,6 +10,7 @@ fail at once.
 
 import asyncio
 import dataclasses
+import math
 import secrets
 import uuid
 from collections.abc import Mapping
@@ -56,6 +57,24 @@ class ClientConfig:
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     validation: ValidationConfig = ValidationConfig()
+
+    def __post_init__(self):
+        """Each error starts with the field's name.
+
+        >>> ClientConfig("127.0.0.1:1", deadline_base_s=0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: deadline_base_s=0.0: must be a finite number > 0
+        """
+        for name in ("ready_timeout_s", "deadline_base_s", "control_deadline_s", "initial_backoff_s",
+                     "max_backoff_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r}: must be a finite number > 0")
+        if not (math.isfinite(self.deadline_per_token_s) and self.deadline_per_token_s >= 0):
+            raise ValueError(f"deadline_per_token_s={self.deadline_per_token_s!r}: must be a finite number >= 0")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts={self.max_attempts!r}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ resolves and echoes back with every sample so the learner can replay it.
 
 import dataclasses
 import enum
+import math
 
 from rollout_client.protocol import pb
 
@@ -54,6 +55,26 @@ class SamplingParams:
     max_new_tokens: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
+
+    def __post_init__(self):
+        """Refuses values no sampler can honour; each error starts with the field's name.
+
+        >>> SamplingParams(min_p=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: min_p=1.0: must be in [0, 1) (1 keeps only the most likely token: use top_k=1)
+        """
+        checks = {
+            "temperature": (lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
+            "top_k": (lambda v: v >= 0, "must be >= 0 (0: off)"),
+            "top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1: off)"),
+            "min_p": (lambda v: 0 <= v < 1, "must be in [0, 1) (1 keeps only the most likely token: use top_k=1)"),
+            "max_new_tokens": (lambda v: v >= 1, "must be >= 1"),
+        }
+        for name, (valid, requirement) in checks.items():
+            value = getattr(self, name)
+            if value is not None and not valid(value):
+                raise ValueError(f"{name}={value!r}: {requirement}")
 
     def to_proto(self) -> pb.SamplingParams:
         """The wire message; unset fields stay unset."""

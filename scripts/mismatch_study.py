@@ -46,7 +46,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from learner.metrics_writers import read_metrics
-from learner.run_config import RunConfig, load_config
+from learner.rl import RunConfig, load_config
 
 # What every source sets (its own settings replace these), so a base config's choices cannot leak into a source.
 NO_MISMATCH = {"server.dtype": "float32", "rollout.max_staleness": 0, "rollout.fixed_staleness": True,
@@ -111,10 +111,11 @@ def warm_start(config: RunConfig, directory: pathlib.Path) -> pathlib.Path:
         return directory
     from flax import nnx
 
+    from learner.rl import Trainer
     from learner.safetensors_io import save_hf_checkpoint
-    from learner.train import Trainer
+    from learner.tasks import load_task
 
-    trainer = Trainer(config)
+    trainer = Trainer(config, load_task(config.task.name, config.task.args))
     trainer.load_hf_weights()
     losses = trainer.warm_up()
     print(f"warm start seed {config.loop.seed}: {len(losses)} steps, cross entropy {losses[0]:.3f} -> "
@@ -287,7 +288,7 @@ def main(argv=None) -> None:
     started = time.monotonic()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    loop = [f"loop.steps={args.steps}", f"loop.checkpoint_every={args.steps}", f"loop.plot_every={args.steps}"]
+    loop = [f"loop.steps={args.steps}", f"checkpoints.every={args.steps}", f"loop.plot_every={args.steps}"]
     base = load_config(args.config, [*args.set, *loop])
     warm = {seed: [] for seed in args.seeds}
     if base.warmup.steps:

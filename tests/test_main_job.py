@@ -12,8 +12,8 @@ from learner.checkpoints import CheckpointConfig, Checkpointer
 from learner.data import prompt_dataset
 from learner.metrics_writers import read_metrics
 from learner.rollout_log import RolloutLogReader
-from learner.run_config import load_config
-from learner.tasks import get_task, prompt_example
+from learner.rl import load_config
+from learner.tasks import load_task
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
@@ -43,11 +43,12 @@ def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240)
 def dataset_prompts(run_dir: pathlib.Path, *overrides: str) -> list[list[tuple[int, ...]]]:
     """Prompt batches of the run's data pipeline, in order: what step k must have trained on (batch k - 1)."""
     config = load_config(DEFAULT_CONFIG, [*SHORT, *overrides])
-    task = get_task(config.task.name)
-    dataset = prompt_dataset(np.arange(config.task.num_prompts), lambda i: prompt_example(task, config.task.seed, i),
+    task = load_task(config.task.name, config.task.args)
+    records = task.prompts()
+    dataset = prompt_dataset(np.arange(len(records)), lambda i: {"index": np.int64(i)},
                              global_batch_size=config.rollout.prompts_per_step, seed=config.task.seed,
                              process_index=0, process_count=1)
-    return [sorted(tuple(ids[:length]) for ids, length in zip(batch["prompt_ids"], batch["prompt_length"]))
+    return [sorted(tuple(records[int(i)]["prompt_ids"]) for i in batch["index"])
             for batch in (dataset[i] for i in range(config.loop.steps))]
 
 
@@ -90,7 +91,7 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
 
 def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    stdout = run_training(run_dir, "loop.steps=4", "loop.checkpoint_every=2")
+    stdout = run_training(run_dir, "loop.steps=4", "checkpoints.every=2")
     check_run(run_dir, 4, "loop.steps=4")
     assert any(line.startswith("| policy version learner / server") and "| 6 / 6 " in line
                for line in stdout.splitlines())

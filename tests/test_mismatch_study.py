@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from learner.metrics_writers import read_metrics
-from learner.run_config import load_config
+from learner.rl import load_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "mismatch_study.py"

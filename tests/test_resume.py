@@ -7,7 +7,7 @@ from learner.metrics_writers import read_metrics
 from tests.test_main_job import REPO_ROOT, check_run, run_training, train_command, train_env
 
 STEPS = 8
-OVERRIDES = (f"loop.steps={STEPS}", "loop.checkpoint_every=2")
+OVERRIDES = (f"loop.steps={STEPS}", "checkpoints.every=2")
 
 
 def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off(tmp_path):

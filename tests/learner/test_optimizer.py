@@ -44,7 +44,7 @@ def test_nonfinite_gradients_are_skipped_and_counted():
 @pytest.mark.parametrize("fields, message", [
     (dict(peak_learning_rate=-1.0), "peak_learning_rate"),
     (dict(b2=1.0), "b2"),
-    (dict(warmup_steps=20, total_steps=10), "exceeds total_steps"),
+    (dict(warmup_steps=10, total_steps=10), "must be fewer than total_steps"),
     (dict(end_learning_rate=1.0), "exceeds peak_learning_rate"),
     (dict(max_grad_norm=0.0), "max_grad_norm"),
     (dict(total_steps=1.5), "total_steps"),

@@ -62,12 +62,19 @@ def test_eos_ids_flag_sets_server_info_and_stops_generation(start_server):
     assert 7 not in sample.completion_token_ids[:-1]
 
 
+class _Unchecked(SamplingParams):
+    """Sent as given: SamplingParams refuses these values itself, but the server must refuse them too."""
+
+    def __post_init__(self):
+        pass
+
+
 @pytest.mark.parametrize("request_kwargs, field", [
     (dict(logprob_mode=0), "logprob_mode"),
     (dict(stream_chunk_tokens=10), "stream_chunk_tokens"),
     (dict(prompt_token_ids=[5, 5000]), "prompt_token_ids"),
-    (dict(sampling=SamplingParams(temperature=0.0)), "sampling.temperature"),
-    (dict(sampling=SamplingParams(top_p=1.5)), "sampling.top_p"),
+    (dict(sampling=_Unchecked(temperature=0.0)), "sampling.temperature"),
+    (dict(sampling=_Unchecked(top_p=1.5)), "sampling.top_p"),
 ])
 def test_invalid_request_is_invalid_argument_naming_the_field(client, request_kwargs, field):
     request = RolloutRequest(**{"prompt_token_ids": PROMPT, **request_kwargs})

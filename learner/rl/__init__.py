@@ -1,0 +1,54 @@
+"""The RL loop as a library: a `Run` with steps and hooks, over plug-in engines and tasks.
+
+    from learner.rl import Run, load_config
+
+    with Run(load_config("configs/default.toml", ["loop.steps=20"])) as run:
+        for record in run.steps():
+            print(record.step, record.metrics["reward/mean"])
+
+``python -m learner.train`` is the same loop from the command line.
+"""
+
+from learner.rl.batches import Payload
+from learner.rl.batches import PayloadSpec
+from learner.rl.batches import assemble_payload
+from learner.rl.batches import demonstration_batch
+from learner.rl.config import RunConfig
+from learner.rl.config import load_config
+from learner.rl.config import to_dict
+from learner.rl.hooks import AgreementHook
+from learner.rl.hooks import CheckpointHook
+from learner.rl.hooks import Hook
+from learner.rl.hooks import MetricsHook
+from learner.rl.hooks import PlotHook
+from learner.rl.hooks import ProgressHook
+from learner.rl.hooks import RolloutLogHook
+from learner.rl.hooks import SummaryHook
+from learner.rl.hooks import default_hooks
+from learner.rl.run import ResumeConfigError
+from learner.rl.run import Run
+from learner.rl.run import StepRecord
+from learner.rl.trainer import Trainer
+
+__all__ = [
+    "AgreementHook",
+    "CheckpointHook",
+    "Hook",
+    "MetricsHook",
+    "Payload",
+    "PayloadSpec",
+    "PlotHook",
+    "ProgressHook",
+    "ResumeConfigError",
+    "RolloutLogHook",
+    "Run",
+    "RunConfig",
+    "StepRecord",
+    "SummaryHook",
+    "Trainer",
+    "assemble_payload",
+    "default_hooks",
+    "demonstration_batch",
+    "load_config",
+    "to_dict",
+]

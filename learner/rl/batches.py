@@ -1,0 +1,150 @@
+"""Host-side batches of a run: rollout groups -> a fixed-shape `TrainBatch`, demonstrations for the warm-up, and
+the typed payload process 0 broadcasts to the other processes.
+
+Every step's batch has one shape (``rows`` x ``length``), so the update compiles once. `PayloadSpec` is that shape,
+derived from the config alone: process 0 checks the payload it built against it, and the other processes receive
+into zeros of it (`jax.experimental.multihost_utils.broadcast_one_to_all` needs the same tree everywhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import corrections
+import jax
+import numpy as np
+
+from learner.batch import TrainBatch
+from learner.bucketing import BucketConfig, pad_batch
+from learner.logprob_mode import replay_params
+from learner.sampler_replay import SamplerParams, transforms, truncates
+from rollout_client import RolloutBatch, collate
+
+TRAIN_BATCH_DTYPES = TrainBatch(tokens=np.int32, positions=np.int32, attention_mask=np.bool_, loss_mask=np.float32,
+                                advantages=np.float32, rollout_logprobs=np.float32, policy_version=np.int32)
+SAMPLER_DTYPES = SamplerParams(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32)
+
+
+class Payload(NamedTuple):
+    """One step's data, as process 0 broadcasts it."""
+
+    batch: TrainBatch  # [rows, length]; rows past real_rows are fully masked padding
+    rewards: np.ndarray  # float32 [rows]
+    real_rows: np.ndarray  # int32 scalar: rows holding samples
+    truncation: SamplerParams | None  # RAW logprobs of a truncating sampler: its [rows] params for the diagnostic
+
+
+@dataclasses.dataclass(frozen=True)
+class PayloadSpec:
+    """The shape and dtypes of every step's `Payload`, the same on every process.
+
+    >>> spec = PayloadSpec(rows=4, length=8, sampling=True, truncation=False)
+    >>> zeros = spec.zeros()
+    >>> zeros.batch.tokens.shape, zeros.batch.sampling.top_k.dtype, zeros.truncation is None
+    ((4, 8), dtype('int32'), True)
+    >>> spec.check(zeros._replace(rewards=np.zeros(3, np.float32)))
+    Traceback (most recent call last):
+    ...
+    ValueError: rollout payload: rewards is float32 (3,), the spec says float32 (4,)
+    """
+
+    rows: int
+    length: int
+    sampling: bool  # the batch carries [rows] sampling params to replay (PROCESSED logprobs of a transform)
+    truncation: bool  # the payload carries the truncation-bias diagnostic's params
+
+    @classmethod
+    def of_run(cls, rollout, rows: int, length: int) -> PayloadSpec:
+        """The spec a run's ``rollout`` section implies."""
+        processed, raw = rollout.logprob_mode == "processed", rollout.logprob_mode == "raw"
+        return cls(rows, length,
+                   sampling=processed and transforms(rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p),
+                   truncation=raw and truncates(rollout.top_k, rollout.top_p, rollout.min_p))
+
+    def structs(self) -> Payload:
+        """The payload as a tree of ``jax.ShapeDtypeStruct``."""
+        table, row = (self.rows, self.length), (self.rows,)
+        sampler = SamplerParams(*(jax.ShapeDtypeStruct(row, dtype) for dtype in SAMPLER_DTYPES))
+        batch = jax.tree.map(lambda dtype: jax.ShapeDtypeStruct(table, dtype), TRAIN_BATCH_DTYPES)
+        return Payload(batch.replace(sampling=sampler if self.sampling else None),
+                       jax.ShapeDtypeStruct(row, np.float32), jax.ShapeDtypeStruct((), np.int32),
+                       sampler if self.truncation else None)
+
+    def zeros(self) -> Payload:
+        return jax.tree.map(lambda struct: np.zeros(struct.shape, struct.dtype), self.structs())
+
+    def check(self, payload: Payload) -> None:
+        """Raises ValueError unless ``payload`` has exactly the spec's structure, shapes and dtypes."""
+        expected = jax.tree_util.tree_flatten_with_path(self.structs())
+        actual = jax.tree_util.tree_flatten_with_path(payload)
+        if expected[1] != actual[1]:
+            raise ValueError(f"rollout payload: structure {actual[1]}, the spec says {expected[1]}")
+        for (path, want), (_, got) in zip(expected[0], actual[0]):
+            if (np.shape(got), np.asarray(got).dtype) != (want.shape, want.dtype):
+                name = jax.tree_util.keystr(path, simple=True, separator=".")
+                raise ValueError(f"rollout payload: {name} is {np.asarray(got).dtype} {np.shape(got)}, the spec "
+                                 f"says {np.dtype(want.dtype)} {want.shape}")
+
+
+def _cast(tree, dtypes):
+    return jax.tree.map(lambda x, dtype: np.asarray(x, dtype), tree, dtypes)
+
+
+def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[Mapping[str, Any]], task,
+                     spec: PayloadSpec, num_samples: int, logprob_mode: str) -> tuple[Payload, RolloutBatch]:
+    """Complete groups -> ``(payload, collated)``: the step's `Payload` (checked against ``spec``) and the
+    `rollout_client.collate` batch with the sampler settings the engine echoed.
+
+    Groups with fewer than ``num_samples`` samples (dropped as stale or invalid) are left out; missing rows are
+    fully masked padding. Rewards come from ``task.rewards`` with each group's prompt record
+    (``rows_of_groups[g]``); advantages are GRPO's, per group, broadcast over each sample's completion tokens.
+    """
+    complete = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group) == num_samples]
+    samples = [sample for group, _ in complete for sample in group]
+    if not samples:
+        raise RuntimeError("every group of this rollout batch was dropped (stale or invalid samples)")
+    records = [row for group, row in complete for _ in group]
+    collated = collate(samples, pad_to_multiple=spec.length, pad_token_id=task.tokenizer.pad_id)
+    rewards = np.asarray(task.rewards(records, [s.completion_token_ids for s in samples]), np.float32)
+    advantages = np.asarray(corrections.grpo_advantages(rewards, num_samples), np.float32)
+    width = collated.tokens.shape[1]
+    lengths = collated.prompt_lengths + collated.completion_lengths
+    batch = TrainBatch(
+        tokens=collated.tokens, positions=np.broadcast_to(np.arange(width, dtype=np.int32), collated.tokens.shape),
+        attention_mask=np.arange(width) < lengths[:, None], loss_mask=collated.loss_mask,
+        advantages=advantages[:, None] * collated.loss_mask, rollout_logprobs=collated.rollout_logprobs,
+        policy_version=collated.policy_versions, sampling=replay_params(logprob_mode, collated))
+    batch = pad_batch(batch, BucketConfig(min_length=spec.length, max_length=spec.length), row_multiple=spec.rows)
+    batch = _cast(batch.replace(sampling=None), TRAIN_BATCH_DTYPES).replace(
+        sampling=None if batch.sampling is None else _cast(batch.sampling, SAMPLER_DTYPES))
+    truncation = _cast(SamplerParams.from_batch(collated).pad_rows(spec.rows), SAMPLER_DTYPES) if spec.truncation \
+        else None
+    payload = Payload(batch, np.pad(rewards, (0, spec.rows - len(samples))), np.int32(len(samples)), truncation)
+    spec.check(payload)
+    return payload, collated
+
+
+def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float, length: int,
+                        row_multiple: int) -> TrainBatch:
+    """A supervised batch of noisy demonstrations of random prompts of ``task`` (loss on the completion tokens).
+
+    Needs a task with ``noisy_demonstration`` (`learner.tasks.Demonstrations`). Host NumPy ``[size', length]``.
+    """
+    records = task.prompts()
+    tokens = np.full((size, length), task.tokenizer.pad_id, np.int32)
+    loss_mask = np.zeros((size, length), np.float32)
+    lengths = np.zeros(size, np.int32)  # real tokens per row (not `tokens != pad_id`: pad may equal eos)
+    for row in range(size):
+        prompt = np.asarray(records[int(rng.integers(len(records)))]["prompt_ids"], np.int32)
+        completion = task.noisy_demonstration(prompt, rng, noise)
+        tokens[row, :len(prompt) + len(completion)] = np.concatenate([prompt, completion])
+        loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0
+        lengths[row] = len(prompt) + len(completion)
+    zeros = np.zeros_like(loss_mask)
+    attention = np.arange(length) < lengths[:, None]
+    batch = TrainBatch(tokens=tokens, positions=np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
+                       attention_mask=attention, loss_mask=loss_mask, advantages=zeros, rollout_logprobs=zeros,
+                       policy_version=np.zeros_like(tokens))
+    return pad_batch(batch, BucketConfig(min_length=length, max_length=length), row_multiple=row_multiple)

@@ -1,0 +1,427 @@
+"""The configuration of a training run: one schema, loaded from TOML with command-line overrides.
+
+A run is configured by one TOML file (``configs/*.toml``) whose tables mirror the sections below, plus any number of
+``--set section.field=value`` overrides (the value is parsed as a TOML value, falling back to a bare string:
+``--set loop.steps=50 --set corrections.preset=decoupled_geo_rs_token_tis``).
+
+One schema: every library config the run uses is a section here or is built from sections by ONE function
+(`optimizer_config`, `update_config`, `correction_config`, `checkpoint_config`, `sampling_params`,
+`client_config`, ...). Each value is validated once, where it is used: a section's own fields by the constraint
+declared next to the field, a library config's fields by that library config, which `RunConfig` builds when it is
+created. Every error names the key the user wrote (``optimizer.warmup_steps``, not
+``OptimizerConfig.warmup_steps``); unknown keys are refused the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import corrections
+
+from learner.checkpoints import CheckpointConfig
+from learner.optimizer import OptimizerConfig
+from learner.update import UpdateConfig
+from rollout_client import ClientConfig, SamplingParams
+
+
+def _bounded(default, low=None, high=None, *, strict_low=False, choices=None):
+    """A dataclass field whose value must lie in [low, high] (``strict_low``: > low) or among ``choices``."""
+    return dataclasses.field(default=default, metadata={"low": low, "high": high, "strict_low": strict_low,
+                                                         "choices": choices})
+
+
+def _positive(default):
+    return _bounded(default, 0, strict_low=True)
+
+
+def _non_negative(default):
+    return _bounded(default, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """The policy model."""
+
+    name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
+    hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
+    param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+    """The task (`learner.tasks.load_task`): prompt records, tokenizer and reward."""
+
+    name: str = "addition_1digit"  # a registered task name, or "my_package.module:MyTask" (class or factory).
+    seed: int = 0  # shuffle seed of the prompt stream.
+    args: dict = dataclasses.field(default_factory=dict)  # keyword arguments of the task's factory.
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupSection:
+    """Supervised warm-up on noisy demonstrations, through the same update step (objective cross_entropy)."""
+
+    steps: int = _non_negative(20)  # update calls; 0 skips the warm-up (start from the initial weights).
+    batch_size: int = _positive(64)  # demonstrations per update call.
+    noise: float = _bounded(0.5, 0, 1)  # probability that each answer character of a demonstration is replaced.
+    learning_rate: float = _non_negative(3e-3)  # constant AdamW learning rate of the warm-up.
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """What the inference engine is asked to sample (temperature and the sampler: `sampling_params`)."""
+
+    prompts_per_step: int = _positive(16)  # groups (requests) per rollout batch.
+    num_samples: int = _bounded(8, 2)  # completions per prompt: the GRPO group size (>= 2).
+    temperature: float = 1.0  # sampling temperature (the learner's logprobs use the same one).
+    top_k: int = 0  # keep the k most likely tokens; 0: off.
+    top_p: float = 1.0  # keep the smallest set with this much mass; 1: off.
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the largest; 0: off.
+    max_new_tokens: int | None = None  # None: the task's longest correct completion.
+    logprob_mode: str = _bounded("processed", choices=("raw", "processed"))  # checked against the engine's echo.
+    max_staleness: int = _non_negative(1)  # rollouts run this many updates ahead; 0: synchronous (on-policy).
+    # Wait for the in-flight rollouts before publishing new weights, so that (after the first max_staleness steps)
+    # every sample is exactly max_staleness versions old, however fast the server is: reproducible lag for studies.
+    fixed_staleness: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSection:
+    """The inference engine: the embedded reference server (started here) unless ``address`` is set."""
+
+    engine: str = _bounded("tether", choices=("tether",))  # engine backend (rollout_client.Engine).
+    address: str | None = None  # "host:port" of an external server; None starts the reference server.
+    dtype: str = _bounded("float32", choices=("float32", "bfloat16", "float16"))  # embedded server's compute dtype.
+    max_batch_size: int = _positive(64)  # embedded server's KV-cache rows.
+    decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
+    auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
+    start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
+    generate_deadline_s: float = 30.0  # one Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    """AdamW of the RL updates (`optimizer_config`: learner.optimizer.OptimizerConfig)."""
+
+    learning_rate: float = 1e-3  # peak learning rate.
+    end_learning_rate: float | None = None  # cosine decay to this at the run's last update; None: constant.
+    warmup_steps: int = 0  # linear warmup, in optimizer updates (fewer than the run's updates).
+    max_grad_norm: float = 1.0  # global-norm clip.
+    weight_decay: float = 0.0  # decoupled weight decay.
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSection:
+    """How a rollout batch becomes optimizer updates (`update_config`: learner.update.UpdateConfig)."""
+
+    num_minibatches: int = 1  # optimizer updates per epoch.
+    num_microbatches: int = 1  # gradient-accumulation steps per mini-batch.
+    ppo_epochs: int = 1  # passes over the batch.
+    logprob_chunk_size: int = 512  # tokens per chunk of the output projection.
+    fast_compile: bool = False  # XLA backend optimisation level 0: faster compiles, slower steps (tests).
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectionsSection:
+    """The off-policy corrections: a named preset with optional overrides (`correction_config`)."""
+
+    preset: str = "decoupled_token_is"  # corrections.PRESETS name.
+    overrides: dict = dataclasses.field(default_factory=dict)  # preset(name, **overrides), e.g. {kl_coef = 0.05}.
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """The device mesh (learner.sharding.make_mesh); one size may be -1 (the remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    cpu_devices: int = _non_negative(0)  # > 0: simulate this many CPU devices per process; CPU only.
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Multi-process start (learner.distributed.initialize); all None: auto-detect or single process."""
+
+    coordinator: str | None = None  # "host:port" of process 0.
+    num_processes: int | None = _positive(None)
+    process_id: int | None = _non_negative(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointsSection:
+    """When checkpoints are written and how many are kept (`checkpoint_config`)."""
+
+    every: int = _positive(10)  # RL steps between checkpoints (the last step is always saved).
+    keep_last: int = 2  # most recent checkpoints kept.
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSection:
+    """Length of the run, its seed, and what a resume may change."""
+
+    steps: int = _positive(60)  # RL steps (rollout batches trained on).
+    seed: int = 0  # model init and update PRNG seed.
+    plot_every: int = _positive(10)  # RL steps between refreshes of the learning-curve PNG.
+    # Resume even if the task, corrections, group size or model differ from the checkpoint's config.
+    allow_config_change: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole run; ``run_dir`` holds metrics, checkpoints, rollout log, plot and the server log."""
+
+    run_dir: str = "runs/default"
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    warmup: WarmupSection = WarmupSection()
+    rollout: RolloutSection = RolloutSection()
+    server: ServerSection = ServerSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    update: UpdateSection = UpdateSection()
+    corrections: CorrectionsSection = CorrectionsSection()
+    mesh: MeshSection = MeshSection()
+    distributed: DistributedSection = DistributedSection()
+    checkpoints: CheckpointsSection = CheckpointsSection()
+    loop: LoopSection = LoopSection()
+
+    def __post_init__(self):
+        for name, value, metadata in _bounded_fields(self):
+            _check_bound(name, value, metadata)
+        # Build every library config once now, so that a bad value fails at load time, naming its key.
+        update = update_config(self, correction_config(self), length=None)
+        optimizer_config(self, updates=optimizer_updates(self, update))
+        checkpoint_config(self, "checkpoints")
+        sampling_params(self, max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=())
+        client_config(self, self.server.address or "127.0.0.1:0", auth_token=None)
+
+
+# --- Library configs, each built from the sections by one function ----------------------------------------------
+
+def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
+    """The preset with its overrides; errors name ``corrections.preset`` or ``corrections.overrides``."""
+    if config.corrections.preset not in corrections.PRESETS:
+        raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS "
+                         f"({', '.join(corrections.PRESETS)})")
+    try:
+        return corrections.preset(config.corrections.preset, **config.corrections.overrides)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"corrections.overrides: {error}") from None
+
+
+def update_config(config: RunConfig, correction: corrections.CorrectionConfig, length: int | None) -> UpdateConfig:
+    """The update's config; ``length`` (the padded batch length) caps the logprob chunk."""
+    section = config.update
+    chunk = section.logprob_chunk_size if length is None else min(section.logprob_chunk_size, length)
+    return _library("update", UpdateConfig, corrections=correction, num_minibatches=section.num_minibatches,
+                    num_microbatches=section.num_microbatches, ppo_epochs=section.ppo_epochs,
+                    logprob_chunk_size=chunk)
+
+
+def optimizer_updates(config: RunConfig, update: UpdateConfig) -> int:
+    """Optimizer updates of the whole run: one per mini-batch and epoch of every RL step."""
+    return config.loop.steps * update.num_minibatches * update.ppo_epochs
+
+
+def optimizer_config(config: RunConfig, updates: int) -> OptimizerConfig:
+    """AdamW over the run's ``updates`` optimizer updates (warmup, then constant or cosine to the end rate)."""
+    section = config.optimizer
+    if section.warmup_steps >= updates:
+        raise ValueError(f"optimizer.warmup_steps={section.warmup_steps}: must be fewer than the run's {updates} "
+                         "optimizer updates (loop.steps x update.num_minibatches x update.ppo_epochs)")
+    end = section.learning_rate if section.end_learning_rate is None else section.end_learning_rate
+    return _library("optimizer", OptimizerConfig, renames={"peak_learning_rate": "learning_rate"},
+                    peak_learning_rate=section.learning_rate, end_learning_rate=end, warmup_steps=section.warmup_steps,
+                    total_steps=updates, max_grad_norm=section.max_grad_norm, weight_decay=section.weight_decay)
+
+
+def warmup_optimizer_config(config: RunConfig) -> OptimizerConfig:
+    """The warm-up's own AdamW: constant ``warmup.learning_rate``."""
+    rate = config.warmup.learning_rate
+    return _library("warmup", OptimizerConfig, renames={"peak_learning_rate": "learning_rate"},
+                    peak_learning_rate=rate, end_learning_rate=rate, total_steps=max(config.warmup.steps, 1))
+
+
+def checkpoint_config(config: RunConfig, directory: str) -> CheckpointConfig:
+    """Where checkpoints go and how many are kept (the loop decides when to save: ``checkpoints.every``)."""
+    return _library("checkpoints", CheckpointConfig, directory=directory, keep_last=config.checkpoints.keep_last)
+
+
+def sampling_params(config: RunConfig, max_new_tokens: int | None, stop_token_ids: Sequence[int]) -> SamplingParams:
+    """What every rollout request asks the engine to sample."""
+    rollout = config.rollout
+    return _library("rollout", SamplingParams, temperature=rollout.temperature, top_k=rollout.top_k,
+                    top_p=rollout.top_p, min_p=rollout.min_p, max_new_tokens=max_new_tokens,
+                    stop_token_ids=tuple(stop_token_ids))
+
+
+def client_config(config: RunConfig, target: str, auth_token: str | None) -> ClientConfig:
+    """How the client reaches the engine at ``target``."""
+    return _library("server", ClientConfig, renames={"deadline_base_s": "generate_deadline_s"}, target=target,
+                    auth_token=auth_token, deadline_base_s=config.server.generate_deadline_s)
+
+
+_FIELD_ERROR = re.compile(r"^(?:\w+Config\.|\w+Params\.)?([A-Za-z_][\w.]*)(.*)$", re.S)
+
+
+def _library(section: str, factory: Callable, renames: Mapping[str, str] | None = None, **values):
+    """``factory(**values)``; its ValueError (which starts with the field name) is re-raised naming the user's key.
+
+    >>> _library("optimizer", OptimizerConfig, renames={"peak_learning_rate": "learning_rate"},
+    ...          peak_learning_rate=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: optimizer.learning_rate=-1.0 must be a finite number >= 0.
+    """
+    try:
+        return factory(**values)
+    except ValueError as error:
+        field, rest = _FIELD_ERROR.match(str(error)).groups()
+        raise ValueError(f"{section}.{(renames or {}).get(field, field)}{rest}") from None
+
+
+# --- Section fields: declared bounds, types, loading --------------------------------------------------------------
+
+def _bounded_fields(config, prefix: str = ""):
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            yield from _bounded_fields(value, f"{prefix}{field.name}.")
+        elif field.metadata:
+            yield f"{prefix}{field.name}", value, field.metadata
+
+
+def _check_bound(name: str, value, bound: Mapping[str, Any]) -> None:
+    if value is None:
+        return
+    if bound["choices"] is not None:
+        if value not in bound["choices"]:
+            raise ValueError(f"{name}={value!r}: must be one of {', '.join(bound['choices'])}")
+        return
+    low, high = bound["low"], bound["high"]
+    if not math.isfinite(value) or (low is not None and (value < low or (bound["strict_low"] and value == low))) or (
+            high is not None and value > high):
+        below = "" if low is None else f"{'>' if bound['strict_low'] else '>='} {low}"
+        above = "" if high is None else f"<= {high}"
+        raise ValueError(f"{name}={value!r}: must be {' and '.join(filter(None, (below, above)))}")
+
+
+def _accepts(annotation, value) -> bool:
+    """Whether ``value`` (plain TOML data) fits a field annotated ``annotation``."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(_accepts(option, value) for option in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, typing.get_origin(annotation) or annotation)
+
+
+def _build(cls, data: Mapping[str, Any], prefix: str):
+    """``cls`` from nested plain data; unknown fields and wrong types raise ValueError naming the field."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field; known: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        if dataclasses.is_dataclass(hints[name]):
+            values[name] = _build(hints[name], value, f"{prefix}{name}.")
+        elif _accepts(hints[name], value):
+            values[name] = float(value) if hints[name] is float else value
+        else:
+            raise ValueError(f"{prefix}{name}={value!r}: expected {getattr(hints[name], '__name__', hints[name])}")
+    return cls(**values)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=value"`` -> ``(["a", "b"], value)``; the value is TOML, or a bare string if it does not parse.
+
+    >>> parse_override("loop.steps=50"), parse_override("corrections.preset=decoupled_token_is")
+    ((['loop', 'steps'], 50), (['corrections', 'preset'], 'decoupled_token_is'))
+    """
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {text!r}: expected section.field=value")
+    try:
+        value = tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply(data: dict, path: list[str], value) -> None:
+    for part in path[:-1]:
+        data = data.setdefault(part, {})
+        if not isinstance(data, dict):
+            raise ValueError(f"--set {'.'.join(path)}: {part} is not a table")
+    data[path[-1]] = value
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The run config of a TOML file (None: all defaults) with ``--set`` overrides applied in order.
+
+    >>> load_config(None, ["loop.steps=5", "rollout.temperature=0.7"]).loop.steps
+    5
+    >>> load_config(None, ["loop.stepz=5"])
+    Traceback (most recent call last):
+    ...
+    ValueError: loop.stepz: unknown field; known: steps, seed, plot_every, allow_config_change
+    >>> load_config(None, ["rollout.temperature=nan"])
+    Traceback (most recent call last):
+    ...
+    ValueError: rollout.temperature=nan: must be a finite number > 0
+    >>> load_config(None, ["optimizer.warmup_steps=60"])
+    Traceback (most recent call last):
+    ...
+    ValueError: optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates (loop.steps x update.num_minibatches x update.ppo_epochs)
+    """
+    data = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    for override in overrides:
+        _apply(data, *parse_override(override))
+    return _build(RunConfig, data, "")
+
+
+def to_dict(config: RunConfig) -> dict:
+    """Plain data of a config (stored with every checkpoint)."""
+    return dataclasses.asdict(config)
+
+
+def from_dict(data: Mapping[str, Any]) -> RunConfig:
+    """Inverse of `to_dict` (e.g. the config stored in a checkpoint)."""
+    return _build(RunConfig, data, "")
+
+
+RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollout.logprob_mode")
+
+
+def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:
+    """The keys under ``watched`` whose value differs between a checkpoint's saved config and ``current``.
+
+    >>> changed_keys(to_dict(RunConfig()), load_config(None, ["task.name=sort_digits", "loop.steps=5"]))
+    ['task.name']
+    """
+    old, new = dict(_flat(saved)), dict(_flat(to_dict(current)))
+    return sorted(key for key in old.keys() | new.keys()
+                  if key.startswith(tuple(watched)) and old.get(key) != new.get(key))
+
+
+def _flat(data: Mapping[str, Any]):
+    """``{"section": {"field": value}}`` -> ``("section.field", value)`` pairs (a field's own tables stay whole)."""
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            yield from ((f"{key}.{field}", inner) for field, inner in value.items())
+        else:
+            yield key, value

@@ -1,0 +1,245 @@
+"""`Run`: one RL training run as an object, driven step by step.
+
+    with Run(load_config("configs/default.toml")) as run:
+        for record in run.steps():
+            print(record.step, record.metrics["reward/mean"])
+
+Entering a run sets it up: the task, the mesh and the sharded train state, then either the latest checkpoint of
+``run_dir`` (state, reference policy, policy version, data position) or a fresh start (Hugging Face weights if
+configured, the supervised warm-up); then, on process 0, the inference engine (launched, or reached at
+``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
+max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
+finish before each publish, so every sample is exactly ``max_staleness`` versions old). Everything it opens is
+closed on every exit path, in reverse order, by one ``ExitStack``; the checkpoint save in flight is completed.
+
+`Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
+compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
+new weights, and call the hooks (`learner.rl.hooks`: metrics, rollout log, progress, plot, checkpoints). Batches have
+one fixed shape (`learner.rl.batches.PayloadSpec`), so the update compiles once.
+
+Resume: entering a run whose ``run_dir`` has checkpoints restores the latest; metrics and rollout log drop the steps
+after it. The saved data position is that of the first batch not yet trained, so the prompt order is that of an
+uninterrupted run. A resume that changes the task, corrections, group size or model is refused (naming the keys)
+unless ``loop.allow_config_change``; a run that already reached ``loop.steps`` is `finished` and yields nothing.
+
+Multi-host: every process makes the same calls. Process 0 owns the engine and the buffer and broadcasts each step's
+payload; every process runs the same update on the global mesh and writes checkpoints; process 0 publishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from learner.batch import TrainBatch
+from learner.checkpoints import Checkpointer
+from learner.rl.batches import Payload, PayloadSpec, assemble_payload
+from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
+from learner.rl.engines import build_engine, check_identity
+from learner.rl.hooks import Hook, default_hooks
+from learner.rl.prompts import DataPosition, PromptStream
+from learner.rl.trainer import Trainer
+from learner.logprob_mode import check_logprob_mode
+from learner.tasks import Demonstrations, load_task
+from rollout_client import LogprobMode, RolloutBuffer
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one RL step did. Rows of ``batch`` past ``samples`` are padding."""
+
+    step: int
+    metrics: dict[str, float]  # the update's metrics; on process 0 also reward, rollout, policy, perf and client
+    batch: TrainBatch  # the host batch trained on, [rows, length]
+    samples: int  # real rows of the batch
+    rewards: np.ndarray  # float32 [samples]
+    proximal_logprobs: np.ndarray  # float32 [samples, length]: the pre-update policy's logprobs of the batch
+    policy_version: int  # the learner's, after the update
+    server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
+
+
+class ResumeConfigError(ValueError):
+    """A resume would change what the checkpoint was trained for."""
+
+
+class Run:
+    """One training run (see the module docstring): a context manager whose `steps` drive the training.
+
+    Args:
+      config: the run.
+      hooks: side effects, called in order; None: `learner.rl.hooks.default_hooks`. Leader-only hooks run on
+        process 0 alone.
+    """
+
+    def __init__(self, config: RunConfig, hooks: Sequence[Hook] | None = None):
+        self.config = config
+        self.run_dir = pathlib.Path(config.run_dir).resolve()  # orbax needs an absolute checkpoint path
+        self.process_index = jax.process_index()
+        self.leader = self.process_index == 0
+        hooks = default_hooks(config) if hooks is None else list(hooks)
+        self.hooks = [hook for hook in hooks if self.leader or not hook.leader_only]
+        self.engine = self.buffer = None
+        self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
+        self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The run reached ``loop.steps``: `steps` yields nothing."""
+        return self.step >= self.config.loop.steps
+
+    def __enter__(self) -> Run:
+        with contextlib.ExitStack() as stack:
+            self._set_up(stack)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes hooks, buffer, engine and checkpointer (completing a save in flight), in reverse order."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def _set_up(self, stack: contextlib.ExitStack) -> None:
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.task = load_task(config.task.name, config.task.args)
+        if config.warmup.steps and not isinstance(self.task, Demonstrations):
+            raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
+                             "noisy_demonstration for a warm-up; set warmup.steps = 0")
+        self.trainer = Trainer(config, self.task)
+        self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
+        stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
+        stop_ids = self.task.tokenizer.eos_ids
+        self.stream = PromptStream(self.task.prompts(), config.rollout.prompts_per_step, config.task.seed,
+                                   sampling_params(config, self.trainer.max_new_tokens, stop_ids),
+                                   config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()])
+        self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length)
+        if self.checkpointer.latest_step() is not None:
+            self.start_step = self.step = self._restore()
+            if self.finished:
+                return
+        else:
+            losses = self.trainer.start_fresh()
+            if self.leader and losses:
+                print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        if self.leader:
+            self.engine = stack.enter_context(build_engine(config, self.trainer, stop_ids, self.run_dir))
+            check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
+                           config.server.address or "the embedded server")
+            self.server_version = self.engine.publish(self.trainer.policy_version, self.trainer.host_weights())
+            rollout = config.rollout
+            self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
+                                        max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
+                                        max_staleness=rollout.max_staleness, prefetch=rollout.max_staleness > 0)
+            stack.callback(self.buffer.close)
+        else:
+            self.trainer.host_weights()  # the gather is collective: every process takes part in process 0's
+        for hook in self.hooks:
+            stack.callback(hook.close)
+            hook.on_start(self)
+
+    def _restore(self) -> int:
+        """Restores the latest checkpoint; refuses a changed task, corrections, group size or model."""
+        position = DataPosition(self.stream.get_state())
+        step, metadata = self.trainer.restore(self.checkpointer, position)
+        changed = changed_keys(metadata.get("config") or {}, self.config)
+        if changed and not self.config.loop.allow_config_change:
+            raise ResumeConfigError(
+                f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
+                f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "
+                "anyway")
+        self.stream.set_state(position.state)
+        return step
+
+    def save_checkpoint(self, step: int) -> None:
+        """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous)."""
+        self.checkpointer.save(step, self.trainer.checkpoint_tree(), policy_version=self.trainer.policy_version,
+                               config=to_dict(self.config),
+                               data_iterator=DataPosition(self.stream.position(step - self.start_step)), force=True)
+
+    def steps(self) -> Iterator[StepRecord]:
+        """Trains the steps after `step` up to ``loop.steps``, yielding a record per step (resumable after a
+        ``break``); the hooks' ``on_end`` runs once the last step is done."""
+        if self.finished:
+            return
+        if self._stack is None:
+            raise RuntimeError("Run.steps: enter the run first (`with Run(config) as run:`)")
+        while self.step < self.config.loop.steps:
+            record = self._step(self.step + 1)
+            self.step = record.step
+            for hook in self.hooks:
+                hook.on_step(self, record)
+            yield record
+        for hook in self.hooks:
+            hook.on_end(self)
+
+    def _step(self, step: int) -> StepRecord:
+        started = time.monotonic()
+        trainer, rollout = self.trainer, self.config.rollout
+        if self.leader:
+            groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
+            records = [self.stream.next_record() for _ in groups]
+            payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
+                                                 rollout.logprob_mode)
+            check_echo(collated, rollout)
+        else:
+            self.stream.skip_batch()  # the batch process 0 issued; keeps this process's data position in step
+            payload = self.spec.zeros()
+        payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
+        samples = int(payload.real_rows)
+        rollout_s = time.monotonic() - started
+        metrics, proximal = trainer.train(payload.batch, payload.truncation)
+        update_s = time.monotonic() - started - rollout_s
+        weights = trainer.host_weights()
+        rewards = payload.rewards[:samples]
+        server_version = None
+        if self.leader:
+            if rollout.fixed_staleness:
+                self.buffer.wait()
+            server_version = self.engine.publish(trainer.policy_version, weights)
+            step_s = time.monotonic() - started
+            tokens = float(payload.batch.loss_mask.sum())
+            metrics.update({
+                "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                "rollout/samples": samples, "rollout/completion_tokens_mean": tokens / samples,
+                "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
+                "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
+                "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
+                "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics()})
+        return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
+                          proximal_logprobs=proximal[:samples], policy_version=trainer.policy_version,
+                          server_version=server_version)
+
+    def train(self) -> dict[str, float]:
+        """Runs every remaining step; returns the last step's metrics (empty if the run had already finished)."""
+        last = {}
+        for record in self.steps():
+            last = record.metrics
+        return last
+
+
+def check_echo(collated, rollout) -> None:
+    """The engine's echo must match what was asked: logprob mode and every sampler setting."""
+    check_logprob_mode(rollout.logprob_mode, collated.logprob_mode)
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        echoed = getattr(collated, name)
+        if not np.allclose(echoed, getattr(rollout, name)):
+            raise ValueError(f"rollout.{name}={getattr(rollout, name)}: the engine sampled with "
+                             f"{sorted(set(echoed.tolist()))}")
+
+
+def broadcast(tree, is_source: bool):
+    """``tree`` from process 0 to all (the others pass a tree of the same shapes); identity for one process."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.broadcast_one_to_all(tree, is_source=is_source)

@@ -1,0 +1,184 @@
+"""The learner side of a run: mesh, sharded train state, the jitted update, warm-up, checkpoint state."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import corrections
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from learner.batch import TrainBatch
+from learner.checkpoints import Checkpointer, restore_target
+from learner.model import Transformer, model_config
+from learner.optimizer import make_optimizer
+from learner.param_paths import parameter_names
+from learner.rl.batches import demonstration_batch
+from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
+                               warmup_optimizer_config)
+from learner.safetensors_io import config_from_hf, load_safetensors
+from learner.sampler_replay import SamplerParams
+from learner.sharding import batch_sharding, make_mesh
+from learner.train_state import create_sharded_train_state, train_state_shardings
+from learner.truncation_bias import batch_truncation_bias
+from learner.update import make_update_fn, recompute_logprobs
+
+
+def bucket_length(length: int) -> int:
+    """The padded batch length: the next power of two, at least 8 (few lengths, few compiled programs)."""
+    return max(8, 1 << (length - 1).bit_length())
+
+
+def mean_metrics(metrics) -> dict[str, float]:
+    """Per-update metric arrays -> one mean per key, on the host."""
+    return {name: float(np.mean(value)) for name, value in jax.device_get(metrics).items()}
+
+
+class Trainer:
+    """Mesh, train state, reference parameters and the jitted steps of one run.
+
+    Args:
+      config: the run.
+      task: its task (for the batch length and the warm-up's demonstrations).
+    """
+
+    def __init__(self, config: RunConfig, task):
+        self.config = config
+        self.task = task
+        self.max_new_tokens = config.rollout.max_new_tokens or task.max_completion_tokens
+        self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
+        if config.model.hf_path:
+            hf_config = json.loads((pathlib.Path(config.model.hf_path) / "config.json").read_text())
+            self.model_config = config_from_hf(hf_config, param_dtype=config.model.param_dtype)
+        else:
+            self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
+        self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.update_config = update_config(config, correction_config(config), self.length)
+        multiple = self.update_config.row_multiple(self.data_parallel)
+        self.rows = -(-config.rollout.prompts_per_step * config.rollout.num_samples // multiple) * multiple
+        self.optimizer = make_optimizer(optimizer_config(config, optimizer_updates(config, self.update_config)))
+        self.graphdef, self.state, self.shardings = create_sharded_train_state(
+            self.model_config, self.optimizer, self.mesh, seed=config.loop.seed)
+        self.reference = None  # frozen parameters of the KL reference policy, when kl_coef > 0
+        self.compiler_options = {"xla_backend_optimization_level": 0} if config.update.fast_compile else None
+        self.update_fn = make_update_fn(self.graphdef, self.optimizer, self.update_config, self.mesh,
+                                        self.shardings, compiler_options=self.compiler_options)
+        replicated = NamedSharding(self.mesh, P())
+        self.proximal_fn = jax.jit(
+            lambda params, batch: recompute_logprobs(self.graphdef, params, batch, self.update_config, self.mesh),
+            out_shardings=replicated, compiler_options=self.compiler_options)
+        self.truncation_fn = jax.jit(
+            functools.partial(batch_truncation_bias, self.graphdef, chunk_size=self.update_config.logprob_chunk_size),
+            out_shardings=replicated, compiler_options=self.compiler_options)
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.state.policy_version)
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.update_config.corrections.kl_coef > 0
+
+    def device_batch(self, batch: TrainBatch) -> TrainBatch:
+        """Host batch (the same on every process) -> global arrays sharded over the batch axes."""
+        sharding = batch_sharding(self.mesh)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]), batch)
+
+    def train(self, batch: TrainBatch, truncation: SamplerParams | None = None
+              ) -> tuple[dict[str, float], np.ndarray]:
+        """One RL update on a host batch; returns the mean metrics and the proximal logprobs (for the log).
+
+        ``truncation``: the sampler of a RAW batch, whose truncation bias (``sampler/log_kept_mass_*``) is measured
+        under the pre-update weights and added to the metrics.
+        """
+        device_batch = self.device_batch(batch)
+        # The update recomputes the proximal logprobs in decoupled mode and returns them; bypass mode needs a pass.
+        proximal = (self.proximal_fn(self.state.params, device_batch)
+                    if self.update_config.corrections.mode == "bypass" else None)
+        bias = {} if truncation is None else self.truncation_fn(
+            self.state.params, self.device_batch(batch.replace(sampling=truncation)))
+        self.state, metrics, recomputed = self.update_fn(self.state, device_batch, self.reference)
+        return mean_metrics(metrics) | mean_metrics(bias), np.asarray(recomputed if proximal is None else proximal)
+
+    def checkpoint_tree(self):
+        """What a checkpoint holds: the train state, and the reference parameters when the KL term needs them."""
+        return {"train": self.state, "reference": self.reference} if self.uses_reference else self.state
+
+    def restore(self, checkpointer: Checkpointer, data_position) -> tuple[int, dict]:
+        """Restores the latest checkpoint (state, reference, data position); returns its step and metadata."""
+        target = restore_target(self.state, self.shardings)
+        if self.uses_reference:
+            target = {"train": target, "reference": restore_target(self.state.params, self.shardings.params)}
+        restored = checkpointer.restore(target, data_iterator=data_position)
+        if self.uses_reference:
+            self.state, self.reference = restored.state["train"], restored.state["reference"]
+        else:
+            self.state = restored.state
+        return restored.step, restored.metadata
+
+    def start_fresh(self) -> list[float]:
+        """A new run's initial policy: the HF checkpoint's weights (if configured), then the warm-up.
+
+        Freezes the reference policy (the starting point of RL) when the KL term needs it. Returns the warm-up's
+        losses.
+        """
+        self.load_hf_weights()
+        losses = self.warm_up()
+        if self.uses_reference:
+            self.reference = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p),
+                                     out_shardings=self.shardings.params)(self.state.params)
+        return losses
+
+    def load_hf_weights(self) -> None:
+        """Replaces the random initial parameters with the Hugging Face checkpoint's, when configured.
+
+        The loaded weights are a new policy version, so the first publish pushes them to a server that was started
+        from the seed's random weights (version 0).
+        """
+        if self.config.model.hf_path:
+            model = Transformer(self.model_config, rngs=nnx.Rngs(self.config.loop.seed))
+            load_safetensors(model, self.config.model.hf_path)
+            self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params),
+                                            policy_version=self.state.policy_version + 1)
+
+    def warm_up(self) -> list[float]:
+        """Supervised warm-up: cross entropy on noisy demonstrations through the update step; returns the losses.
+
+        It runs on its own optimizer (constant learning rate, corrections objective ``cross_entropy``); the RL
+        optimizer state starts fresh afterwards. Each call advances the policy version by one, as an RL update.
+        """
+        warmup = self.config.warmup
+        if warmup.steps == 0:
+            return []
+        optimizer = make_optimizer(warmup_optimizer_config(self.config))
+        sft_config = dataclasses.replace(self.update_config, num_minibatches=1, ppo_epochs=1,
+                                         corrections=corrections.CorrectionConfig(
+                                             mode="bypass", objective=corrections.Objective(name="cross_entropy")))
+        state = self.state.replace(opt_state=optimizer.init(self.state.params))
+        update = make_update_fn(self.graphdef, optimizer, sft_config, self.mesh,
+                                train_state_shardings(state, optimizer, self.mesh),
+                                compiler_options=self.compiler_options)
+        rng = np.random.default_rng((self.config.task.seed, 1))
+        losses = []
+        for _ in range(warmup.steps):
+            batch = demonstration_batch(self.task, rng, warmup.batch_size, warmup.noise, self.length,
+                                        sft_config.row_multiple(self.data_parallel))
+            state, metrics, _ = update(state, self.device_batch(batch), None)
+            losses.append(mean_metrics({"loss": metrics["actor/pg_loss"]})["loss"])
+        self.state = jax.jit(lambda s: s.replace(opt_state=self.optimizer.init(s.params)),
+                             out_shardings=self.shardings)(state)
+        return losses
+
+    def host_weights(self) -> dict[str, np.ndarray]:
+        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process."""
+        params = multihost_utils.process_allgather(self.state.params, tiled=True)
+        names, _ = parameter_names(params)
+        return {name: np.asarray(leaf) for name, leaf in zip(names, jax.tree.leaves(params))}

@@ -1,0 +1,151 @@
+"""The plug-in point for inference engines: what the learner talks to, and what each engine declares it can do.
+
+The training loop uses only `Engine`: submit a request (a future of samples), publish weights under a policy
+version, read the engine's identity, close. Engines differ in what they can honour (see
+``shared/reference/engines.md``: MLX returns only RAW logprobs and takes weights by restart, SGLang reports
+per-token versions and loads weights from disk, vLLM has engine-wide versions, ...), so each declares its
+`EngineCapabilities`, and the loop states its `EngineRequirements`: `check_capabilities` refuses, before anything
+runs, a run the engine cannot honour, naming every missing capability and the config key that asks for it.
+
+The rollout.v1 client with the reference server (`rollout_client.TetherEngine`) is the first implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+import numpy as np
+
+from rollout_client.sampling_params import LogprobMode, PauseMode
+
+SAMPLER_STEPS = ("temperature", "top_k", "top_p", "min_p")  # the transforms a sampler may apply, in Tether's order
+
+
+class WeightTransport(enum.Enum):
+    """How an engine receives new weights."""
+
+    STREAMED = "streamed"  # tensors over the wire (rollout.v1 StreamWeights)
+    FROM_DISK = "from_disk"  # a checkpoint directory the engine loads (SGLang update_weights_from_disk, vLLM reload)
+    RESTART = "restart"  # the engine process is restarted on a new checkpoint directory (MLX)
+
+
+class VersionReporting(enum.Enum):
+    """How an engine says which policy version sampled a token."""
+
+    PER_TOKEN = "per_token"  # version spans on every sample (rollout.v1, SGLang weight_versions)
+    ENGINE = "engine"  # one engine-wide version: the client stamps it when a request is admitted
+    NONE = "none"  # nothing: the client stamps the version it last published
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can honour; declared by each backend."""
+
+    logprob_modes: frozenset[LogprobMode]  # which distributions its logprobs can be of
+    sampler_order: tuple[str, ...]  # the order it applies SAMPLER_STEPS (the learner replays this order)
+    pause_modes: frozenset[PauseMode]  # how it can pause for a weight update
+    weight_transport: WeightTransport
+    version_reporting: VersionReporting
+    native_n: bool  # several samples per request; False: the client fans out one request per sample
+    honours_seed: bool  # the same seed gives the same samples (a retried request redraws the same tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequirements:
+    """What a run needs of its engine; each field's config key is named when it is refused."""
+
+    logprob_mode: LogprobMode  # rollout.logprob_mode
+    sampler_steps: tuple[str, ...] = ()  # the SAMPLER_STEPS the run's sampler uses (rollout.temperature, top_k, ...)
+    pause_mode: PauseMode = PauseMode.KEEP  # how the loop pauses to publish
+    max_staleness: int = 0  # rollout.max_staleness: > 0 keeps requests running across an update
+
+
+class EngineCapabilityError(ValueError):
+    """The engine cannot honour the run's configuration; the message lists everything missing."""
+
+
+def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs: EngineRequirements) -> None:
+    """Raises `EngineCapabilityError` listing every requirement ``capabilities`` cannot honour.
+
+    >>> caps = EngineCapabilities(frozenset({LogprobMode.RAW}), ("top_p", "min_p", "top_k", "temperature"),
+    ...                           frozenset(), WeightTransport.RESTART, VersionReporting.NONE, False, False)
+    >>> check_capabilities("mlx", caps, EngineRequirements(LogprobMode.PROCESSED, ("temperature", "top_p"),
+    ...                                                     PauseMode.KEEP, max_staleness=1))
+    Traceback (most recent call last):
+    ...
+    rollout_client.engine.EngineCapabilityError: engine 'mlx' cannot honour this run:
+    - rollout.logprob_mode='processed': it returns only raw logprobs
+    - rollout.temperature with rollout.top_p: it applies them in the order top_p, temperature, and the learner replays temperature, top_k, top_p, min_p
+    - rollout.max_staleness=1: requests kept running across a weight update need per-token versions; this engine reports none (set rollout.max_staleness=0)
+    """
+    missing = []
+    if needs.logprob_mode not in capabilities.logprob_modes:
+        offered = " or ".join(sorted(mode.name.lower() for mode in capabilities.logprob_modes))
+        missing.append(f"rollout.logprob_mode={needs.logprob_mode.name.lower()!r}: it returns only {offered} "
+                       "logprobs")
+    replayed = needs.logprob_mode == LogprobMode.PROCESSED and len(needs.sampler_steps) > 1
+    engine_order = [step for step in capabilities.sampler_order if step in needs.sampler_steps]
+    if replayed and engine_order != [step for step in SAMPLER_STEPS if step in needs.sampler_steps]:
+        missing.append(f"{' with '.join(f'rollout.{step}' for step in needs.sampler_steps)}: it applies them in "
+                       f"the order {', '.join(engine_order)}, and the learner replays {', '.join(SAMPLER_STEPS)}")
+    keeps_running = needs.max_staleness > 0
+    if keeps_running and capabilities.version_reporting != VersionReporting.PER_TOKEN:
+        missing.append(f"rollout.max_staleness={needs.max_staleness}: requests kept running across a weight "
+                       f"update need per-token versions; this engine reports "
+                       f"{'none' if capabilities.version_reporting == VersionReporting.NONE else 'one per engine'} "
+                       "(set rollout.max_staleness=0)")
+    elif needs.pause_mode not in capabilities.pause_modes and capabilities.weight_transport != (
+            WeightTransport.RESTART):
+        missing.append(f"pause mode {needs.pause_mode.name}: it pauses only with "
+                       f"{', '.join(sorted(mode.name for mode in capabilities.pause_modes)) or 'nothing'}")
+    if missing:
+        raise EngineCapabilityError(f"engine {engine_name!r} cannot honour this run:\n"
+                                    + "\n".join(f"- {item}" for item in missing))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """The engine's identity and state, checked against the learner's at start."""
+
+    policy_version: int  # the version it serves now
+    vocab_size: int  # token ids it can embed (prompts must stay below the learner's vocabulary too)
+    eos_token_ids: tuple[int, ...]  # its default stop tokens
+    max_seq_len: int  # prompt + completion limit
+    model_identity: str  # a digest of the served model's config, or its name
+
+
+class Engine(abc.ABC):
+    """An inference engine as the learner sees it. Backends implement this and declare their capabilities."""
+
+    name: str  # the ``server.engine`` value that selects it
+    capabilities: EngineCapabilities
+
+    @abc.abstractmethod
+    def info(self) -> EngineInfo:
+        """Asks the engine for its current identity and policy version."""
+
+    @abc.abstractmethod
+    def submit(self, request) -> concurrent.futures.Future:
+        """Starts sampling a `rollout_client.RolloutRequest`; the future resolves to its list of `Sample`."""
+
+    @abc.abstractmethod
+    def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
+        """Makes the engine serve ``weights`` as ``policy_version``; returns the version it confirms."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters of the engine's client (retries, drops, ...), logged every step."""
+        return {}
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the connection (and stops an engine process this object launched)."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,89 @@
+"""The rollout.v1 engine: Tether's own protocol, served by the reference server or any rollout.v1 server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping
+
+import numpy as np
+
+from rollout_client.client import ClientConfig
+from rollout_client.engine import SAMPLER_STEPS
+from rollout_client.engine import Engine
+from rollout_client.engine import EngineCapabilities
+from rollout_client.engine import EngineInfo
+from rollout_client.engine import VersionReporting
+from rollout_client.engine import WeightTransport
+from rollout_client.sampling_params import LogprobMode
+from rollout_client.sampling_params import PauseMode
+from rollout_client.sync_client import RolloutClient
+
+ROLLOUT_V1_CAPABILITIES = EngineCapabilities(
+    logprob_modes=frozenset(LogprobMode),
+    sampler_order=SAMPLER_STEPS,
+    pause_modes=frozenset(PauseMode),
+    weight_transport=WeightTransport.STREAMED,
+    version_reporting=VersionReporting.PER_TOKEN,
+    native_n=True,
+    honours_seed=True,
+)
+
+
+class TetherEngine(Engine):
+    """A rollout.v1 server reached at ``config.target``.
+
+    Args:
+      config: how to reach it.
+      process: the engine process this run launched (e.g. `rollout_client.EngineProcess`), stopped on `close`;
+        None for an external server.
+    """
+
+    name = "tether"
+    capabilities = ROLLOUT_V1_CAPABILITIES
+
+    def __init__(self, config: ClientConfig, process=None):
+        self.process = process
+        try:
+            self.client = RolloutClient(config)
+        except BaseException:
+            if process is not None:
+                process.stop()
+            raise
+
+    def info(self) -> EngineInfo:
+        reply = self.client.server_info()
+        return EngineInfo(policy_version=reply.policy_version, vocab_size=reply.vocab_size,
+                          eos_token_ids=tuple(reply.eos_token_ids), max_seq_len=reply.max_seq_len,
+                          model_identity=reply.model_config_hash)
+
+    def submit(self, request) -> concurrent.futures.Future:
+        return self.client.submit(request)
+
+    def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
+        """Pause -> stream -> resume; a server already at ``policy_version`` is left alone.
+
+        Raises:
+          RuntimeError: the server serves a newer version than ``policy_version``, or an external server serves
+            version 0 as a fresh learner does (its weights cannot be replaced: versions must increase).
+        """
+        served = self.client.server_info().policy_version
+        if served > policy_version:
+            raise RuntimeError(f"the server already serves policy version {served}, newer than the learner's "
+                               f"{policy_version}: restart the server (versions must increase)")
+        if served == policy_version:
+            if self.process is None and policy_version == 0:  # an external server's version 0 is its own weights
+                raise RuntimeError("the external server serves policy version 0, as does the fresh learner, so its "
+                                   "weights cannot be replaced (versions must increase): set warmup.steps > 0 or "
+                                   "model.hf_path, or serve the learner's initial weights")
+            return served  # our launched server from the same seed, or a version we pushed
+        return self.client.publish_weights(policy_version, weights=weights)
+
+    def metrics(self) -> dict[str, float]:
+        return self.client.metrics()
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            if self.process is not None:
+                self.process.stop()

@@ -1,0 +1,97 @@
+"""Batch assembly and the multi-host payload spec, in process: hand-made samples, values checked by hand."""
+
+import numpy as np
+import pytest
+
+from learner.rl import PayloadSpec, assemble_payload, demonstration_batch, load_config
+from learner.tasks import load_task
+from rollout_client import FinishReason, LogprobMode, Sample, SamplingParams
+
+TASK = load_task("addition_1digit", {"num_prompts": 8})
+TOKENIZER = TASK.tokenizer
+SAMPLER = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=3, seed=0)
+
+
+def _sample(record, answer: str, request: str, index: int, version: int = 5) -> Sample:
+    completion = np.append(TOKENIZER.encode(answer), TOKENIZER.eos_id).astype(np.int32)
+    return Sample(request_id=request, sample_index=index, prompt_token_ids=np.asarray(record["prompt_ids"], np.int32),
+                  completion_token_ids=completion, logprobs=np.full(completion.size, -0.5, np.float32),
+                  policy_versions=np.full(completion.size, version, np.int64), finish_reason=FinishReason.STOP,
+                  sampling=SAMPLER, logprob_mode=LogprobMode.PROCESSED)
+
+
+def test_groups_become_a_fixed_shape_batch_with_grpo_advantages():
+    records = [TASK.prompts()[i] for i in range(3)]
+    right = [record["answer"] for record in records]
+    groups = [
+        [_sample(records[0], right[0], "a", 0), _sample(records[0], "x", "a", 1)],  # rewards 1, 0
+        [_sample(records[1], right[1], "b", 0)],  # one sample of two was dropped: the group is left out
+        [_sample(records[2], "y", "c", 0), _sample(records[2], "z", "c", 1)],  # rewards 0, 0: advantage 0
+    ]
+    spec = PayloadSpec(rows=8, length=16, sampling=False, truncation=False)
+    payload, collated = assemble_payload(groups, records, TASK, spec, num_samples=2, logprob_mode="processed")
+    assert int(payload.real_rows) == 4
+    np.testing.assert_array_equal(payload.rewards, [1, 0, 0, 0, 0, 0, 0, 0])
+    # GRPO: (r - mean) / (std(ddof=1) + 1e-6): +-0.5 / 0.7071 for the first group, 0 for the second.
+    expected = np.array([0.5, -0.5, 0.0, 0.0]) / (np.sqrt(0.5) + 1e-6)
+    batch = payload.batch
+    for row in range(4):
+        prompt = collated.prompt_lengths[row]
+        completion = slice(prompt, prompt + collated.completion_lengths[row])
+        np.testing.assert_allclose(batch.advantages[row, completion], expected[row], rtol=1e-6)
+        assert batch.loss_mask[row, completion].all() and batch.loss_mask[row].sum() == collated.completion_lengths[row]
+        np.testing.assert_array_equal(batch.policy_version[row, completion], 5)
+        assert batch.attention_mask[row].sum() == prompt + collated.completion_lengths[row]
+    assert not batch.loss_mask[4:].any() and not batch.attention_mask[4:].any()  # padding rows
+    assert batch.tokens.dtype == np.int32 and batch.policy_version.dtype == np.int32  # the spec's dtypes
+
+
+def test_a_batch_whose_groups_were_all_dropped_is_an_error():
+    record = TASK.prompts()[0]
+    spec = PayloadSpec(rows=4, length=16, sampling=False, truncation=False)
+    with pytest.raises(RuntimeError, match="every group of this rollout batch was dropped"):
+        assemble_payload([[_sample(record, "1", "a", 0)]], [record], TASK, spec, 2, "processed")
+
+
+@pytest.mark.parametrize("overrides, sampling, truncation", [
+    ([], False, False),  # temperature 1, nothing truncated: the processed distribution is the plain one
+    (["rollout.temperature=0.7"], True, False),
+    (["rollout.top_p=0.9", "rollout.logprob_mode='raw'"], False, True),
+    (["rollout.top_k=5"], True, False),
+])
+def test_payload_spec_follows_the_rollout_section(overrides, sampling, truncation):
+    config = load_config(None, overrides)
+    spec = PayloadSpec.of_run(config.rollout, rows=8, length=32)
+    assert (spec.sampling, spec.truncation) == (sampling, truncation)
+    zeros = spec.zeros()
+    assert (zeros.batch.sampling is not None, zeros.truncation is not None) == (sampling, truncation)
+    spec.check(zeros)
+
+
+def test_payload_check_names_the_wrong_leaf():
+    spec = PayloadSpec(rows=4, length=8, sampling=False, truncation=False)
+    zeros = spec.zeros()
+    with pytest.raises(ValueError, match=r"batch.policy_version is int64 \(4, 8\), the spec says int32 \(4, 8\)"):
+        spec.check(zeros._replace(batch=zeros.batch.replace(policy_version=np.zeros((4, 8), np.int64))))
+    with pytest.raises(ValueError, match="structure"):
+        PayloadSpec(rows=4, length=8, sampling=True, truncation=False).check(zeros)
+
+
+class _PadIsEos:
+    """A task whose tokenizer pads with its eos id, as most Hugging Face tokenizers do."""
+
+    class tokenizer:
+        vocab_size, pad_id, eos_ids = 16, 2, (2,)
+
+    def prompts(self):
+        return [{"prompt_ids": np.array([5, 6, 7], np.int32)}]
+
+    def noisy_demonstration(self, prompt_ids, rng, noise):
+        return np.array([9, 2], np.int32)  # answer then eos (== pad)
+
+
+def test_demonstrations_keep_the_eos_in_attention_and_loss_when_pad_is_eos():
+    batch = demonstration_batch(_PadIsEos(), np.random.default_rng(0), size=2, noise=0.0, length=8, row_multiple=2)
+    np.testing.assert_array_equal(batch.tokens[0, :5], [5, 6, 7, 9, 2])
+    np.testing.assert_array_equal(batch.attention_mask[0], [1, 1, 1, 1, 1, 0, 0, 0])  # eos attended, padding not
+    np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1, 1, 0, 0, 0])  # eos trained on

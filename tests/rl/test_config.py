@@ -1,0 +1,88 @@
+"""The run config: one schema, every error naming the key the user wrote (in process, no JAX work)."""
+
+import pytest
+
+from learner.rl import RunConfig, load_config, to_dict
+from learner.rl.config import (changed_keys, checkpoint_config, client_config, correction_config, from_dict,
+                               optimizer_config, optimizer_updates, sampling_params, update_config)
+
+
+@pytest.mark.parametrize("override, message", [
+    # Holes of the old schema: each used to pass the config and fail later (or crash inside optax).
+    ("optimizer.warmup_steps=60", "optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates"),
+    ("rollout.temperature=nan", "rollout.temperature=nan: must be a finite number > 0"),
+    ("rollout.temperature=inf", "rollout.temperature=inf: must be a finite number > 0"),
+    ("rollout.min_p=1.0", "rollout.min_p=1.0: must be in [0, 1)"),
+    ("rollout.top_p=0.0", "rollout.top_p=0.0: must be in (0, 1]"),
+    ("rollout.top_k=-1", "rollout.top_k=-1: must be >= 0"),
+    # Library configs' own checks, reported under the user's key (not OptimizerConfig.peak_learning_rate).
+    ("optimizer.learning_rate=-1.0", "optimizer.learning_rate=-1.0 must be a finite number >= 0."),
+    ("optimizer.end_learning_rate=1.0", "optimizer.end_learning_rate=1.0 exceeds peak_learning_rate"),
+    ("update.num_minibatches=0", "update.num_minibatches=0 must be an int >= 1."),
+    ("checkpoints.keep_last=0", "checkpoints.keep_last must be >= 1 or None, got 0"),
+    ("server.generate_deadline_s=0", "server.generate_deadline_s=0.0: must be a finite number > 0"),
+    # Section fields, by their declared bounds.
+    ("loop.steps=0", "loop.steps=0: must be > 0"),
+    ("rollout.num_samples=1", "rollout.num_samples=1: must be >= 2"),
+    ("warmup.noise=1.5", "warmup.noise=1.5: must be >= 0 and <= 1"),
+    ("server.engine='vllm'", "server.engine='vllm': must be one of tether"),
+    ("rollout.logprob_mode='sampled'", "rollout.logprob_mode='sampled': must be one of raw, processed"),
+    ("checkpoints.every=0", "checkpoints.every=0: must be > 0"),
+    # Types, unknown keys, corrections.
+    ("loop.steps=1.5", "loop.steps=1.5: expected int"),
+    ("loop.checkpoint_every=2", "loop.checkpoint_every: unknown field; known: steps, seed"),
+    ("corrections.preset='nope'", "corrections.preset='nope': not one of corrections.PRESETS"),
+    ("corrections.overrides={clip=3}", "corrections.overrides:"),
+])
+def test_each_error_names_the_key_the_user_wrote(override, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_warmup_steps_counts_every_optimizer_update_of_the_run():
+    # 10 RL steps x 2 mini-batches x 2 epochs = 40 optimizer updates: 39 warmup steps fit, 40 do not.
+    base = ["loop.steps=10", "update.num_minibatches=2", "update.ppo_epochs=2"]
+    config = load_config(None, [*base, "optimizer.warmup_steps=39"])
+    assert optimizer_config(config, optimizer_updates(config, update_config(config, correction_config(config), None))
+                            ).total_steps == 40
+    with pytest.raises(ValueError, match=r"optimizer.warmup_steps=40: must be fewer than the run's 40"):
+        load_config(None, [*base, "optimizer.warmup_steps=40"])
+
+
+def test_library_configs_are_built_from_the_sections():
+    config = load_config(None, ["optimizer.learning_rate=3e-4", "optimizer.warmup_steps=5", "loop.steps=20",
+                                "update.logprob_chunk_size=256", "rollout.temperature=0.7", "rollout.top_k=5",
+                                "checkpoints.keep_last=4", "server.generate_deadline_s=12",
+                                "corrections.overrides={kl_coef=0.05}"])
+    correction = correction_config(config)
+    assert correction.kl_coef == 0.05
+    update = update_config(config, correction, length=128)
+    assert (update.logprob_chunk_size, update.corrections) == (128, correction)  # the chunk is capped at the length
+    optimizer = optimizer_config(config, 20)
+    # No end_learning_rate: constant after the warmup.
+    assert (optimizer.peak_learning_rate, optimizer.end_learning_rate, optimizer.warmup_steps,
+            optimizer.total_steps) == (3e-4, 3e-4, 5, 20)
+    assert checkpoint_config(config, "/ckpt").keep_last == 4
+    sampling = sampling_params(config, max_new_tokens=9, stop_token_ids=(2, 7))
+    assert (sampling.temperature, sampling.top_k, sampling.max_new_tokens, sampling.stop_token_ids) == (
+        0.7, 5, 9, (2, 7))
+    assert client_config(config, "127.0.0.1:5", auth_token="t").deadline_base_s == 12.0
+
+
+def test_config_round_trips_through_plain_data():
+    config = load_config("configs/default.toml", ["task.args={num_prompts=64}", "loop.steps=7"])
+    assert from_dict(to_dict(config)) == config
+
+
+def test_changed_keys_lists_what_a_resume_must_not_change():
+    saved = to_dict(load_config("configs/default.toml"))
+    same_run = load_config("configs/default.toml", ["loop.steps=500", "optimizer.learning_rate=5e-4"])
+    assert changed_keys(saved, same_run) == []  # a longer run, another learning rate: a resume may change these
+    other = load_config("configs/default.toml", ["task.args={num_prompts=10}", "rollout.num_samples=8",
+                                                 "corrections.preset=decoupled_geo_rs_token_tis", "model.name=small"])
+    assert changed_keys(saved, other) == ["corrections.preset", "model.name", "rollout.num_samples", "task.args"]
+
+
+def test_defaults_are_a_valid_config():
+    assert RunConfig().rollout.num_samples == 8
