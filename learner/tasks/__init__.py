@@ -38,12 +38,9 @@ two methods (a random question, its answer) give prompts, exact-match rewards an
 from learner.tasks._digit_tasks import Addition
 from learner.tasks._digit_tasks import ReverseDigits
 from learner.tasks._digit_tasks import SortDigits
-from learner.tasks._prompts import batch_rewards
-from learner.tasks._prompts import prompt_example
 from learner.tasks._protocols import Demonstrations
 from learner.tasks._protocols import Task
 from learner.tasks._protocols import Tokenizer
-from learner.tasks._registry import get_task
 from learner.tasks._registry import load_task
 from learner.tasks._registry import register_task
 from learner.tasks._registry import task_names
@@ -69,10 +66,7 @@ __all__ = (
     "Task",
     "TextTask",
     "Tokenizer",
-    "batch_rewards",
-    "get_task",
     "load_task",
-    "prompt_example",
     "register_task",
     "task_names",
 )

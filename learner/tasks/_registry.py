@@ -86,15 +86,6 @@ def _resolve(name: str) -> Any:
     return getattr(module, attribute)
 
 
-def get_task(name: str) -> Task:
-    """``load_task(name)``: the spelling `learner.train` still uses.
-
-    >>> get_task("sort_digits").solve("312")
-    '123'
-    """
-    return load_task(name)
-
-
 register_task("addition_1digit", functools.partial(Addition, digits=1))
 register_task("addition_2digit", functools.partial(Addition, digits=2))
 register_task("sort_digits", SortDigits)

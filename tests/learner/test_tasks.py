@@ -21,10 +21,7 @@ from learner.tasks import (
     Task,
     TextTask,
     Tokenizer,
-    batch_rewards,
-    get_task,
     load_task,
-    prompt_example,
     register_task,
     task_names,
 )
@@ -72,14 +69,14 @@ def test_reward_rejects_malformed_prompt():
     ("reverse_digits", "90210", "01209"),
 ])
 def test_solutions(name, question, answer):
-    assert get_task(name).solve(question) == answer
+    assert load_task(name).solve(question) == answer
 
 
-def test_batch_rewards():
-    task = get_task("addition_2digit")
-    prompts = [PROMPT_12_PLUS_79, PROMPT_12_PLUS_79, PROMPT_12_PLUS_79]
+def test_rewards_need_only_the_prompt_ids():
+    task = load_task("addition_2digit")
+    rows = [{"prompt_ids": PROMPT_12_PLUS_79}] * 3
     completions = [_completion("91", EOS_ID), _completion("19", EOS_ID), _completion("91")]
-    np.testing.assert_array_equal(batch_rewards(task, prompts, completions), [1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(task.rewards(rows, completions), [1.0, 0.0, 0.0])
 
 
 @given(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40))
@@ -102,13 +99,12 @@ def test_tokenizer_fits_tiny_model_and_rejects_non_characters():
 
 @pytest.mark.parametrize("name", task_names())
 def test_prompts_are_deterministic_per_seed_and_index(name):
-    task = get_task(name)
-    first = [prompt_example(task, seed=7, index=i) for i in range(20)]
-    again = [prompt_example(task, seed=7, index=i) for i in range(20)]
-    other_seed = [prompt_example(task, seed=8, index=i) for i in range(20)]
+    first = load_task(name, {"num_prompts": 20, "seed": 7}).prompts()
+    again = load_task(name, {"num_prompts": 20, "seed": 7}).prompts()
+    other_seed = load_task(name, {"num_prompts": 20, "seed": 8}).prompts()
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a["prompt_ids"], b["prompt_ids"])
-        assert a["prompt_length"] == b["prompt_length"]
+        assert a["answer"] == b["answer"]
     assert any(not np.array_equal(a["prompt_ids"], c["prompt_ids"]) for a, c in zip(first, other_seed))
     assert len({a["prompt_ids"].tobytes() for a in first}) > 1
 
@@ -116,28 +112,27 @@ def test_prompts_are_deterministic_per_seed_and_index(name):
 @settings(max_examples=50, deadline=None)
 @given(name=st.sampled_from(task_names()), seed=st.integers(0, 2**32 - 1), index=st.integers(0, 2**20))
 def test_demonstrations_always_score_one(name, seed, index):
-    task = get_task(name)
-    example = prompt_example(task, seed, index)
-    prompt = example["prompt_ids"]
-    length = int(example["prompt_length"])
-    assert prompt.shape == (task.max_prompt_tokens,) and 3 <= length <= task.max_prompt_tokens
-    assert np.all(prompt[length:] == PAD_ID)
+    task = load_task(name, {"num_prompts": index + 1, "seed": seed})
+    prompt = task.prompts()[index]["prompt_ids"]
+    assert prompt.dtype == np.int32 and 3 <= len(prompt) <= task.max_prompt_tokens
+    padded = np.pad(prompt, (0, task.max_prompt_tokens - len(prompt)), constant_values=PAD_ID)
     demonstration = task.demonstration(prompt)
     assert len(demonstration) <= task.max_completion_tokens and demonstration[-1] == EOS_ID
-    assert task.reward(prompt, demonstration) == 1.0
-    assert task.reward(prompt[:length], demonstration) == 1.0
+    np.testing.assert_array_equal(task.demonstration(padded), demonstration)
+    assert task.rewards([{"prompt_ids": prompt}, {"prompt_ids": padded}], [demonstration] * 2).tolist() == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("name", task_names())
 def test_noisy_demonstrations(name):
-    task = get_task(name)
+    task = load_task(name)
     rng = np.random.default_rng(0)
-    prompts = [prompt_example(task, 0, i)["prompt_ids"] for i in range(200)]
+    rows = [task.prompts()[i] for i in range(200)]
+    prompts = [row["prompt_ids"] for row in rows]
     for prompt in prompts[:20]:
         np.testing.assert_array_equal(task.noisy_demonstration(prompt, rng, noise=0.0), task.demonstration(prompt))
     noisy = [task.noisy_demonstration(p, rng, noise=0.5) for p in prompts]
     assert all(len(n) == len(task.demonstration(p)) and n[-1] == EOS_ID for n, p in zip(noisy, prompts))
-    mean_reward = batch_rewards(task, prompts, noisy).mean()
+    mean_reward = task.rewards(rows, noisy).mean()
     assert 0.0 < mean_reward < 0.6
 
 
@@ -256,24 +251,24 @@ def test_registered_digit_tasks_take_args():
     assert task == SortDigits(num_prompts=10, seed=3) and len(task.prompts()) == 10
     assert load_task("addition_2digit", {"seed": 5}) == Addition(digits=2, seed=5)
     for i in (0, 9, -1):
-        example = prompt_example(task, 3, range(10)[i])
-        np.testing.assert_array_equal(task.prompts()[i]["prompt_ids"],
-                                      example["prompt_ids"][: example["prompt_length"]])
+        prompt_ids, answer = task.make_prompt(np.random.default_rng((3, range(10)[i])))
+        np.testing.assert_array_equal(task.prompts()[i]["prompt_ids"], prompt_ids)
+        assert task.prompts()[i]["answer"] == answer
     with pytest.raises(IndexError):
         task.prompts()[10]
 
 
 def test_default_prompts_are_todays_stream():
     task = load_task("addition_1digit")
-    assert task == get_task("addition_1digit") == Addition(digits=1, num_prompts=4096, seed=0)
+    assert task == Addition(digits=1, num_prompts=4096, seed=0)
     rows = task.prompts()
     assert len(rows) == 4096
     assert [TOKENIZER.decode(rows[i]["prompt_ids"][1:-1]) for i in range(4)] == ["8+6", "5+8", "9+0", "5+8"]
     assert [rows[i]["answer"] for i in range(4)] == ["14", "13", "9", "13"]
     for i in range(50):
-        example = prompt_example(task, 0, i)
-        assert rows[i]["prompt_ids"].dtype == np.int32
-        np.testing.assert_array_equal(rows[i]["prompt_ids"], example["prompt_ids"][: example["prompt_length"]])
+        prompt_ids, answer = task.make_prompt(np.random.default_rng((0, i)))
+        assert rows[i]["prompt_ids"].dtype == np.int32 and rows[i]["answer"] == answer
+        np.testing.assert_array_equal(rows[i]["prompt_ids"], prompt_ids)
 
 
 @pytest.mark.parametrize("name", task_names())
