@@ -292,6 +292,15 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
                              param_shardings=shardings.params)
     ref_shardings = shardings.params if config.corrections.kl_coef > 0 else None
-    return jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings),
-                   out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
-                   donate_argnums=0, compiler_options=compiler_options)
+    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings),
+                     out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
+                     donate_argnums=0, compiler_options=compiler_options)
+    if ref_shardings is None:
+        return jitted
+
+    def update_with_reference(state, batch, ref_params):
+        if ref_params is None:  # before jit, whose in_shardings check would fail first, naming no argument
+            raise ValueError("ref_params are required when corrections.kl_coef > 0.")
+        return jitted(state, batch, ref_params)
+
+    return update_with_reference

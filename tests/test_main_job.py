@@ -98,6 +98,13 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     agreement = json.loads((run_dir / "process_0.json").read_text())
     assert agreement["steps"] == [1, 2, 3, 4] and agreement["policy_version"] == 6
 
+    # The same command again: the run is finished, says so and exits 0, quietly (no server started, no asyncio noise).
+    rerun = subprocess.run(train_command(run_dir, "loop.steps=4", "checkpoints.every=2"), cwd=REPO_ROOT,
+                           env=train_env(), capture_output=True, text=True, timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{run_dir}: already finished at step 4 of 4; nothing to do" in rerun.stdout
+    assert rerun.stderr == "" and not (run_dir / "server.log").read_text().count("listening") > 1
+
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     from recompute_diagnostics import recompute
 

@@ -188,9 +188,6 @@ def test_kl_without_ref_params_is_a_value_error(problem):
                     optimizer=OPTIMIZER, config=config)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,  # pytest.raises: the regex does not match
-                   reason="make_update_fn's jit checks in_shardings before update_step runs: None ref_params give "
-                          "jax's 'pytree structure error ... pjit in_shardings[2]', not the message naming ref_params")
 def test_jitted_update_without_ref_params_names_them(problem):
     with pytest.raises(ValueError, match="ref_params"):
         problem["run"](_kl_config("k3"), None)
