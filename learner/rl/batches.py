@@ -130,14 +130,14 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
                         row_multiple: int) -> TrainBatch:
     """A supervised batch of noisy demonstrations of random prompts of ``task`` (loss on the completion tokens).
 
-    Needs a task with ``noisy_demonstration`` (`learner.tasks.Demonstrations`). Host NumPy ``[size', length]``.
+    Needs a task with ``make_prompt`` and ``noisy_demonstration`` (`learner.tasks.Demonstrations`): fresh prompts,
+    not the RL prompt stream. Host NumPy ``[size', length]``.
     """
-    records = task.prompts()
     tokens = np.full((size, length), task.tokenizer.pad_id, np.int32)
     loss_mask = np.zeros((size, length), np.float32)
     lengths = np.zeros(size, np.int32)  # real tokens per row (not `tokens != pad_id`: pad may equal eos)
     for row in range(size):
-        prompt = np.asarray(records[int(rng.integers(len(records)))]["prompt_ids"], np.int32)
+        prompt = np.asarray(task.make_prompt(rng)[0], np.int32)
         completion = task.noisy_demonstration(prompt, rng, noise)
         tokens[row, :len(prompt) + len(completion)] = np.concatenate([prompt, completion])
         loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0

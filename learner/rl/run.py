@@ -115,7 +115,7 @@ class Run:
         self.task = load_task(config.task.name, config.task.args)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
-                             "noisy_demonstration for a warm-up; set warmup.steps = 0")
+                             "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
         self.trainer = Trainer(config, self.task)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned

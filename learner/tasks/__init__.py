@@ -5,7 +5,8 @@ function (``rewards(rows, completions)``). The loop loads it from the run config
 ``task.name`` is a registered name (`task_names`: the digit tasks, `register_task` adds more) or an import path
 ``"package.module:attribute"``, and ``task.args`` are the keyword arguments of that class or factory. The loop
 shuffles, batches and checkpoints its position in ``prompts()``, so a task knows nothing of epochs or processes.
-A task that also has ``noisy_demonstration`` (`Demonstrations`) can feed the supervised warm-up.
+A task that also has ``make_prompt`` and ``noisy_demonstration`` (`Demonstrations`) can feed the supervised
+warm-up.
 
 A task is any class with these members; no base class is needed. Copy a digit string:
 

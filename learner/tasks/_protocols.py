@@ -56,7 +56,10 @@ class Task(Protocol):
 
 @runtime_checkable
 class Demonstrations(Protocol):
-    """Optional: a task that can write (noisy) correct completions feeds the supervised warm-up."""
+    """Optional: a task that can draw fresh prompts and write (noisy) correct completions feeds the warm-up."""
+
+    def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, Any]:
+        """A new random prompt: its int32 ids, and whatever else the task knows of it (e.g. the answer)."""
 
     def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float) -> np.ndarray:
         """int32 ids of a correct completion (stop id included) for ``prompt_ids``, corrupted at rate ``noise``."""

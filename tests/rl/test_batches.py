@@ -83,8 +83,8 @@ class _PadIsEos:
     class tokenizer:
         vocab_size, pad_id, eos_ids = 16, 2, (2,)
 
-    def prompts(self):
-        return [{"prompt_ids": np.array([5, 6, 7], np.int32)}]
+    def make_prompt(self, rng):
+        return np.array([5, 6, 7], np.int32), None
 
     def noisy_demonstration(self, prompt_ids, rng, noise):
         return np.array([9, 2], np.int32)  # answer then eos (== pad)
