@@ -15,6 +15,7 @@ import concurrent.futures
 from collections.abc import Iterator
 
 from rollout_client.client import RolloutRequest
+from rollout_client.engine import Engine
 from rollout_client.samples import Sample
 from rollout_client.sync_client import RolloutClient
 
@@ -23,14 +24,15 @@ class RolloutBuffer:
     """Keeps `max_in_flight` requests from `requests` running on `client`.
 
     Args:
-      client: where requests run.
+      client: where requests run: a `rollout_client.Engine` (what the learner passes) or a `RolloutClient`;
+        anything whose ``submit(request)`` returns a future of samples.
       requests: the stream of requests to issue, in order.
       max_in_flight: how many requests run while the learner works (k).
       max_staleness: largest allowed learner version - oldest token version.
       prefetch: refill as soon as a request is taken (False: only when none is left, at the next `get`).
     """
 
-    def __init__(self, client: RolloutClient, requests: Iterator[RolloutRequest], max_in_flight: int,
+    def __init__(self, client: Engine | RolloutClient, requests: Iterator[RolloutRequest], max_in_flight: int,
                  max_staleness: int, prefetch: bool = True):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
