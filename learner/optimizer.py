@@ -1,8 +1,10 @@
 """The optax optimizer of the learner: AdamW on a warmup + cosine schedule after global-norm clipping.
 
-With ``skip_nonfinite`` the chain is wrapped in ``optax.apply_if_finite``: an update whose gradients hold NaN or inf
-leaves parameters and moments unchanged and is counted in the optimizer state (`skipped_updates`). The update step
-makes the gradients non-finite when the loss is, so a non-finite loss is skipped too.
+With ``skip_nonfinite`` the chain is wrapped in `skip_nonfinite`: an update whose gradients hold NaN or inf leaves
+parameters and moments unchanged and is counted in the optimizer state (`skipped_updates`), however many come in a
+row (``optax.apply_if_finite`` applies the update after ``max_consecutive_errors`` skips, which trains on NaN). The
+update step makes the gradients non-finite when the loss is, so a non-finite loss is skipped too; the caller stops
+after ``max_consecutive_skips`` (`learner.rl` counts RL steps with a skipped update).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay, applied to every parameter.
     max_grad_norm: float | None = 1.0  # global-norm clip threshold; None disables clipping.
     skip_nonfinite: bool = True  # skip (and count) updates with a non-finite loss or gradient.
-    max_consecutive_skips: int = 10  # after this many consecutive skips the update is applied anyway (fail loud).
+    max_consecutive_skips: int = 10  # consecutive skipped steps after which the caller stops (never applied).
 
     def __post_init__(self):
         for name in ("peak_learning_rate", "end_learning_rate", "eps", "weight_decay"):
@@ -77,9 +79,41 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     adamw = optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2, eps=config.eps,
                         weight_decay=config.weight_decay)
     optimizer = optax.chain(*clip, adamw)
-    if config.skip_nonfinite:
-        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=config.max_consecutive_skips)
-    return optimizer
+    return skip_nonfinite(optimizer) if config.skip_nonfinite else optimizer
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``inner``, except that an update with a non-finite gradient is zero and leaves ``inner``'s state unchanged.
+
+    Never applied, however many come in a row. The state is ``optax.ApplyIfFiniteState`` (``notfinite_count``:
+    consecutive skips, ``total_notfinite``: all skips), so checkpoints keep their structure.
+
+    Example:
+        >>> optimizer = skip_nonfinite(optax.sgd(1.0))
+        >>> params = {"w": jnp.ones(1)}
+        >>> state = optimizer.init(params)
+        >>> for _ in range(20):
+        ...     updates, state = optimizer.update({"w": jnp.array([jnp.nan])}, state, params)
+        >>> float(updates["w"][0]), int(state.notfinite_count)
+        (0.0, 20)
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
+                                        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+    def update(updates, state, params=None, **extra_args):
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(updates)]))
+        updates, inner_state = jax.lax.cond(
+            finite, lambda: inner.update(updates, state.inner_state, params, **extra_args),
+            lambda: (jax.tree.map(jnp.zeros_like, updates), state.inner_state))
+        skipped = (~finite).astype(jnp.int32)
+        return updates, optax.ApplyIfFiniteState(
+            notfinite_count=jnp.where(finite, 0, state.notfinite_count + 1), last_finite=finite,
+            total_notfinite=state.total_notfinite + skipped, inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def skipped_updates(opt_state: optax.OptState) -> jax.Array:

@@ -36,6 +36,10 @@ def test_nonfinite_gradients_are_skipped_and_counted():
     np.testing.assert_array_equal(updates["w"], 0.0)
     updates, state = optimizer.update({"w": jnp.ones(2)}, state, params)
     assert np.all(updates["w"] < 0) and int(skipped_updates(state)) == 1
+    for _ in range(12):  # optax.apply_if_finite(max_consecutive_errors=2) would apply the third one
+        updates, state = optimizer.update(bad, state, params)
+        np.testing.assert_array_equal(updates["w"], 0.0)
+    assert int(skipped_updates(state)) == 13 and int(state.notfinite_count) == 12
     no_skip = make_optimizer(OptimizerConfig(skip_nonfinite=False))
     assert int(skipped_updates(no_skip.init(params))) == 0
     assert not isinstance(no_skip.init(params), optax.ApplyIfFiniteState)
