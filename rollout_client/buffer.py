@@ -2,8 +2,10 @@
 
 While the learner trains on one group, up to `max_in_flight` further requests are
 being generated. Groups come out in submission order (deterministic given the
-request stream), and samples whose oldest token is more than `max_staleness`
-versions behind the learner are dropped and counted.
+request stream). Samples whose oldest token is more than `max_staleness` versions
+behind the learner are dropped and counted, and so are samples with a token version
+ahead of the learner's: only the learner makes versions, so such a sample is corrupt
+(and would pass the staleness filter with a negative lag).
 
 Without prefetch (synchronous RL), nothing runs while the learner trains: the
 first `get` after the in-flight requests are used up issues the next
@@ -45,6 +47,7 @@ class RolloutBuffer:
         self._prefetch = prefetch
         self._in_flight: collections.deque[concurrent.futures.Future] = collections.deque()
         self.stale_dropped = 0
+        self.ahead_dropped = 0
         if prefetch:
             self.fill()
 
@@ -61,7 +64,9 @@ class RolloutBuffer:
             self._in_flight.append(self._client.submit(request))
 
     def get(self, learner_version: int, timeout_s: float | None = None) -> list[Sample]:
-        """The oldest request's fresh samples; refills the buffer (see `prefetch`).
+        """The oldest request's samples with versions in [learner_version - max_staleness, learner_version].
+
+        Refills the buffer (see `prefetch`).
 
         Raises:
           StopIteration: nothing in flight and the request stream is exhausted.
@@ -75,8 +80,10 @@ class RolloutBuffer:
         if self._prefetch:
             self.fill()
         samples = future.result(timeout_s)
-        fresh = [s for s in samples if learner_version - s.oldest_version <= self._max_staleness]
-        self.stale_dropped += len(samples) - len(fresh)
+        possible = [s for s in samples if s.policy_versions.max() <= learner_version]
+        fresh = [s for s in possible if learner_version - s.oldest_version <= self._max_staleness]
+        self.ahead_dropped += len(samples) - len(possible)
+        self.stale_dropped += len(possible) - len(fresh)
         return fresh
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -84,7 +91,8 @@ class RolloutBuffer:
         concurrent.futures.wait(list(self._in_flight), timeout_s)
 
     def metrics(self) -> dict[str, int]:
-        return {"buffer/in_flight": len(self._in_flight), "buffer/stale_dropped": self.stale_dropped}
+        return {"buffer/in_flight": len(self._in_flight), "buffer/stale_dropped": self.stale_dropped,
+                "samples/dropped/version_ahead": self.ahead_dropped}
 
     def close(self) -> None:
         """Cancels what is still in flight."""

@@ -34,8 +34,9 @@ from rollout_client.sampling_params import SamplingParams
 from rollout_client.samples import Sample
 from rollout_client.samples import StreamAssembler
 from rollout_client.samples import build_sample
-from rollout_client.validation import ValidationCounters
+from rollout_client.validation import Expected
 from rollout_client.validation import ValidationConfig
+from rollout_client.validation import ValidationCounters
 from rollout_client.validation import find_problem
 from rollout_client.weight_chunks import split_weights
 
@@ -124,6 +125,8 @@ class AsyncRolloutClient:
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info: pb.ServerInfo | None = None
+        self._abort_requested: set[str] = set()  # Request ids this client asked to abort and not yet answered.
+        self._abort_pauses = 0  # How many pause(ABORT) calls this client made.
 
     async def connect(self) -> pb.ServerInfo:
         """Waits for SERVING, then fetches the server info."""
@@ -171,6 +174,13 @@ class AsyncRolloutClient:
           InvalidRolloutError: a sample is invalid and validation says "raise".
           RolloutDeadlineError, RolloutUnavailableError, ProtocolError, grpc.aio.AioRpcError.
         """
+        try:
+            return await self._generate(request)
+        finally:
+            self._abort_requested.discard(request.request_id)
+
+    async def _generate(self, request: RolloutRequest) -> list[Sample]:
+        """`generate`, with its retries."""
         if self._info is None:
             await self.server_info()
         if request.sampling.seed is None:  # Fixed here so that a retried sample is the same draw.
@@ -179,12 +189,13 @@ class AsyncRolloutClient:
         prompt = np.asarray(request.prompt_token_ids, np.int32)
         results: dict[int, Sample | None] = {}  # None: received and dropped.
         deadline_s = self.generate_deadline_s(request)
+        abort_pauses = self._abort_pauses
         failures = 0
         while len(results) < request.num_samples:
             missing = [i for i in range(request.num_samples) if i not in results]
             received_before = len(results)
             try:
-                await self._generate_once(request, prompt, missing, results, deadline_s)
+                await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
             except grpc.aio.AioRpcError as error:
                 deadline = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 if not deadline and error.code() != grpc.StatusCode.UNAVAILABLE:
@@ -209,20 +220,37 @@ class AsyncRolloutClient:
                     f"{sorted(set(missing) - set(results))}")
         return [results[i] for i in sorted(results) if results[i] is not None]
 
+    def expected(self, request: RolloutRequest, abort_requested: bool = False) -> Expected:
+        """What each sample of `request` must satisfy, from the request, the server info and `config.validation`."""
+        validation = self.config.validation
+        vocab_size = min(self._info.vocab_size, validation.vocab_size or self._info.vocab_size)
+        return Expected(sampling=request.sampling.to_proto(), vocab_size=vocab_size,
+                        version_floor=request.min_policy_version, min_logprob=validation.min_logprob,
+                        abort_requested=abort_requested)
+
     async def _generate_once(self, request: RolloutRequest, prompt: np.ndarray, indices: list[int],
-                             results: dict[int, Sample | None], deadline_s: float) -> None:
-        """One Generate call for `indices`; stores each final sample in `results`."""
+                             results: dict[int, Sample | None], deadline_s: float, abort_pauses: int) -> None:
+        """One Generate call for `indices`; stores each final sample in `results` (None: dropped).
+
+        A sample index that already has a result is a duplicate: dropped and counted, the first one kept. An
+        ABORT finish is expected only when this client aborted the request, or paused with ABORT, since
+        `abort_pauses` pauses were counted.
+        """
         subset = indices if len(indices) < request.num_samples else None
         call = self._stub.Generate(request.to_proto(subset), timeout=deadline_s, metadata=self._metadata)
         assembler = StreamAssembler()
         async for response in call:
             raw = assembler.add(response)
-            if raw is None or response.sample_index in results:
+            if raw is None:
                 continue
-            if response.sample_index not in indices:
+            if response.sample_index in results:
+                problem = "duplicate_sample_index", "a second final message for this sample index"
+            elif response.sample_index not in indices:
                 raise errors.ProtocolError(
                     f"Generate {request.request_id}: unexpected sample_index {response.sample_index}")
-            problem = find_problem(raw, self._info.vocab_size, request.min_policy_version)
+            else:
+                aborting = request.request_id in self._abort_requested or self._abort_pauses != abort_pauses
+                problem = find_problem(raw, self.expected(request, aborting))
             if problem is not None:
                 name, detail = problem
                 if self.config.validation.on_invalid == "raise":
@@ -230,14 +258,19 @@ class AsyncRolloutClient:
                     raise errors.InvalidRolloutError(
                         f"request {request.request_id} sample {response.sample_index}: {name}: {detail}")
                 self.counters.dropped[name] += 1
-                results[response.sample_index] = None
+                results.setdefault(response.sample_index, None)
                 continue
             self.counters.accepted += 1
             results[response.sample_index] = build_sample(
                 raw, request.request_id, response.sample_index, prompt, request.logprob_mode)
 
     async def pause(self, mode: PauseMode = PauseMode.KEEP) -> int:
-        """Pauses generation; returns the server's policy version."""
+        """Pauses generation; returns the server's policy version.
+
+        With ABORT, the samples it ends are returned (finish reason ABORT) instead of dropped as `aborted`.
+        """
+        if mode == PauseMode.ABORT:  # Counted before the call: the aborted samples may arrive before its reply.
+            self._abort_pauses += 1
         reply = await self._control(self._stub.PauseGeneration, pb.PauseGenerationRequest(mode=int(mode)))
         return reply.policy_version
 
@@ -247,8 +280,17 @@ class AsyncRolloutClient:
         return reply.policy_version
 
     async def abort(self, request_ids: list[str]) -> list[str]:
-        """Aborts requests; returns those that were active."""
-        reply = await self._control(self._stub.Abort, pb.AbortRequest(request_ids=request_ids))
+        """Aborts requests; returns those that were active.
+
+        Their samples that end by the abort are returned (finish reason ABORT) instead of dropped as `aborted`.
+        """
+        self._abort_requested.update(request_ids)  # Before the call: the aborted samples may arrive before its reply.
+        try:
+            reply = await self._control(self._stub.Abort, pb.AbortRequest(request_ids=request_ids))
+        except BaseException:
+            self._abort_requested.difference_update(request_ids)
+            raise
+        self._abort_requested.difference_update(set(request_ids) - set(reply.aborted_request_ids))
         return list(reply.aborted_request_ids)
 
     async def update_weights_from_path(self, policy_version: int, path: str,

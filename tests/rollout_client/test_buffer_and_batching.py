@@ -15,6 +15,7 @@ from rollout_client import collate
 from rollout_client.protocol import pb
 from rollout_client.samples import RawSample
 from rollout_client.samples import StreamAssembler
+from rollout_client.validation import Expected
 from rollout_client.validation import find_problem
 
 PARAMS = SamplingParams(max_new_tokens=20, stop_token_ids=())
@@ -39,7 +40,7 @@ def test_buffer_drops_samples_older_than_max_staleness(client):
     buffer = RolloutBuffer(client, requests(), max_in_flight=2, max_staleness=1)
     assert len(buffer.get(learner_version=1, timeout_s=10)) == 2  # Staleness 1 - 0 = 1: kept.
     assert buffer.get(learner_version=2, timeout_s=10) == []  # Staleness 2: dropped.
-    assert buffer.metrics() == {"buffer/in_flight": 2, "buffer/stale_dropped": 2}
+    assert buffer.metrics() == {"buffer/in_flight": 2, "buffer/stale_dropped": 2, "samples/dropped/version_ahead": 0}
     buffer.close()
 
 
@@ -104,7 +105,7 @@ def raw(tokens, logprobs, spans, completion_tokens=None):
     (raw([1, 2], [-1.0, -1.0], [(0, 1, 0), (1, 2, 1)]), 1, "version_below_floor"),
 ])
 def test_find_problem(sample, floor, problem):
-    found = find_problem(sample, vocab_size=10, version_floor=floor)
+    found = find_problem(sample, Expected(pb.SamplingParams(), vocab_size=10, version_floor=floor))
     assert (found and found[0]) == problem
 
 
@@ -139,7 +140,7 @@ def test_assembler_reports_malformed_bytes_instead_of_decoding_them(chunk, final
         assembler.add(message("chunk", *chunk))
     raw = assembler.add(message("final", *final, completion_tokens=3, finish_reason=pb.FINISH_REASON_STOP))
     assert raw.token_ids.size == 0 and raw.logprobs.size == 0
-    assert find_problem(raw, vocab_size=10, version_floor=None)[0] == problem
+    assert find_problem(raw, Expected(pb.SamplingParams(), vocab_size=10))[0] == problem
 
 
 def test_batch_from_server_passes_corrections_checks(client):
