@@ -14,6 +14,15 @@ such as GCS orbax marks completion with a commit file instead), so a process kil
 checkpoints intact; the next `Checkpointer` on the directory deletes the partial one (in the background, finished
 before its first save).
 
+Every checkpoint is verified. Once a save is final (at the next save, `wait_until_finished`, `restore` or `close`),
+process 0 writes ``<step>/manifest.json``: the sha256 and size of every file of the checkpoint. `restore` checks the
+files it finds against it (on several hosts without a shared file system a process sees only its own shards) and,
+with no explicit step, falls back to the newest checkpoint that verifies and loads: the skipped ones (a digest or
+size mismatch naming the file, or the load error) are reported in `Restored.skipped` and as warnings, and set aside
+as ``<step>.unverified`` so the run can save those steps again. A checkpoint without a manifest (killed before it
+was written, or written before manifests existed) is tried as it is. Retention never deletes the newest checkpoint
+with a manifest, whatever ``keep_last`` says.
+
 Restores take a target tree of ``jax.ShapeDtypeStruct`` with shardings (`restore_target`); each process reads
 only the slices its devices need, so a state saved on one mesh restores onto any other (8 devices -> 2, another
 fsdp / tensor split). Multi-host: every process makes the same calls; orbax coordinates the writes.
@@ -32,17 +41,24 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import hashlib
+import json
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import grain.checkpoint
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 
 _STATE = "state"
 _METADATA = "metadata"
 _DATA = "data"
+MANIFEST = "manifest.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +96,7 @@ class Restored(NamedTuple):
     step: int
     state: Any  # The state pytree, on the target's shardings.
     metadata: dict[str, Any]  # {"step", "policy_version", "config"} as saved.
+    skipped: tuple[str, ...] = ()  # newer checkpoints that failed verification or loading, each with the reason.
 
 
 def restore_target(state, shardings):
@@ -105,14 +122,73 @@ def _config_json(config) -> Any:
     return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
 
 
+def _sha256(path: epath.Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(step_dir: epath.Path, prefix: str = "") -> dict[str, epath.Path]:
+    """Every file under ``step_dir`` but the manifest, by relative path (iterdir: epath has no recursive glob)."""
+    files = {}
+    for path in sorted(step_dir.iterdir()):
+        if path.is_dir():
+            files.update(_files(path, f"{prefix}{path.name}/"))
+        elif path.name != MANIFEST:
+            files[prefix + path.name] = path
+    return files
+
+
+def write_manifest(step_dir: epath.Path) -> None:
+    """Writes ``step_dir/manifest.json``: ``{relative path: [sha256, size]}`` of every file of the checkpoint."""
+    manifest = {name: [_sha256(path), path.stat().length] for name, path in _files(step_dir).items()}
+    (step_dir / MANIFEST).write_text(json.dumps(manifest, indent=0, sort_keys=True))
+
+
+def verify_manifest(step_dir: epath.Path) -> str | None:
+    """Why ``step_dir`` fails its manifest (the first file whose size or sha256 differs), or None if it verifies.
+
+    Only files present here are checked (another host may hold the rest); a missing one fails the load instead.
+    """
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    for name, (expected, size) in manifest.items():
+        path = step_dir / name
+        if not path.exists():
+            continue
+        if (actual_size := path.stat().length) != size:
+            return f"{path}: {actual_size} bytes, the manifest says {size}"
+        if (actual := _sha256(path)) != expected:
+            return f"{path}: sha256 {actual}, the manifest says {expected}"
+    return None
+
+
+class _NewestVerified:
+    """Preservation policy keeping the newest checkpoint that has a manifest (see `Checkpointer`)."""
+
+    def __init__(self, directory: epath.Path):
+        self.directory = directory
+
+    def should_preserve(self, checkpoints: Sequence, *, context) -> list[bool]:
+        verified = [c.step for c in checkpoints if (self.directory / str(c.step) / MANIFEST).exists()]
+        return [bool(verified) and c.step == max(verified) for c in checkpoints]
+
+
 def _retention(config: CheckpointConfig, metric_fn) -> checkpoint_managers.PreservationPolicy:
-    latest = checkpoint_managers.LatestN(n=config.keep_last)
-    if not config.keep_best:
-        return latest
-    best = checkpoint_managers.BestN(get_metric_fn=metric_fn,
-                                     reverse=config.best_mode == "min", n=config.keep_best,
-                                     keep_checkpoints_without_metrics=False)
-    return checkpoint_managers.AnyPreservationPolicy([latest, best])
+    policies = [checkpoint_managers.LatestN(n=config.keep_last), _NewestVerified(epath.Path(config.directory))]
+    if config.keep_best:
+        policies.append(checkpoint_managers.BestN(get_metric_fn=metric_fn,
+                                                  reverse=config.best_mode == "min", n=config.keep_best,
+                                                  keep_checkpoints_without_metrics=False))
+    return checkpoint_managers.AnyPreservationPolicy(policies)
+
+
+def _agree(ok: bool) -> bool:
+    """True on every process when it is on all of them (identity for one process)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
 class Checkpointer:
@@ -134,6 +210,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # partial saves of a killed run are deleted here
         )
         self._manager = ocp.CheckpointManager(config.directory, options=options)
+        self._directory = epath.Path(config.directory)
+        self._unsealed: set[int] = set()  # saved steps whose manifest is not written yet
 
     def save(self, step: int, state, *, policy_version: int, config=None, data_iterator=None,
              metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
@@ -161,31 +239,82 @@ class Checkpointer:
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
         metrics = None if self.config.best_metric is None else {k: float(v) for k, v in metrics.items()}
-        return self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
+        self.wait_until_finished()  # the manager waits for the previous save anyway; seal it first
+        started = self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
+        if started:
+            self._unsealed.add(step)
+            if not self.config.async_save:
+                self.wait_until_finished()
+        return started
 
     def restore(self, target, *, step: int | None = None, data_iterator=None) -> Restored:
-        """Restores checkpoint ``step`` (default: the latest) onto the shardings of ``target``.
+        """Restores checkpoint ``step`` (default: the newest that verifies and loads) onto the shardings of ``target``.
+
+        With no ``step``, newer checkpoints that fail their manifest or their load are skipped (with a warning, in
+        `Restored.skipped`) and set aside as ``<step>.unverified``. Several processes agree on a checkpoint's
+        manifest; a load error there is raised, not skipped (the processes could disagree on it).
 
         Args:
             target: pytree with the structure of the saved state whose leaves are ``jax.ShapeDtypeStruct`` with
                 shardings (see `restore_target`) or arrays (their shardings are used).
-            step: which checkpoint; None for the latest.
+            step: which checkpoint; None for the newest one that verifies.
             data_iterator: a grain ``DatasetIterator`` over the same pipeline; its position is set to the saved one.
 
         Raises:
             FileNotFoundError: there is no checkpoint (at ``step``).
+            ValueError: checkpoint ``step`` fails its manifest, or no checkpoint verifies and loads.
         """
-        self._manager.wait_until_finished()  # the latest step may still be in flight
-        step = self._existing_step(step)
+        self.wait_until_finished()  # the latest step may still be in flight
+        candidates = [self._existing_step(step)] if step is not None else self.all_steps()[::-1]
+        if not candidates:
+            raise FileNotFoundError(f"no checkpoint in {self.config.directory}")
         items = {_STATE: ocp.args.StandardRestore(target), _METADATA: ocp.args.JsonRestore()}
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        return Restored(step=step, state=restored[_STATE], metadata=dict(restored[_METADATA]))
+        skipped = []
+        for candidate in candidates:
+            problem = self._verify(candidate)
+            if problem is None:
+                try:
+                    restored = self._manager.restore(candidate, args=ocp.args.Composite(**items))
+                except Exception as error:  # noqa: BLE001 -- any load error: skip to an older checkpoint
+                    if step is not None or jax.process_count() > 1:
+                        raise
+                    problem = f"load failed: {type(error).__name__}: {error}"
+                else:
+                    self._set_aside([s for s, _ in skipped])
+                    return Restored(step=candidate, state=restored[_STATE], metadata=dict(restored[_METADATA]),
+                                    skipped=tuple(f"checkpoint {s}: {why}" for s, why in skipped))
+            if step is not None:
+                raise ValueError(f"checkpoint {candidate} in {self.config.directory} fails verification: {problem}")
+            warnings.warn(f"skipping checkpoint {candidate} in {self.config.directory}: {problem}", stacklevel=2)
+            skipped.append((candidate, problem))
+        raise ValueError(f"no checkpoint in {self.config.directory} verifies and loads: "
+                         + "; ".join(f"{s}: {why}" for s, why in skipped))
+
+    def _verify(self, step: int) -> str | None:
+        """Why checkpoint ``step`` fails its manifest on some process, or None (no manifest: nothing to check)."""
+        step_dir = self._directory / str(step)
+        problem = verify_manifest(step_dir) if (step_dir / MANIFEST).exists() else None
+        if _agree(problem is None):
+            return None
+        return problem or "fails its manifest on another process"
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Renames skipped checkpoints to ``<step>.unverified`` (kept for inspection), so the steps can be saved
+        again."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                (self._directory / str(step)).rename(self._directory / f"{step}.unverified")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("tether_checkpoints_set_aside")
+        self._manager.reload()
 
     def read_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The metadata of checkpoint ``step`` (default: the latest), without reading any array."""
-        self._manager.wait_until_finished()
+        self.wait_until_finished()
         step = self._existing_step(step)
         restored = self._manager.restore(step, args=ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()}))
         return dict(restored[_METADATA])
@@ -212,11 +341,18 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
-        """Blocks until the save in flight (if any) is final and old checkpoints are deleted."""
+        """Blocks until the save in flight (if any) is final and old checkpoints are deleted; then process 0 writes
+        the manifest of each newly final checkpoint."""
         self._manager.wait_until_finished()
+        final = self._unsealed & set(self._manager.all_steps())
+        self._unsealed.clear()
+        if jax.process_index() == 0:
+            for step in sorted(final):
+                write_manifest(self._directory / str(step))
 
     def close(self) -> None:
-        """Waits for the save in flight and releases the manager's threads."""
+        """Waits for the save in flight, writes its manifest and releases the manager's threads."""
+        self.wait_until_finished()
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:

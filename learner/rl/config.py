@@ -115,6 +115,7 @@ class OptimizerSection:
     warmup_steps: int = 0  # linear warmup, in optimizer updates (fewer than the run's updates).
     max_grad_norm: float = 1.0  # global-norm clip.
     weight_decay: float = 0.0  # decoupled weight decay.
+    max_consecutive_skips: int = 10  # stop the run after this many RL steps in a row skip a non-finite update.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +240,8 @@ def optimizer_config(config: RunConfig, updates: int) -> OptimizerConfig:
     end = section.learning_rate if section.end_learning_rate is None else section.end_learning_rate
     return _library("optimizer", OptimizerConfig, renames={"peak_learning_rate": "learning_rate"},
                     peak_learning_rate=section.learning_rate, end_learning_rate=end, warmup_steps=section.warmup_steps,
-                    total_steps=updates, max_grad_norm=section.max_grad_norm, weight_decay=section.weight_decay)
+                    total_steps=updates, max_grad_norm=section.max_grad_norm, weight_decay=section.weight_decay,
+                    max_consecutive_skips=section.max_consecutive_skips)
 
 
 def warmup_optimizer_config(config: RunConfig) -> OptimizerConfig:

@@ -69,6 +69,11 @@ class ResumeConfigError(ValueError):
     """A resume would change what the checkpoint was trained for."""
 
 
+class NonFiniteUpdateError(RuntimeError):
+    """Updates were non-finite (skipped) for ``optimizer.max_consecutive_skips`` steps in a row, or a checkpoint
+    was asked of a non-finite state: the run stops rather than train on, or save, garbage."""
+
+
 class Run:
     """One training run (see the module docstring): a context manager whose `steps` drive the training.
 
@@ -162,7 +167,14 @@ class Run:
         return step
 
     def save_checkpoint(self, step: int) -> None:
-        """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous)."""
+        """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
+
+        Raises:
+            NonFiniteUpdateError: the parameters or optimizer state hold NaN or inf (nothing is written).
+        """
+        if not self.trainer.all_finite():
+            raise NonFiniteUpdateError(f"step {step}: the train state holds NaN or inf; not saving it as a "
+                                       f"checkpoint (the latest checkpoint stays {self.checkpointer.latest_step()})")
         self.checkpointer.save(step, self.trainer.checkpoint_tree(), policy_version=self.trainer.policy_version,
                                config=to_dict(self.config),
                                data_iterator=DataPosition(self.stream.position(step - self.start_step)), force=True)
@@ -199,6 +211,12 @@ class Run:
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
         metrics, proximal = trainer.train(payload.batch, payload.truncation)
+        limit = self.config.optimizer.max_consecutive_skips
+        if trainer.skipped_steps >= limit:
+            raise NonFiniteUpdateError(
+                f"steps {step - limit + 1} to {step}: every one skipped a non-finite update (loss or gradient NaN or "
+                f"inf; optimizer.max_consecutive_skips = {limit}). The parameters are unchanged since step "
+                f"{step - limit}; the latest checkpoint is {self.checkpointer.latest_step()}")
         update_s = time.monotonic() - started - rollout_s
         weights = trainer.host_weights()
         rewards = payload.rewards[:samples]

@@ -9,6 +9,7 @@ import pathlib
 
 import corrections
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer, restore_target
 from learner.model import Transformer, model_config
-from learner.optimizer import make_optimizer
+from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
 from learner.rl.batches import demonstration_batch
 from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
@@ -63,7 +64,9 @@ class Trainer:
         self.update_config = update_config(config, correction_config(config), self.length)
         multiple = self.update_config.row_multiple(self.data_parallel)
         self.rows = -(-config.rollout.prompts_per_step * config.rollout.num_samples // multiple) * multiple
-        self.optimizer = make_optimizer(optimizer_config(config, optimizer_updates(config, self.update_config)))
+        self.optimizer_config = optimizer_config(config, optimizer_updates(config, self.update_config))
+        self.optimizer = make_optimizer(self.optimizer_config)
+        self.skipped_steps = 0  # consecutive RL steps that skipped a non-finite update
         self.graphdef, self.state, self.shardings = create_sharded_train_state(
             self.model_config, self.optimizer, self.mesh, seed=config.loop.seed)
         self.reference = None  # frozen parameters of the KL reference policy, when kl_coef > 0
@@ -105,8 +108,24 @@ class Trainer:
                     if self.update_config.corrections.mode == "bypass" else None)
         bias = {} if truncation is None else self.truncation_fn(
             self.state.params, self.device_batch(batch.replace(sampling=truncation)))
+        skipped = int(skipped_updates(self.state.opt_state))
         self.state, metrics, recomputed = self.update_fn(self.state, device_batch, self.reference)
+        self.skipped_steps = self.skipped_steps + 1 if int(skipped_updates(self.state.opt_state)) > skipped else 0
         return mean_metrics(metrics) | mean_metrics(bias), np.asarray(recomputed if proximal is None else proximal)
+
+    def all_finite(self) -> bool:
+        """Whether every float of the checkpoint tree (parameters, optimizer state, reference) is finite: one
+        jitted reduction, one scalar to the host."""
+        return bool(self._all_finite(self.checkpoint_tree()))
+
+    @functools.cached_property
+    def _all_finite(self):
+        def finite(tree):
+            leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                      if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+            return jnp.all(jnp.stack(leaves))
+
+        return jax.jit(finite, out_shardings=NamedSharding(self.mesh, P()))
 
     def checkpoint_tree(self):
         """What a checkpoint holds: the train state, and the reference parameters when the KL term needs them."""

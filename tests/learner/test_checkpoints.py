@@ -109,7 +109,8 @@ def test_keep_best_keeps_best_besides_latest(tmp_path, best_mode, expected_best)
         for step, reward in rewards.items():
             checkpointer.save(step, _small_state(step), policy_version=step, metrics={"reward": reward})
         checkpointer.wait_until_finished()
-        assert checkpointer.all_steps() == sorted({expected_best, 5})
+        # 4, the newest verified checkpoint while 5 was saved, stays until the next save (see the fault tests)
+        assert checkpointer.all_steps() == sorted({expected_best, 4, 5})
         assert checkpointer.best_step() == expected_best
         best = checkpointer.restore(_small_state(0.0), step=expected_best)
     np.testing.assert_array_equal(best.state["w"], np.full((4,), expected_best, np.float32))

@@ -1,0 +1,75 @@
+"""Non-finite updates: skipped and counted however many come in a row, never checkpointed; a run whose updates stay
+non-finite stops after ``optimizer.max_consecutive_skips`` steps with its latest checkpoint finite."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
+from learner.rl import CheckpointHook, Run, load_config
+from learner.rl.run import NonFiniteUpdateError
+from learner.rl.trainer import Trainer
+
+SHORT = ["warmup.steps=0", "rollout.prompts_per_step=2", "rollout.num_samples=2", "server.max_batch_size=8",
+         "update.fast_compile=true", "update.num_minibatches=1", "update.ppo_epochs=1"]  # one optimizer update a step
+
+
+def short_config(run_dir, *overrides):
+    return load_config("configs/default.toml", [*SHORT, f"run_dir={json.dumps(str(run_dir))}", *overrides])
+
+
+def _nan_advantages_from(step_of_first_nan):
+    """A `Trainer.train` whose batches' advantages are NaN from the given call on (1-based)."""
+    original, calls = Trainer.train, []
+
+    def train(self, batch, truncation=None):
+        calls.append(1)
+        if len(calls) >= step_of_first_nan:
+            batch = batch.replace(advantages=np.full_like(batch.advantages, np.nan))
+        return original(self, batch, truncation)
+
+    return train
+
+
+def _host(tree):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def test_run_stops_after_max_consecutive_skips_and_its_checkpoint_is_finite(tmp_path, monkeypatch):
+    monkeypatch.setattr(Trainer, "train", _nan_advantages_from(2))
+    config = short_config(tmp_path / "run", "loop.steps=30", "optimizer.max_consecutive_skips=11")
+    steps = []
+    with pytest.raises(NonFiniteUpdateError, match=r"steps 2 to 12: .*optimizer.max_consecutive_skips = 11"):
+        with Run(config, hooks=[CheckpointHook(every=1)]) as run:
+            trainer = run.trainer
+            for record in run.steps():
+                steps.append(record.step)
+                if record.step == 1:
+                    after_first = _host(run.trainer.state.params), _host(run.trainer.state.opt_state.inner_state)
+                else:  # skipped: parameters and Adam moments as after step 1, the skip counted
+                    for a, b in zip(_host(run.trainer.state.params), after_first[0]):
+                        np.testing.assert_array_equal(a, b)
+                    for a, b in zip(_host(run.trainer.state.opt_state.inner_state), after_first[1]):
+                        np.testing.assert_array_equal(a, b)
+                    assert int(run.trainer.state.opt_state.total_notfinite) == record.step - 1
+                    assert record.metrics["actor/skipped_updates"] == record.step - 1
+    assert steps == list(range(1, 12))  # step 12 raised before its hooks: no checkpoint of it
+    directory = tmp_path / "run" / "checkpoints"
+    with Checkpointer(CheckpointConfig(str(directory))) as checkpointer:
+        assert checkpointer.latest_step() == 11
+        restored = checkpointer.restore(restore_target(trainer.state, trainer.shardings))
+    assert restored.step == 11 and restored.skipped == ()
+    assert all(np.isfinite(leaf).all() for leaf in _host(restored.state.params))
+    for a, b in zip(_host(restored.state.params), after_first[0]):
+        np.testing.assert_array_equal(a, b)
+
+    # A NaN state is refused, and nothing is written.
+    with Run(config, hooks=[]) as run:
+        assert run.start_step == 11
+        run.trainer.state = run.trainer.state.replace(
+            params=jax.tree.map(lambda x: x * np.nan, run.trainer.state.params))
+        with pytest.raises(NonFiniteUpdateError, match="step 12: the train state holds NaN"):
+            run.save_checkpoint(12)
+    assert sorted(p.name for p in directory.iterdir()) == ["10", "11"]  # no 12
