@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence
 
 _LOG_TAIL_CHARS = 3000
@@ -28,6 +29,8 @@ class EngineProcess:
         args: its arguments (model, dtype, ...), without host and port.
         log_path: the server's stdout and stderr go here (appended).
         start_timeout_s: how long to wait for the port.
+        env: variables added to the server's environment (e.g. its auth token, which must not be on the command
+            line, where any local user can read it).
 
     Attributes:
         address: ``"127.0.0.1:PORT"``, where the server listens.
@@ -39,7 +42,7 @@ class EngineProcess:
     """
 
     def __init__(self, module: str, args: Sequence[str], log_path: str | os.PathLike,
-                 start_timeout_s: float = 180.0):
+                 start_timeout_s: float = 180.0, env: Mapping[str, str] | None = None):
         self.module = module
         self.log_path = pathlib.Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,7 +52,7 @@ class EngineProcess:
                 self._process = subprocess.Popen(
                     [sys.executable, "-m", "rollout_client.engine_child", str(os.getpid()), module, *args,
                      "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
-                    stdout=log, stderr=subprocess.STDOUT)
+                    stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
             give_up = time.monotonic() + start_timeout_s
             while not (port_file.exists() and port_file.read_text().strip()):
                 if self._process.poll() is not None:

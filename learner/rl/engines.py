@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import secrets
 
 from rollout_client import (Engine, EngineInfo, EngineProcess, EngineRequirements, LogprobMode, PauseMode,
                             TetherEngine, check_capabilities)
+from rollout_client.server.cli import AUTH_TOKEN_ENV
 
 from learner.rl.config import RunConfig, client_config
 
@@ -34,6 +36,8 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
 def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> Engine:
     """Connects to ``server.address``, or launches the reference server (log: ``run_dir/server.log``) and connects.
 
+    The launched server requires a random token of this run, handed over in its environment.
+
     Refuses an engine that cannot honour the run (`rollout_client.check_capabilities`) before launching anything.
     """
     backend = ENGINES[config.server.engine]
@@ -41,8 +45,9 @@ def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> 
     token = os.environ.get(config.server.auth_token_env) if config.server.auth_token_env else None
     process = None
     if config.server.address is None:
+        token = secrets.token_urlsafe(32)  # Per run: no other local user can drive the embedded server.
         process = EngineProcess("learner.serving", reference_server_args(config, trainer, eos_ids),
-                                run_dir / "server.log", config.server.start_timeout_s)
+                                run_dir / "server.log", config.server.start_timeout_s, env={AUTH_TOKEN_ENV: token})
     target = config.server.address or process.address
     return backend(client_config(config, target, auth_token=token), process=process)
 

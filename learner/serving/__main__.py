@@ -38,7 +38,8 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     if args.weights:
         weights_format = (pb.WEIGHTS_FORMAT_SAFETENSORS if pathlib.Path(args.weights).suffix == ".safetensors"
                           else pb.WEIGHTS_FORMAT_ORBAX)
-        generator.load_weights(load_weights(args.weights, weights_format, generator.weight_readers))
+        weights = pathlib.Path(args.weights)
+        generator.load_weights(load_weights(weights.name, weights_format, generator.weight_readers, weights.parent))
     return generator
 
 

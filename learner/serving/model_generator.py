@@ -32,6 +32,7 @@ from rollout_client.sampling_params import LogprobMode
 from rollout_client.server.generator import Generator
 from rollout_client.server.generator import GeneratorInfo
 from rollout_client.server.generator import SequenceSpec
+from rollout_client.server.generator import WeightSpec
 from rollout_client.server.generator import check_weights_match
 from rollout_client.server.weights_io import WeightReaders
 
@@ -98,6 +99,10 @@ class ModelGenerator(Generator):
         return self._info
 
     @property
+    def weight_spec(self) -> WeightSpec:
+        return self._expected
+
+    @property
     def weight_readers(self) -> WeightReaders:
         return {**super().weight_readers, pb.WEIGHTS_FORMAT_ORBAX: read_orbax}
 
@@ -152,7 +157,9 @@ def _prefill(graphdef, params, cache, valid, slot, prompt, prompt_len, key, temp
     """Writes one prompt into row `slot` of the cache and samples its first completion token."""
     model = nnx.merge(graphdef, params)
     max_len = valid.shape[1]
-    row = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, 0), cache)
+    # A fresh zero row, not the previous sequence's: masked slots still enter attention as 0 * value, so a NaN left
+    # by earlier (e.g. NaN) weights would poison every later sequence in this row.
+    row = jax.tree.map(lambda c: jnp.zeros((1, *c.shape[1:]), c.dtype), cache)
     row_valid = jnp.arange(max_len)[None, :] < prompt_len
     positions = jnp.arange(prompt.shape[1])[None, :]
     hidden, row = model.forward_cached(prompt, positions, row, row_valid)

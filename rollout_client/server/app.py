@@ -42,6 +42,7 @@ class ServerConfig:
     drain_grace_s: float = 10.0  # How long active calls may finish after SIGTERM.
     pause_wait_timeout_s: float = 600.0  # How long Pause(WAIT) waits for active requests.
     policy_version: int = 0  # Version of the initial weights.
+    weights_dir: pathlib.Path | None = None  # UpdateWeights reads paths only in here; None: never.
 
 
 async def serve(config: ServerConfig, generator: Generator,
@@ -50,7 +51,8 @@ async def serve(config: ServerConfig, generator: Generator,
     scheduler = Scheduler(generator, config.policy_version)
     interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    servicer = servicer_class(scheduler, generator.info, config.pause_wait_timeout_s, generator.weight_readers)
+    servicer = servicer_class(scheduler, generator.info, config.pause_wait_timeout_s, generator.weight_readers,
+                              generator.weight_spec, config.weights_dir)
     pb_grpc.add_RolloutServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

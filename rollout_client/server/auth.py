@@ -1,49 +1,43 @@
 """Shared-token authentication as a server interceptor.
 
-Every rollout.v1 call must carry ``authorization: Bearer <token>`` metadata; health
-checks and reflection stay open so that probes work without the secret.
+Every call must carry ``authorization: Bearer <token>`` metadata, unknown methods included (so a caller without the
+token learns nothing about what is served); health checks and reflection stay open so that probes work without the
+secret.
+
+The interceptor runs on the call's method and metadata, before gRPC reads the request message. A refused call gets a
+handler that streams requests, so gRPC hands it the call without reading a message first, and it fails without
+reading one: an unauthenticated caller cannot make the server buffer its payload.
 """
 
 import hmac
 
 import grpc
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
 
 from rollout_client.protocol import AUTH_METADATA_KEY
-from rollout_client.protocol import SERVICE_NAME
+
+OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED to rollout.v1 calls without the right token."""
+    """Answers UNAUTHENTICATED to every call but health and reflection without the right token."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(self, continuation, handler_call_details):
-        if not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
-            return await continuation(handler_call_details)
+        service = handler_call_details.method.lstrip("/").partition("/")[0]
         supplied = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
-        if hmac.compare_digest(supplied.encode(), self._expected):
+        if service in OPEN_SERVICES or hmac.compare_digest(supplied.encode(), self._expected):
             return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        return _deny_like(handler)
+        return _DENY
 
 
-def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind that fails with UNAUTHENTICATED."""
+async def _deny(request_iterator, context):
+    """Fails the call without reading its request."""
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token")
+    yield  # Makes this an async generator, as a response-streaming handler must be.
 
-    async def deny(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token")
 
-    async def deny_stream(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong token")
-        yield  # Makes this an async generator, as a server-streaming handler must be.
-
-    kwargs = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+_DENY = grpc.stream_stream_rpc_method_handler(_deny)

@@ -37,6 +37,9 @@ def server_parser(prog: str, description: str | None = None) -> argparse.Argumen
     parser.add_argument("--pause-wait-timeout-s", type=float, default=ServerConfig.pause_wait_timeout_s,
                         help="how long Pause(WAIT) waits for active requests before DEADLINE_EXCEEDED")
     parser.add_argument("--policy-version", type=int, default=0)
+    parser.add_argument("--weights-dir", type=pathlib.Path,
+                        help="UpdateWeights reads weights only from paths inside this directory (default: none, "
+                             "weights are only streamed)")
     parser.add_argument("--eos-ids", type=int, nargs="*",
                         help="default stop token ids, reported by GetServerInfo (default: the engine's)")
     parser.add_argument("--max-batch-size", type=int, default=16)
@@ -57,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_grace_s=args.drain_grace_s,
         pause_wait_timeout_s=args.pause_wait_timeout_s,
         policy_version=args.policy_version,
+        weights_dir=args.weights_dir,
     )
 
 

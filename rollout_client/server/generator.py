@@ -19,6 +19,10 @@ from rollout_client.server.weights_io import WeightReaders
 from rollout_client.server.weights_io import read_safetensors
 
 
+# Parameter path -> (shape, dtype): the weights an engine accepts.
+WeightSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+
+
 class PreconditionError(Exception):
     """The server is not in a state that allows the call (FAILED_PRECONDITION)."""
 
@@ -116,6 +120,11 @@ class Generator(abc.ABC):
         """
 
     @property
+    @abc.abstractmethod
+    def weight_spec(self) -> WeightSpec:
+        """Name -> (shape, dtype) of the weights `load_weights` accepts; StreamWeights takes no more bytes."""
+
+    @property
     def weight_readers(self) -> WeightReaders:
         """The on-disk formats ``UpdateWeights(path)`` accepts for this engine, and how each is read."""
         return {pb.WEIGHTS_FORMAT_SAFETENSORS: read_safetensors}
@@ -130,7 +139,7 @@ class Generator(abc.ABC):
         """
 
 
-def check_weights_match(expected: Mapping[str, tuple[tuple[int, ...], np.dtype]],
+def check_weights_match(expected: WeightSpec,
                         weights: Mapping[str, np.ndarray]) -> None:
     """Raises ValueError unless `weights` has exactly the expected names, shapes and dtypes.
 
@@ -143,9 +152,26 @@ def check_weights_match(expected: Mapping[str, tuple[tuple[int, ...], np.dtype]]
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         raise ValueError(f"weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, (shape, dtype) in expected.items():
-        array = weights[name]
-        if tuple(array.shape) != tuple(shape):
-            raise ValueError(f"weights[{name!r}]: shape {tuple(array.shape)} != expected {tuple(shape)}")
-        if np.dtype(array.dtype) != np.dtype(dtype):
-            raise ValueError(f"weights[{name!r}]: dtype {array.dtype} != expected {np.dtype(dtype)}")
+    for name, array in weights.items():
+        check_tensor_layout(expected, name, array.shape, array.dtype)
+
+
+def check_tensor_layout(expected: WeightSpec, name: str,
+                        shape: tuple[int, ...], dtype: np.dtype) -> None:
+    """Raises ValueError unless `expected` has a tensor `name` of this shape and dtype."""
+    if name not in expected:
+        raise ValueError(f"weights: unexpected {name!r}")
+    expected_shape, expected_dtype = expected[name]
+    if tuple(shape) != tuple(expected_shape):
+        raise ValueError(f"weights[{name!r}]: shape {tuple(shape)} != expected {tuple(expected_shape)}")
+    if np.dtype(dtype) != np.dtype(expected_dtype):
+        raise ValueError(f"weights[{name!r}]: dtype {np.dtype(dtype)} != expected {np.dtype(expected_dtype)}")
+
+
+def spec_bytes(spec: WeightSpec) -> int:
+    """The bytes of weights that match `spec`.
+
+    >>> spec_bytes({"w": ((2, 3), np.dtype("float32")), "b": ((), np.dtype("bfloat16"))})
+    26
+    """
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in spec.values())

@@ -3,6 +3,7 @@
 Kept apart from the servicer so the rules can be tested without a server.
 """
 
+import math
 import secrets
 
 import numpy as np
@@ -33,8 +34,8 @@ def resolve_sampling(params: pb.SamplingParams, prompt_len: int, info: Generator
         else info.eos_token_ids,
         seed=params.seed if params.HasField("seed") else secrets.randbits(63),
     )
-    if not resolved.temperature > 0:
-        raise ValueError(f"sampling.temperature: must be > 0, got {resolved.temperature}")
+    if not 0 < resolved.temperature < math.inf:
+        raise ValueError(f"sampling.temperature: must be finite and > 0, got {resolved.temperature}")
     if not 0 < resolved.top_p <= 1:
         raise ValueError(f"sampling.top_p: must be in (0, 1], got {resolved.top_p}")
     if resolved.top_k < 0:
@@ -64,10 +65,11 @@ def resolve_request(request: pb.GenerateRequest, info: GeneratorInfo) -> list[Se
                          f"server's context of {info.max_seq_len}")
     if prompt.min() < 0 or prompt.max() >= info.vocab_size:
         raise ValueError(f"prompt_token_ids: ids must be in [0, {info.vocab_size})")
-    num_samples = request.num_samples if request.HasField("num_samples") else 1
+    # Bounded before any list is built: num_samples is a number on the wire, not a size.
+    num_samples = len(request.sample_indices) or (request.num_samples if request.HasField("num_samples") else 1)
+    if not 1 <= num_samples <= MAX_SAMPLES_PER_REQUEST:
+        raise ValueError(f"num_samples: must be in [1, {MAX_SAMPLES_PER_REQUEST}], got {num_samples}")
     indices = list(request.sample_indices) or list(range(num_samples))
-    if not 1 <= len(indices) <= MAX_SAMPLES_PER_REQUEST:
-        raise ValueError(f"num_samples: must be in [1, {MAX_SAMPLES_PER_REQUEST}], got {len(indices)}")
     if len(set(indices)) != len(indices):
         raise ValueError("sample_indices: must be distinct")
     if request.stream_chunk_tokens and request.stream_chunk_tokens < MIN_CHUNK_TOKENS:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from rollout_client.protocol import MAX_POLICY_VERSION
 from rollout_client.sampling_params import FinishReason
 from rollout_client.sampling_params import PauseMode
 from rollout_client.server.generator import Generator
@@ -50,6 +51,8 @@ class Scheduler:
     """
 
     def __init__(self, generator: Generator, policy_version: int = 0):
+        if not 0 <= policy_version <= MAX_POLICY_VERSION:
+            raise ValueError(f"policy_version: must be in [0, {MAX_POLICY_VERSION}], got {policy_version}")
         self._generator = generator
         self._policy_version = policy_version
         self._cond = threading.Condition()
@@ -118,19 +121,23 @@ class Scheduler:
             self._paused = False
             self._cond.notify_all()
 
+    def check_version(self, policy_version: int) -> None:
+        """Raises ValueError unless `policy_version` exceeds the current one and is at most `MAX_POLICY_VERSION`."""
+        if not self._policy_version < policy_version <= MAX_POLICY_VERSION:
+            raise ValueError(f"policy_version: {policy_version} must exceed the server's {self._policy_version} "
+                             f"and be at most {MAX_POLICY_VERSION}")
+
     def update_weights(self, weights: Mapping[str, np.ndarray], policy_version: int) -> None:
         """Loads new weights; tokens generated from now on carry `policy_version`.
 
         Raises:
           PreconditionError: not paused.
-          ValueError: the version does not increase, or the weights do not match.
+          ValueError: the version does not increase or is above `MAX_POLICY_VERSION`, or the weights do not match.
         """
         with self._cond:
             if not self._paused:
                 raise PreconditionError("UpdateWeights: generation must be paused first")
-            if policy_version <= self._policy_version:
-                raise ValueError(
-                    f"policy_version: {policy_version} must exceed the server's {self._policy_version}")
+            self.check_version(policy_version)
             self._generator.load_weights(weights)
             self._policy_version = policy_version
 

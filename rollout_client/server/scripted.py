@@ -15,6 +15,7 @@ import numpy as np
 from rollout_client.server.generator import Generator
 from rollout_client.server.generator import GeneratorInfo
 from rollout_client.server.generator import SequenceSpec
+from rollout_client.server.generator import WeightSpec
 from rollout_client.server.generator import check_weights_match
 
 _WEIGHT_SPEC = {"logprob_scale": ((), np.dtype("float32"))}
@@ -73,6 +74,10 @@ class ScriptedGenerator(Generator):
                                     logprobs if self._scale == 1 else logprobs * self._scale)
             self._positions[sequence_id] = end % self._info.max_seq_len
         return outputs
+
+    @property
+    def weight_spec(self) -> WeightSpec:
+        return _WEIGHT_SPEC
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         check_weights_match(_WEIGHT_SPEC, weights)

@@ -6,8 +6,10 @@ go to worker threads so the loop keeps streaming other requests.
 
 import asyncio
 import functools
+import pathlib
 
 import grpc
+import numpy as np
 
 from rollout_client.packed_arrays import LOGPROB_DTYPE
 from rollout_client.packed_arrays import TOKEN_ID_DTYPE
@@ -18,8 +20,12 @@ from rollout_client.sampling_params import PauseMode
 from rollout_client.server.generator import PreconditionError
 from rollout_client.server.generator import SequenceOutput
 from rollout_client.server.generator import SequenceSpec
+from rollout_client.server.generator import WeightSpec
+from rollout_client.server.generator import check_tensor_layout
+from rollout_client.server.generator import spec_bytes
 from rollout_client.server.request_resolution import resolve_request
 from rollout_client.server.scheduler import Scheduler
+from rollout_client.server.weights_io import PathsDisabledError
 from rollout_client.server.weights_io import WeightReaders
 from rollout_client.server.weights_io import load_weights
 from rollout_client.weight_chunks import assemble_weights
@@ -34,13 +40,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
       pause_wait_timeout_s: how long Pause(WAIT) waits for active requests to finish
         before it fails with DEADLINE_EXCEEDED (and generation continues unpaused).
       weight_readers: the generator's `weight_readers`, for UpdateWeights from a path.
+      weight_spec: the generator's `weight_spec`; a StreamWeights call is refused at the first chunk of a tensor
+        the generator does not have, or as soon as it has sent more bytes than the weights hold.
+      weights_dir: the only directory UpdateWeights reads paths in; None: UpdateWeights(path) is refused.
     """
 
-    def __init__(self, scheduler: Scheduler, info, pause_wait_timeout_s: float, weight_readers: WeightReaders):
+    def __init__(self, scheduler: Scheduler, info, pause_wait_timeout_s: float, weight_readers: WeightReaders,
+                 weight_spec: WeightSpec, weights_dir: pathlib.Path | None = None):
         self._scheduler = scheduler
         self._info = info
         self._pause_wait_timeout_s = pause_wait_timeout_s
         self._weight_readers = weight_readers
+        self._weight_spec = weight_spec
+        self._weight_bytes = spec_bytes(weight_spec)
+        self._weights_dir = weights_dir
         self._requests: dict[str, list[int]] = {}
         self._weights_lock = asyncio.Lock()
 
@@ -124,34 +137,65 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def UpdateWeights(self, request, context) -> pb.UpdateWeightsResponse:
         async def load():
-            return await asyncio.to_thread(load_weights, request.path, request.format, self._weight_readers)
+            self._scheduler.check_version(request.policy_version)
+            weights = await asyncio.to_thread(load_weights, request.path, request.format, self._weight_readers,
+                                              self._weights_dir)
+            return request.policy_version, weights
 
-        return await self._update(request.policy_version, load, context)
+        try:
+            return await self._update(load)
+        except _Refusal as refusal:
+            await context.abort(refusal.code, refusal.details)
 
     async def StreamWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
-        chunks = [chunk async for chunk in request_iterator]
+        async def receive():
+            chunks = await self._receive_chunks(request_iterator)
+            return await asyncio.to_thread(assemble_weights, chunks)
+
         try:
-            version, weights = await asyncio.to_thread(assemble_weights, chunks)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            return await self._update(receive)
+        except _Refusal as refusal:
+            # The rest of the stream is read and dropped: a client still sending when the call ends sees an INTERNAL
+            # error from gRPC instead of the reason.
+            async for _ in request_iterator:
+                pass
+            await context.abort(refusal.code, refusal.details)
 
-        async def given():
-            return weights
+    async def _receive_chunks(self, request_iterator) -> list[pb.WeightsChunk]:
+        """The stream's chunks, checked one by one: a bad version is refused at the header, before any tensor is
+        read, a tensor the engine does not have at its first chunk, and the stream as soon as it sends more bytes
+        than the engine's weights hold."""
+        chunks, received = [], 0
+        async for chunk in request_iterator:
+            if chunk.HasField("header") and not chunks:
+                self._scheduler.check_version(chunk.header.policy_version)
+            if chunk.HasField("tensor"):
+                check_tensor_layout(self._weight_spec, chunk.tensor.name, chunk.tensor.shape,
+                                    _dtype(chunk.tensor.dtype))
+            received += len(chunk.tensor.data)
+            if received > self._weight_bytes:
+                raise ValueError(f"tensor.data: more than the {self._weight_bytes} bytes of this engine's weights")
+            chunks.append(chunk)
+        return chunks
 
-        return await self._update(version, given, context)
+    async def _update(self, get_weights) -> pb.UpdateWeightsResponse:
+        """Loads the ``(policy_version, weights)`` that `get_weights` returns; one update at a time, while paused.
 
-    async def _update(self, policy_version: int, get_weights, context) -> pb.UpdateWeightsResponse:
+        Pause is checked before `get_weights` reads anything, so an unpaused server keeps no byte of a call.
+
+        Raises:
+          _Refusal: with the status and details the call fails with.
+        """
         async with self._weights_lock:
             if not self._scheduler.paused:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    "UpdateWeights: generation must be paused first")
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "UpdateWeights: generation must be paused first")
             try:
-                weights = await get_weights()
+                policy_version, weights = await get_weights()
                 await asyncio.to_thread(self._scheduler.update_weights, weights, policy_version)
-            except PreconditionError as error:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            except (PreconditionError, PathsDisabledError) as error:
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, str(error)) from None
             except ValueError as error:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         return pb.UpdateWeightsResponse(policy_version=self._scheduler.policy_version)
 
     async def Abort(self, request, context) -> pb.AbortResponse:
@@ -166,5 +210,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return sequence_ids is not None
 
 
+class _Refusal(Exception):
+    """A weight update the server refuses, with the status the call fails with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 def _spans(spans) -> list[pb.VersionSpan]:
     return [pb.VersionSpan(start=start, end=end, policy_version=version) for start, end, version in spans]
+
+
+def _dtype(name: str) -> np.dtype:
+    """The numpy dtype a chunk names; ValueError (not numpy's TypeError) for an unknown one."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise ValueError(f"tensor.dtype: unknown dtype {name!r}") from None

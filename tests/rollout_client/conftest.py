@@ -89,9 +89,9 @@ SCRIPTED = ("--engine", "scripted", "--vocab-size", "1000")
 
 
 @pytest.fixture
-def scripted_server(start_server):
-    """A scripted-engine server that produces a token every 2 ms."""
-    return start_server(*SCRIPTED, "--step-delay-s", "0.002")
+def scripted_server(start_server, tmp_path):
+    """A scripted-engine server that produces a token every 2 ms and reads weights paths in the test's tmp_path."""
+    return start_server(*SCRIPTED, "--step-delay-s", "0.002", "--weights-dir", str(tmp_path))
 
 
 @pytest.fixture

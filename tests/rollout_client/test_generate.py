@@ -154,11 +154,14 @@ def test_deadline_exceeded_is_retried_then_raises_deadline_error(scripted_server
 
 
 def test_deadline_after_some_samples_retries_only_the_missing_ones(start_server):
-    """Two KV rows, four 200-token samples of ~1 s each: the first attempt's deadline (1.5 s) passes with samples
-    0 and 1 done and 2 and 3 half way; the retry asks for 2 and 3 only and gets the same draws (same seed)."""
-    server = start_server("--engine", "scripted", "--step-delay-s", "0.005", "--max-batch-size", "2")
+    """Two KV rows, four 200-token samples of ~4 s each: the first attempt's deadline (6 s) passes with samples
+    0 and 1 done and 2 and 3 half way; the retry asks for 2 and 3 only and gets the same draws (same seed).
+
+    Each sample is mostly sleep (20 ms a step), so a loaded machine stretches it little: 2 s of slack either side.
+    """
+    server = start_server("--engine", "scripted", "--step-delay-s", "0.02", "--max-batch-size", "2")
     request = RolloutRequest([5, 6], SamplingParams(max_new_tokens=200, stop_token_ids=(), seed=4), num_samples=4)
-    config = ClientConfig(target=server.target, deadline_base_s=1.5, deadline_per_token_s=0.0, max_attempts=2)
+    config = ClientConfig(target=server.target, deadline_base_s=6.0, deadline_per_token_s=0.0, max_attempts=2)
     with RolloutClient(config) as rollout_client:
         samples = rollout_client.generate(request)
         assert rollout_client.metrics()["generate/retries"] == 1

@@ -41,10 +41,11 @@ def learner_weights(model) -> dict[str, np.ndarray]:
     return {name: np.asarray(leaf) for name, leaf in zip(names, jax.tree.leaves(state))}
 
 
-def serve_learner_model(tmp_path_factory, learner_model, dtype):
+def serve_learner_model(tmp_path_factory, learner_model, dtype, weights_dir=None):
+    extra = ["--weights-dir", str(weights_dir)] if weights_dir else []
     server = ServerProcess([sys.executable, "-m", "learner.serving", "--dtype", dtype,
                             "--max-batch-size", "4", "--max-seq-len", "64", "--decode-steps-per-call", "8",
-                            "--eos-ids", *map(str, EOS_IDS)],
+                            "--eos-ids", *map(str, EOS_IDS), *extra],
                            tmp_path_factory.mktemp(f"model-{dtype}"))
     client = RolloutClient(ClientConfig(target=server.target, ready_timeout_s=60))
     client.publish_weights(1, weights=learner_weights(learner_model))
@@ -52,8 +53,14 @@ def serve_learner_model(tmp_path_factory, learner_model, dtype):
 
 
 @pytest.fixture(scope="module")
-def float32_server(tmp_path_factory, learner_model):
-    server, client = serve_learner_model(tmp_path_factory, learner_model, "float32")
+def weights_dir(tmp_path_factory):
+    """The float32 server's --weights-dir."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def float32_server(tmp_path_factory, learner_model, weights_dir):
+    server, client = serve_learner_model(tmp_path_factory, learner_model, "float32", weights_dir)
     yield client
     client.close()
     server.stop(signal.SIGKILL)
@@ -106,13 +113,13 @@ def test_wrong_shape_weights_are_refused_and_old_weights_keep_serving(float32_se
     np.testing.assert_array_equal(after.logprobs, before.logprobs)
 
 
-def test_update_from_orbax_checkpoint_of_nnx_state(float32_server, learner_model, tmp_path):
+def test_update_from_orbax_checkpoint_of_nnx_state(float32_server, learner_model, weights_dir):
     other_model = Transformer(model_config("tiny"), rngs=nnx.Rngs(8))
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(tmp_path / "orbax", nnx.state(other_model))
+        checkpointer.save(weights_dir / "orbax", nnx.state(other_model))
     version = float32_server.server_info().policy_version + 1
     try:
-        float32_server.publish_weights(version, path=str(tmp_path / "orbax"), weights_format=pb.WEIGHTS_FORMAT_ORBAX)
+        float32_server.publish_weights(version, path="orbax", weights_format=pb.WEIGHTS_FORMAT_ORBAX)
         batch = generate_batch(float32_server, RAW, LogprobMode.RAW)
     finally:  # The other tests expect the learner model's weights.
         float32_server.publish_weights(version + 1, weights=learner_weights(learner_model))
