@@ -183,8 +183,9 @@ class CorrectionConfig:
     kl_coef: float = 0.0  # weight of the KL penalty to a reference policy (needs ref_logprobs).
     kl_estimator: str = "low_var_kl"  # one of KL_ESTIMATORS.
     entropy_coef: float = 0.0  # entropy bonus weight (needs entropy).
-    # Value checks (mask is 0/1, logprobs finite where it is 1): None runs them on concrete inputs (eager calls) and
-    # skips them under jit; True always (under jit wrap the caller with chex.chexify); False never.
+    # Value checks (mask is 0/1; logprobs finite, advantages finite where it is 1): None runs them on concrete inputs
+    # (eager calls) and skips them under jit; True always, and also bounds logprobs by 1e-3 (under jit wrap the
+    # caller with chex.chexify(..., async_check=False) so that the call raises); False never.
     check_values: bool | None = None
 
     def __post_init__(self):

@@ -2,8 +2,8 @@
 
 Order (SkyRL's is the reference), per sequence and vmapped over the batch unless marked [batch]:
 
-1. Inputs are checked (shapes with chex; values on eager calls, see ``config.check_values``) and every padded
-   position is zeroed, so NaN or inf in padding never reaches an output or a gradient.
+1. Inputs are checked (shapes with chex; values on eager calls, see ``check_batch`` and ``config.check_values``)
+   and every padded position is zeroed, so NaN or inf in padding never reaches an output or a gradient.
 2. ``old`` is the proximal logprobs (decoupled) or the rollout logprobs (bypass). The behaviour log-ratio is
    ``lr = old - roll`` (decoupled) or ``sg(lp) - roll`` (bypass).
 3. Outlier (veto) rules on the original mask, then token rules.
@@ -31,6 +31,7 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from corrections import _diagnostics, _rejection, _weights
 from corrections._advantages import kl_penalty
@@ -63,31 +64,60 @@ class Corrected(NamedTuple):
     weight_scale: jax.Array  # scalar the weights were divided by (batch normalisation); 1 without it.
 
 
-def check_batch(mask, rollout_logprobs=None, **logprobs) -> None:
-    """Value checks (chex): ``mask`` is 0/1 and every given logprob array is finite where the mask is 1.
+LOGPROB_TOLERANCE = 1e-3
+"""How far above 0 a checked logprob may be: float32 / bfloat16 rounding of a log-softmax, never a probability > 1."""
 
-    Eager by default; inside jit, wrap the caller with ``chex.chexify``.
+
+def _require(bad, name: str, rule: str, values) -> None:
+    """Asserts that ``bad`` [B, T] is nowhere set. An eager call names the first bad (row, column) and its value;
+    under ``chex.chexify`` the check runs inside jit with the same message, less the position."""
+    message = f"{name} must {rule}"
+    if isinstance(bad, jax.core.Tracer):
+        chex.assert_trees_all_equal(jnp.any(bad), jnp.array(False), custom_message=message)
+    elif np.any(bad):
+        row, column = np.argwhere(np.asarray(bad))[0]
+        raise AssertionError(f"{message}; first bad value {values[row, column]} at (row, column) = ({row}, {column})")
+
+
+def check_batch(mask, rollout_logprobs=None, advantages=None, max_logprob=LOGPROB_TOLERANCE,
+                **named_logprobs) -> None:
+    """Value checks: ``mask`` is 0/1; where it is 1, every given logprob array is finite and at most
+    ``max_logprob`` (None: no bound), and ``advantages`` ([B] or [B, T]) are finite.
+
+    Eager calls raise an ``AssertionError`` naming the argument, the first bad (row, column) and its value;
+    inside jit, wrap the caller with ``chex.chexify`` (see ``compute``).
 
     >>> import numpy as np
     >>> check_batch(np.array([[1, 0]]), rollout_logprobs=np.array([[-1.0, np.nan]]))
     >>> check_batch(np.array([[1, 2]]))
     Traceback (most recent call last):
     ...
-    AssertionError: ...mask must hold only 0 and 1...
+    AssertionError: mask must hold only 0 and 1; first bad value 2 at (row, column) = (0, 1)
+    >>> check_batch(np.array([[1, 1]]), logprobs=np.array([[-1.0, 0.5]]))
+    Traceback (most recent call last):
+    ...
+    AssertionError: logprobs must be <= 0.001 where the mask is 1; first bad value 0.5 at (row, column) = (0, 1)
     """
     mask = jnp.asarray(mask)
-    chex.assert_trees_all_equal(
-        jnp.all((mask == 0) | (mask == 1)), jnp.array(True), custom_message="mask must hold only 0 and 1"
-    )
-    arrays = dict(logprobs, rollout_logprobs=rollout_logprobs)
-    for name, array in arrays.items():
+    _require((mask != 0) & (mask != 1), "mask", "hold only 0 and 1", mask)
+    valid = mask.astype(bool)
+    for name, array in dict(named_logprobs, rollout_logprobs=rollout_logprobs).items():
         if array is not None:
-            valid = jnp.where(mask.astype(bool), jnp.asarray(array, jnp.float32), 0.0)
-            chex.assert_tree_all_finite(valid, custom_message=f"{name} must be finite where the mask is 1")
+            array = jnp.asarray(array, jnp.float32)
+            _require(valid & ~jnp.isfinite(array), name, "be finite where the mask is 1", array)
+            if max_logprob is not None:
+                _require(valid & (array > max_logprob), name, f"be <= {max_logprob} where the mask is 1", array)
+    if advantages is not None:
+        advantages = jnp.asarray(advantages, jnp.float32)
+        advantages = jnp.broadcast_to(advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim)),
+                                      mask.shape)
+        _require(valid & ~jnp.isfinite(advantages), "advantages", "be finite where the mask is 1", advantages)
 
 
 def _check_inputs(config: CorrectionConfig, logprobs, mask, advantages, proximal, rollout, ref, entropy):
     chex.assert_rank(logprobs, 2)
+    if 0 in logprobs.shape:
+        raise ValueError(f"logprobs: shape {logprobs.shape} is empty; compute needs B >= 1 rows of T >= 1 tokens.")
     chex.assert_equal_shape([logprobs, mask] + [a for a in (proximal, rollout, ref, entropy) if a is not None])
     if advantages.ndim not in (1, 2) or advantages.shape != logprobs.shape[: advantages.ndim]:
         raise ValueError(f"advantages: shape {advantages.shape} must be [B] or [B, T] of logprobs {logprobs.shape}.")
@@ -309,6 +339,14 @@ def compute(
       ``Corrected``: weights, final mask, per-token loss, the reduced loss with its numerator and denominator,
       and the metrics. Inputs may be NumPy or JAX, float32 or bfloat16; everything is computed in float32.
 
+    Raises:
+      ValueError: on bad shapes, an empty batch (B = 0 or T = 0) included, and missing inputs the config needs.
+      AssertionError: on bad values (see ``check_batch``), which ``config.check_values`` controls: None (default)
+        checks every concrete input, so eager calls, for all but the bound on logprobs; True checks everything,
+        traced inputs too, as chex assertions that need
+        the jitted caller wrapped in ``chex.chexify(..., async_check=False)``: the call then raises before it
+        returns (the default ``async_check=True`` reports on a later call or at exit); False never checks.
+
     >>> import numpy as np
     >>> from corrections import CorrectionConfig, ImportanceWeights
     >>> lp = np.log([[0.5, 0.5, 1.0]]); m = np.array([[1, 1, 0]])
@@ -316,6 +354,14 @@ def compute(
     ...               proximal_logprobs=lp, rollout_logprobs=np.log([[0.2, 0.5, 1.0]]))
     >>> out.weights.tolist(), round(float(out.loss), 4)
     ([[2.0, 1.0, 0.0]], -1.5)
+    >>> import chex
+    >>> checked = CorrectionConfig(check_values=True)
+    >>> step = chex.chexify(jax.jit(lambda adv: compute(lp, adv, m, checked, proximal_logprobs=lp).loss),
+    ...                     async_check=False)
+    >>> step(np.array([np.nan]))
+    Traceback (most recent call last):
+    ...
+    AssertionError: ...advantages must be finite where the mask is 1...
     """
     lp = jnp.asarray(logprobs)
     mask = jnp.asarray(mask)
@@ -324,10 +370,14 @@ def compute(
     _check_inputs(config, lp, mask, adv, *arrays)
     if weight_scale is not None and not (config.importance is not None and config.importance.batch_normalize):
         raise ValueError("weight_scale is only used by importance.batch_normalize; drop it or enable that.")
-    traced = any(isinstance(a, jax.core.Tracer) for a in (lp, mask, *arrays))
-    if config.check_values or (config.check_values is None and not traced):
-        check_batch(mask, rollout_logprobs=arrays[1], proximal_logprobs=arrays[0], ref_logprobs=arrays[2])
     proximal, roll, ref, entropy = arrays
+    if config.check_values is not False:
+        given = dict(logprobs=lp, advantages=adv, proximal_logprobs=proximal, rollout_logprobs=roll, ref_logprobs=ref)
+        if config.check_values is None:  # eager only: check the concrete arrays (all of them outside jit and grad)
+            given = {name: a for name, a in given.items() if not isinstance(a, jax.core.Tracer)}
+        if config.check_values or not isinstance(mask, jax.core.Tracer):
+            # The bound on logprobs only when asked for: synthetic test data and toy losses use positive values.
+            check_batch(mask, max_logprob=LOGPROB_TOLERANCE if config.check_values else None, **given)
     old = roll if config.mode == "bypass" else proximal
     lag = None if policy_lag is None else jnp.asarray(policy_lag)
     rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy, "lag": lag}
