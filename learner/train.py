@@ -17,8 +17,7 @@ import sys
 import jax
 
 from learner.distributed import initialize
-from learner.rl import ResumeConfigError, Run, RunConfig, load_config
-from learner.rl.run import NonFiniteUpdateError
+from learner.rl import NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig, load_config
 from rollout_client import EngineCapabilityError
 
 
@@ -62,7 +61,7 @@ def main(argv=None) -> None:
                 print(f"{config.run_dir}: already finished at step {run.step} of {config.loop.steps}; nothing to do",
                       flush=True)
             run.train()
-    except (ResumeConfigError, EngineCapabilityError, NonFiniteUpdateError) as error:
+    except (ResumeConfigError, EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError) as error:
         sys.exit(f"error: {error}")
 
 

@@ -25,6 +25,8 @@ from learner.rl.hooks import ProgressHook
 from learner.rl.hooks import RolloutLogHook
 from learner.rl.hooks import SummaryHook
 from learner.rl.hooks import default_hooks
+from learner.rl.run import NoUsableRolloutsError
+from learner.rl.run import NonFiniteUpdateError
 from learner.rl.run import ResumeConfigError
 from learner.rl.run import Run
 from learner.rl.run import StepRecord
@@ -35,6 +37,8 @@ __all__ = [
     "CheckpointHook",
     "Hook",
     "MetricsHook",
+    "NoUsableRolloutsError",
+    "NonFiniteUpdateError",
     "Payload",
     "PayloadSpec",
     "PlotHook",

@@ -29,7 +29,7 @@ import corrections
 from learner.checkpoints import CheckpointConfig
 from learner.optimizer import OptimizerConfig
 from learner.update import UpdateConfig
-from rollout_client import ClientConfig, SamplingParams
+from rollout_client import ClientConfig, SamplingParams, ValidationConfig
 
 
 def _bounded(default, low=None, high=None, *, strict_low=False, choices=None):
@@ -264,10 +264,13 @@ def sampling_params(config: RunConfig, max_new_tokens: int | None, stop_token_id
                     stop_token_ids=tuple(stop_token_ids))
 
 
-def client_config(config: RunConfig, target: str, auth_token: str | None) -> ClientConfig:
-    """How the client reaches the engine at ``target``."""
+def client_config(config: RunConfig, target: str, auth_token: str | None, vocab_size: int | None = None
+                  ) -> ClientConfig:
+    """How the client reaches the engine at ``target``; ``vocab_size``: the learner's, so that the client drops
+    (and counts) token ids the learner cannot embed even if the engine reports a larger vocabulary."""
     return _library("server", ClientConfig, renames={"deadline_base_s": "generate_deadline_s"}, target=target,
-                    auth_token=auth_token, deadline_base_s=config.server.generate_deadline_s)
+                    auth_token=auth_token, deadline_base_s=config.server.generate_deadline_s,
+                    validation=ValidationConfig(vocab_size=vocab_size))
 
 
 _FIELD_ERROR = re.compile(r"^(?:\w+Config\.|\w+Params\.)?([A-Za-z_][\w.]*)(.*)$", re.S)

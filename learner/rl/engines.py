@@ -49,7 +49,8 @@ def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> 
         process = EngineProcess("learner.serving", reference_server_args(config, trainer, eos_ids),
                                 run_dir / "server.log", config.server.start_timeout_s, env={AUTH_TOKEN_ENV: token})
     target = config.server.address or process.address
-    return backend(client_config(config, target, auth_token=token), process=process)
+    return backend(client_config(config, target, auth_token=token, vocab_size=trainer.model_config.vocab_size),
+                   process=process)
 
 
 def check_identity(info: EngineInfo, vocab_size: int, address: str) -> None:

@@ -69,6 +69,10 @@ class ResumeConfigError(ValueError):
     """A resume would change what the checkpoint was trained for."""
 
 
+class NoUsableRolloutsError(RuntimeError):
+    """No group of a rollout batch kept all its samples: the engine keeps returning invalid or stale ones."""
+
+
 class NonFiniteUpdateError(RuntimeError):
     """Updates were non-finite (skipped) for ``optimizer.max_consecutive_skips`` steps in a row, or a checkpoint
     was asked of a non-finite state: the run stops rather than train on, or save, garbage."""
@@ -201,9 +205,14 @@ class Run:
         if self.leader:
             groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
+            if not any(len(group) == rollout.num_samples for group in groups):
+                drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
+                         if "dropped" in name and count}
+                raise NoUsableRolloutsError(f"step {step}: every group of this rollout batch lost samples (stale or "
+                                            f"invalid: dropped and counted, never trained on); drops so far: {drops}")
             payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
                                                  rollout.logprob_mode)
-            check_echo(collated, rollout)
+            check_logprob_mode(rollout.logprob_mode, collated.logprob_mode)
         else:
             self.stream.skip_batch()  # the batch process 0 issued; keeps this process's data position in step
             payload = self.spec.zeros()
@@ -244,16 +253,6 @@ class Run:
         for record in self.steps():
             last = record.metrics
         return last
-
-
-def check_echo(collated, rollout) -> None:
-    """The engine's echo must match what was asked: logprob mode and every sampler setting."""
-    check_logprob_mode(rollout.logprob_mode, collated.logprob_mode)
-    for name in ("temperature", "top_k", "top_p", "min_p"):
-        echoed = getattr(collated, name)
-        if not np.allclose(echoed, getattr(rollout, name)):
-            raise ValueError(f"rollout.{name}={getattr(rollout, name)}: the engine sampled with "
-                             f"{sorted(set(echoed.tolist()))}")
 
 
 def broadcast(tree, is_source: bool):
