@@ -98,20 +98,24 @@ def check_batch(mask, rollout_logprobs=None, advantages=None, max_logprob=LOGPRO
     ...
     AssertionError: logprobs must be <= 0.001 where the mask is 1; first bad value 0.5 at (row, column) = (0, 1)
     """
-    mask = jnp.asarray(mask)
+    logprobs = dict(named_logprobs, rollout_logprobs=rollout_logprobs)
+    # Concrete arrays are checked with NumPy, so that constants closed over by a jitted function are checked at
+    # trace time (jnp would stage them); traced ones need jnp under chex.chexify.
+    xp = jnp if any(isinstance(a, jax.core.Tracer) for a in (mask, advantages, *logprobs.values())) else np
+    mask = xp.asarray(mask)
     _require((mask != 0) & (mask != 1), "mask", "hold only 0 and 1", mask)
     valid = mask.astype(bool)
-    for name, array in dict(named_logprobs, rollout_logprobs=rollout_logprobs).items():
+    for name, array in logprobs.items():
         if array is not None:
-            array = jnp.asarray(array, jnp.float32)
-            _require(valid & ~jnp.isfinite(array), name, "be finite where the mask is 1", array)
+            array = xp.asarray(array, xp.float32)
+            _require(valid & ~xp.isfinite(array), name, "be finite where the mask is 1", array)
             if max_logprob is not None:
                 _require(valid & (array > max_logprob), name, f"be <= {max_logprob} where the mask is 1", array)
     if advantages is not None:
-        advantages = jnp.asarray(advantages, jnp.float32)
-        advantages = jnp.broadcast_to(advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim)),
-                                      mask.shape)
-        _require(valid & ~jnp.isfinite(advantages), "advantages", "be finite where the mask is 1", advantages)
+        advantages = xp.asarray(advantages, xp.float32)
+        advantages = xp.broadcast_to(advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim)),
+                                     mask.shape)
+        _require(valid & ~xp.isfinite(advantages), "advantages", "be finite where the mask is 1", advantages)
 
 
 def _check_inputs(config: CorrectionConfig, logprobs, mask, advantages, proximal, rollout, ref, entropy):
