@@ -9,6 +9,7 @@
 ``python -m learner.train`` is the same loop from the command line.
 """
 
+from learner.rl.batches import NoUsableRolloutsError
 from learner.rl.batches import Payload
 from learner.rl.batches import PayloadSpec
 from learner.rl.batches import assemble_payload
@@ -25,7 +26,6 @@ from learner.rl.hooks import ProgressHook
 from learner.rl.hooks import RolloutLogHook
 from learner.rl.hooks import SummaryHook
 from learner.rl.hooks import default_hooks
-from learner.rl.run import NoUsableRolloutsError
 from learner.rl.run import NonFiniteUpdateError
 from learner.rl.run import ResumeConfigError
 from learner.rl.run import Run

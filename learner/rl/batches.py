@@ -27,6 +27,10 @@ TRAIN_BATCH_DTYPES = TrainBatch(tokens=np.int32, positions=np.int32, attention_m
 SAMPLER_DTYPES = SamplerParams(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32)
 
 
+class NoUsableRolloutsError(RuntimeError):
+    """No group of a rollout batch kept all its samples: the engine keeps returning invalid or stale ones."""
+
+
 class Payload(NamedTuple):
     """One step's data, as process 0 broadcasts it."""
 
@@ -104,7 +108,7 @@ def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[M
     complete = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group) == num_samples]
     samples = [sample for group, _ in complete for sample in group]
     if not samples:
-        raise RuntimeError("every group of this rollout batch was dropped (stale or invalid samples)")
+        raise NoUsableRolloutsError("every group of this rollout batch was dropped (stale or invalid samples)")
     records = [row for group, row in complete for _ in group]
     collated = collate(samples, pad_to_multiple=spec.length, pad_token_id=task.tokenizer.pad_id)
     rewards = np.asarray(task.rewards(records, [s.completion_token_ids for s in samples]), np.float32)

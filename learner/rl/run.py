@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 
 from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer
-from learner.rl.batches import Payload, PayloadSpec, assemble_payload
+from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity
 from learner.rl.hooks import Hook, default_hooks
@@ -67,10 +67,6 @@ class StepRecord:
 
 class ResumeConfigError(ValueError):
     """A resume would change what the checkpoint was trained for."""
-
-
-class NoUsableRolloutsError(RuntimeError):
-    """No group of a rollout batch kept all its samples: the engine keeps returning invalid or stale ones."""
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -205,13 +201,15 @@ class Run:
         if self.leader:
             groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
-            if not any(len(group) == rollout.num_samples for group in groups):
+            try:
+                payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
+                                                     rollout.logprob_mode)
+            except NoUsableRolloutsError:
                 drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
                          if "dropped" in name and count}
                 raise NoUsableRolloutsError(f"step {step}: every group of this rollout batch lost samples (stale or "
-                                            f"invalid: dropped and counted, never trained on); drops so far: {drops}")
-            payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
-                                                 rollout.logprob_mode)
+                                            f"invalid: dropped and counted, never trained on); drops so far: "
+                                            f"{drops}") from None
             check_logprob_mode(rollout.logprob_mode, collated.logprob_mode)
         else:
             self.stream.skip_batch()  # the batch process 0 issued; keeps this process's data position in step
