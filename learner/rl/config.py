@@ -96,7 +96,7 @@ class RolloutSection:
 class ServerSection:
     """The inference engine: the embedded reference server (started here) unless ``address`` is set."""
 
-    engine: str = _bounded("tether", choices=("tether",))  # engine backend (rollout_client.Engine).
+    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # engine backend (rollout_client.Engine).
     address: str | None = None  # "host:port" of an external server; None starts the reference server.
     dtype: str = _bounded("float32", choices=("float32", "bfloat16", "float16"))  # embedded server's compute dtype.
     max_batch_size: int = _positive(64)  # embedded server's KV-cache rows.
