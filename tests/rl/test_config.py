@@ -25,7 +25,7 @@ from learner.rl.config import (changed_keys, checkpoint_config, client_config, c
     ("loop.steps=0", "loop.steps=0: must be > 0"),
     ("rollout.num_samples=1", "rollout.num_samples=1: must be >= 2"),
     ("warmup.noise=1.5", "warmup.noise=1.5: must be >= 0 and <= 1"),
-    ("server.engine='vllm'", "server.engine='vllm': must be one of tether"),
+    ("server.engine='trtllm'", "server.engine='trtllm': must be one of tether, mlx, sglang, vllm"),
     ("rollout.logprob_mode='sampled'", "rollout.logprob_mode='sampled': must be one of raw, processed"),
     ("checkpoints.every=0", "checkpoints.every=0: must be > 0"),
     # Types, unknown keys, corrections.
