@@ -97,7 +97,9 @@ class ServerSection:
     """The inference engine: the embedded reference server (started here) unless ``address`` is set."""
 
     engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # engine backend (rollout_client.Engine).
-    address: str | None = None  # "host:port" of an external server; None starts the reference server.
+    # "host:port" of an external engine (or a gateway: smg, sglang-router), or a list of them (requests go to the
+    # least loaded; a dead one is taken out and probed); None launches the engine (tether: the reference server).
+    address: str | list[str] | None = None
     dtype: str = _bounded("float32", choices=("float32", "bfloat16", "float16"))  # embedded server's compute dtype.
     max_batch_size: int = _positive(64)  # embedded server's KV-cache rows.
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
@@ -106,6 +108,9 @@ class ServerSection:
     weights_dir: str | None = None  # HF checkpoints for disk-loading engines (mlx, sglang, vllm); None: run_dir/engine_weights.
     keep_weight_versions: int = _positive(2)  # published checkpoint directories kept there (older ones are deleted).
     generate_deadline_s: float = 30.0  # one Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts.
+    max_relaunches: int = _non_negative(3)  # a launched engine that dies is relaunched (current weights) this often.
+    probe_interval_s: float = _positive(2.0)  # between attempts to reach an engine that is down.
+    give_up_after_s: float = _positive(120.0)  # the run ends when no engine has served for this long.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +208,8 @@ class RunConfig:
         optimizer_config(self, updates=optimizer_updates(self, update))
         checkpoint_config(self, "checkpoints")
         sampling_params(self, max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=())
-        client_config(self, self.server.address or "127.0.0.1:0", auth_token=None)
+        for address in engine_addresses(self) or ["127.0.0.1:0"]:
+            client_config(self, address, auth_token=None)
 
 
 # --- Library configs, each built from the sections by one function ----------------------------------------------
@@ -264,6 +270,25 @@ def sampling_params(config: RunConfig, max_new_tokens: int | None, stop_token_id
     return _library("rollout", SamplingParams, temperature=rollout.temperature, top_k=rollout.top_k,
                     top_p=rollout.top_p, min_p=rollout.min_p, max_new_tokens=max_new_tokens,
                     stop_token_ids=tuple(stop_token_ids))
+
+
+def engine_addresses(config: RunConfig) -> list[str]:
+    """``server.address`` as a list (empty: the run launches its engine); checks each is a distinct "host:port".
+
+    >>> engine_addresses(load_config(None, ['server.address=["10.0.0.1:50051", "10.0.0.2:50051"]']))
+    ['10.0.0.1:50051', '10.0.0.2:50051']
+    """
+    address = config.server.address
+    addresses = [address] if isinstance(address, str) else list(address or [])
+    if address is not None and not addresses:
+        raise ValueError("server.address=[]: give at least one \"host:port\", or leave it out to launch the engine")
+    for item in addresses:
+        host, _, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not (host and port.isdigit()) and not str(item).startswith("unix:"):
+            raise ValueError(f"server.address: {item!r} is not \"host:port\" (e.g. \"10.0.0.1:50051\")")
+    if len(set(addresses)) < len(addresses):
+        raise ValueError(f"server.address={addresses}: an address is listed twice")
+    return addresses
 
 
 def client_config(config: RunConfig, target: str, auth_token: str | None, vocab_size: int | None = None

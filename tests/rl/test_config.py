@@ -3,8 +3,8 @@
 import pytest
 
 from learner.rl import RunConfig, load_config, to_dict
-from learner.rl.config import (changed_keys, checkpoint_config, client_config, correction_config, from_dict,
-                               optimizer_config, optimizer_updates, sampling_params, update_config)
+from learner.rl.config import (changed_keys, checkpoint_config, client_config, correction_config, engine_addresses,
+                               from_dict, optimizer_config, optimizer_updates, sampling_params, update_config)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -86,3 +86,23 @@ def test_changed_keys_lists_what_a_resume_must_not_change():
 
 def test_defaults_are_a_valid_config():
     assert RunConfig().rollout.num_samples == 8
+
+
+@pytest.mark.parametrize("override, message", [
+    ('server.address=[]', 'server.address=[]: give at least one "host:port"'),
+    ('server.address=["10.0.0.1"]', "server.address: '10.0.0.1' is not \"host:port\""),
+    ('server.address=["a:1", 5]', "server.address: 5 is not \"host:port\""),
+    ('server.address=["a:1", "a:1"]', "server.address=['a:1', 'a:1']: an address is listed twice"),
+    ("server.max_relaunches=-1", "server.max_relaunches=-1: must be >= 0"),
+])
+def test_engine_address_errors_name_the_key(override, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+
+
+def test_engine_addresses_accept_one_address_a_list_or_a_unix_socket():
+    assert engine_addresses(load_config(None, ['server.address="h:1"'])) == ["h:1"]
+    assert engine_addresses(load_config(None, ['server.address=["h:1", "unix:///tmp/engine.sock"]'])) == [
+        "h:1", "unix:///tmp/engine.sock"]
+    assert engine_addresses(load_config(None, [])) == []
