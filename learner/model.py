@@ -1,8 +1,9 @@
-"""Decoder-only transformer (Llama / Qwen2 layout) in Flax NNX, with a KV cache for inference.
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 layout) in Flax NNX, with a KV cache for inference.
 
 The model is the same code for the learner (full forward over right-padded sequences) and the inference server
-(prefill + decode through a KV cache). Hugging Face Llama / Qwen2 checkpoints load into it
-(see `learner.safetensors_io`).
+(prefill + decode through a KV cache). Hugging Face Llama, Mistral, Qwen2 and Qwen3 checkpoints load into it
+(`learner.hf_checkpoint.model_config_from_checkpoint`, `learner.safetensors_io`; docs/models.md lists what is
+supported and what is refused).
 
 Full forward (learner)::
 
@@ -49,6 +50,8 @@ Parameter paths (used by the sharding rules and the safetensors name map), with 
     layers/{i}/attn/q_proj/kernel   [D, H, Dh]     (bias [H, Dh] when qkv_bias)
     layers/{i}/attn/k_proj/kernel   [D, K, Dh]     (bias [K, Dh] when qkv_bias)
     layers/{i}/attn/v_proj/kernel   [D, K, Dh]     (bias [K, Dh] when qkv_bias)
+    layers/{i}/attn/q_norm/scale    [Dh]           (only when qk_norm)
+    layers/{i}/attn/k_norm/scale    [Dh]           (only when qk_norm)
     layers/{i}/attn/o_proj/kernel   [H, Dh, D]
     layers/{i}/mlp_norm/scale       [D]
     layers/{i}/mlp/gate_proj/kernel [D, F]
@@ -66,9 +69,35 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency remapping (Hugging Face ``rope_type = "llama3"``); see `rope_frequencies`.
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their frequency, longer
+    than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and those in between are
+    interpolated smoothly. It changes the logits at every position, not only beyond the original context.
+    """
+
+    factor: float  # Divisor of the low frequencies (Llama 3.1/3.2: 8 or 32).
+    low_freq_factor: float  # original_max_position_embeddings / low_freq_factor: the longest unscaled wavelength.
+    high_freq_factor: float  # original_max_position_embeddings / high_freq_factor: the shortest scaled one.
+    original_max_position_embeddings: int  # The pre-training context (Llama 3: 8192).
+
+    def __post_init__(self):
+        if not self.factor > 0:
+            raise ValueError(f"Llama3RopeScaling.factor must be > 0, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"Llama3RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor} and {self.high_freq_factor}")
+        if not self.original_max_position_embeddings > 0:
+            raise ValueError("Llama3RopeScaling.original_max_position_embeddings must be > 0, got "
+                             f"{self.original_max_position_embeddings}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +121,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6  # Epsilon inside RMSNorm's rsqrt.
     tie_embeddings: bool = False  # If True the output projection is the transposed token embedding.
     qkv_bias: bool = False  # If True q/k/v projections have a bias (Qwen2); o_proj never has one.
+    qk_norm: bool = False  # If True queries and keys get an RMSNorm over head_dim per head before RoPE (Qwen3).
+    rope_scaling: Llama3RopeScaling | None = None  # Llama 3.1's frequency remapping; None: plain RoPE.
     max_seq_len: int = 2048  # Longest sequence (prompt + completion) the model is configured for.
     param_dtype: str = "float32"  # Storage dtype of the parameters: float32, bfloat16 or float16.
     dtype: str = "float32"  # Compute dtype of activations and matmuls (norms, softmax, logits stay float32).
@@ -135,11 +166,14 @@ _NAMED_CONFIGS = {
     "qwen2-0.5b": ModelConfig(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_layers=24,
                               num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                               tie_embeddings=True, qkv_bias=True, max_seq_len=32_768),
-    # Llama-3.2-1B shapes (without Llama 3.1's rope_scaling: exact for sequences within the original context).
+    # Llama-3.2-1B: the shapes and Llama 3.1's RoPE scaling of its config.json (the scaling changes the logits at
+    # every position, so a config without it would not be Llama-3.2-1B; max_seq_len shortened from 131072).
     "llama-1b": ModelConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                             num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500_000.0, rms_norm_eps=1e-5,
-                            tie_embeddings=True, max_seq_len=8192),
-    # Llama-3-8B shapes.
+                            tie_embeddings=True, max_seq_len=8192,
+                            rope_scaling=Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                           original_max_position_embeddings=8192)),
+    # Llama-3-8B shapes (Llama 3.0: no RoPE scaling).
     "llama-8b": ModelConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_layers=32,
                             num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5,
                             max_seq_len=8192),
@@ -177,10 +211,11 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], stddev: float, dtype: str) -
 
 
 class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x^2) + eps) * scale``, computed in float32 (Llama's RMSNorm)."""
+    """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (width ``size``, default hidden_size), computed in
+    float32 (Llama's RMSNorm)."""
 
-    def __init__(self, config: ModelConfig):
-        self.scale = nnx.Param(jnp.ones((config.hidden_size,), config.param_dtype))
+    def __init__(self, config: ModelConfig, size: int | None = None):
+        self.scale = nnx.Param(jnp.ones((size or config.hidden_size,), config.param_dtype))
         self.eps = config.rms_norm_eps
         self.dtype = config.dtype
 
@@ -207,25 +242,49 @@ class Projection(nnx.Module):
         return y
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """The ``[head_dim / 2]`` float32 inverse frequencies of RoPE, remapped by ``config.rope_scaling`` if set.
+
+    ``theta ** (-2i / head_dim)``; with Llama-3 scaling, the remapping of Hugging Face transformers'
+    ``_compute_llama3_parameters`` (computed here in float64, then rounded once).
+
+    Example:
+        >>> rope_frequencies(ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+        ...                              num_heads=1, num_kv_heads=1, head_dim=4, rope_theta=100.0))
+        array([1. , 0.1], dtype=float32)
+    """
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+    scaling = config.rope_scaling
+    if scaling is not None:
+        context = scaling.original_max_position_embeddings
+        low_freq_wavelen = context / scaling.low_freq_factor
+        high_freq_wavelen = context / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary position embedding, Hugging Face "rotate half" convention.
 
     Args:
         x: ``[B, T, heads, head_dim]``.
         positions: ``[B, T]`` integer positions.
-        theta: RoPE base frequency.
+        inv_freq: ``[head_dim / 2]`` inverse frequencies (`rope_frequencies`).
 
     Returns:
         x rotated, in x's dtype (computed in float32).
 
     Example:
         >>> x = jnp.ones((1, 1, 1, 4))
-        >>> bool(jnp.allclose(apply_rope(x, jnp.zeros((1, 1), jnp.int32), 1e4), x))
+        >>> bool(jnp.allclose(apply_rope(x, jnp.zeros((1, 1), jnp.int32), jnp.array([1.0, 0.1])), x))
         True
     """
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, Dh/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
     x32 = x.astype(jnp.float32)
     first, second = jnp.split(x32, 2, axis=-1)
@@ -234,7 +293,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE and optional q/k/v bias."""
+    """Grouped-query self-attention with RoPE, optional q/k/v bias and optional per-head q/k RMSNorm."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, h, k, dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -242,6 +301,8 @@ class Attention(nnx.Module):
         self.k_proj = Projection((d,), (k, dh), use_bias=config.qkv_bias, config=config, rngs=rngs)
         self.v_proj = Projection((d,), (k, dh), use_bias=config.qkv_bias, config=config, rngs=rngs)
         self.o_proj = Projection((h, dh), (d,), use_bias=False, config=config, rngs=rngs)
+        self.q_norm = RMSNorm(config, dh) if config.qk_norm else None
+        self.k_norm = RMSNorm(config, dh) if config.qk_norm else None
         self.config = config
 
     def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array,
@@ -252,8 +313,12 @@ class Attention(nnx.Module):
         ``allowed`` is ``[B, T, S]`` bool (S = T without cache, max_len with cache).
         """
         cfg = self.config
-        q = apply_rope(self.q_proj(x), positions, cfg.rope_theta)
-        k = apply_rope(self.k_proj(x), positions, cfg.rope_theta)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_frequencies(cfg)  # a trace-time constant
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
         v = self.v_proj(x)
         if layer_cache is not None:
             rows = jnp.arange(x.shape[0])[:, None]

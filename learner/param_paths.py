@@ -51,3 +51,14 @@ def parameter_names(state) -> tuple[list[str], jax.tree_util.PyTreeDef]:
     """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     return [parameter_path(path) for path, _ in leaves], treedef
+
+
+def named_leaves(state) -> dict:
+    """``{parameter path: leaf}`` of ``state`` (e.g. ``nnx.state(model)``: the arrays, by the names above).
+
+    Example:
+        >>> named_leaves({"attn": {"q": 1, "k": 2}})
+        {'attn/k': 2, 'attn/q': 1}
+    """
+    names, _ = parameter_names(state)
+    return dict(zip(names, jax.tree.leaves(state), strict=True))
