@@ -86,22 +86,26 @@ def broadcast_to_tokens(advantages, mask) -> jax.Array:
     return jnp.where(mask.astype(bool), jnp.asarray(advantages, jnp.float32)[:, None], 0.0)
 
 
-def kl_penalty(logprobs, ref_logprobs, estimator: str = "low_var_kl") -> jax.Array:
+def kl_penalty(logprobs, ref_logprobs, estimator: str = "low_var_kl", importance_ratio=None) -> jax.Array:
     """Per-token KL(pi || ref) estimate with ``l = lp - ref`` (clamped to [-20, 20]): k1 ``l``, k2 ``l^2/2``,
-    k3 ``exp(-l) - 1 + l``, low_var_kl the same clamped to [-10, 10] (verl).
+    k3 ``exp(-l) - 1 + l``, low_var_kl the same clamped to [-10, 10] (verl). ``importance_ratio`` (slime's
+    ``use_unbiased_kl``: ``pi / pi_old``) multiplies the estimate before low_var_kl's clamp, as slime does.
 
     >>> import numpy as np
     >>> np.asarray(kl_penalty(np.log([0.5]), np.log([0.25]), "k3"), float).round(4).tolist()
     [0.1931]
+    >>> np.asarray(kl_penalty(np.log([0.5]), np.log([0.25]), "k3", importance_ratio=2.0), float).round(4).tolist()
+    [0.3863]
     """
     l = clamp_log_ratio(jnp.asarray(logprobs, jnp.float32) - jnp.asarray(ref_logprobs, jnp.float32))
     if estimator == "k1":
-        return l
-    if estimator == "k2":
-        return 0.5 * l * l
-    k3 = jnp.expm1(-l) + l
-    if estimator == "k3":
-        return k3
-    if estimator == "low_var_kl":
-        return jnp.clip(k3, -10.0, 10.0)
-    raise ValueError(f"kl estimator={estimator!r} is not an option; use k1, k2, k3 or low_var_kl.")
+        kl = l
+    elif estimator == "k2":
+        kl = 0.5 * l * l
+    elif estimator in ("k3", "low_var_kl"):
+        kl = jnp.expm1(-l) + l
+    else:
+        raise ValueError(f"kl estimator={estimator!r} is not an option; use k1, k2, k3 or low_var_kl.")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    return jnp.clip(kl, -10.0, 10.0) if estimator == "low_var_kl" else kl

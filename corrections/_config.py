@@ -16,6 +16,8 @@ from corrections._objectives import OBJECTIVES, ObjectiveSpec
 MODES = ("decoupled", "bypass")
 WEIGHT_LEVELS = ("token", "sequence", "geometric")
 WEIGHT_OVERFLOWS = ("truncate", "mask")
+WEIGHT_NUMERATORS = ("proximal", "current")
+GSPO_FORMS = ("token", "sequence")
 K1_RULES = ("token_k1", "seq_sum_k1", "seq_mean_k1")
 K23_RULES = tuple(f"{agg}_{k}" for k in ("k2", "k3") for agg in ("token", "seq_sum", "seq_mean", "seq_max"))
 REJECTION_RULES = ("outlier",) + K1_RULES + K23_RULES
@@ -40,6 +42,11 @@ def _number(owner: str, field: str, value, *, minimum: float = 0.0, strict: bool
         raise ValueError(f"{owner}.{field}={value!r} must be {bound} {minimum}.")
 
 
+def _flag(owner: str, field: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{field}={value!r} must be True or False.")
+
+
 def _ordered(owner: str, low, high, low_name="low", high_name="high") -> None:
     if low is not None and high is not None and low > high:
         raise ValueError(f"{owner}: {low_name}={low} > {high_name}={high}; the lower bound must not exceed the upper.")
@@ -62,10 +69,23 @@ class ImportanceWeights:
     low: float = 0.0  # lower bound on the weight (slime's tis_clip_low; IcePop's lower edge).
     overflow: str = "truncate"  # "truncate": clip to [low, high]; "mask": weight 0 outside [low, high] (IcePop, AReaL).
     batch_normalize: bool = False  # divide by the batch mean weight after truncation (verl, slime).
+    # Whose logprobs the weight's numerator holds: "proximal" (the mode's trainer side: recomputed logprobs in
+    # decoupled mode, sg(current) in bypass mode) or "current" (always sg(current): slime PR #2084 off_policy_is,
+    # one weight for mismatch and staleness, on top of a PPO ratio against the proximal logprobs).
+    numerator: str = "proximal"
+    # Geometric level only: clamp every token's log-ratio to [-20, 20] before the mean (fw cookbook) instead of
+    # clamping the mean (the default). The two differ only where some |log-ratio| > 20.
+    clamp_each_token: bool = False
 
     def __post_init__(self):
         _choice("importance", "level", self.level, WEIGHT_LEVELS)
         _choice("importance", "overflow", self.overflow, WEIGHT_OVERFLOWS)
+        _choice("importance", "numerator", self.numerator, WEIGHT_NUMERATORS)
+        _flag("importance", "batch_normalize", self.batch_normalize)
+        _flag("importance", "clamp_each_token", self.clamp_each_token)
+        if self.clamp_each_token and self.level != "geometric":
+            raise ValueError(f"importance.clamp_each_token=True needs level='geometric' (got {self.level!r}): only "
+                             "the geometric mean averages log-ratios; drop it or change the level.")
         _number("importance", "high", self.high, strict=True, optional=True)
         _number("importance", "low", self.low)
         _ordered("importance", self.low, self.high)
@@ -138,9 +158,14 @@ class Objective:
     clip_cov_high: float = 5.0  # clip-cov: covariance window upper edge.
     kl_cov_ratio: float = 2e-4  # kl-cov: fraction of tokens that get the |log-ratio| penalty (verl; SkyRL: 0.2).
     kl_cov_coef: float = 1.0  # kl-cov: penalty coefficient.
+    # GSPO: "token" (GSPO-token as verl/SkyRL: value sg(s), gradient per token, s over the response mask) or
+    # "sequence" (AReaL: s = exp(mean of lp - old over the kept tokens) with the gradient through the mean, spread
+    # evenly over the row, and the advantage averaged over the kept tokens).
+    gspo_form: str = "token"
 
     def __post_init__(self):
         _choice("objective", "name", self.name, tuple(OBJECTIVES))
+        _choice("objective", "gspo_form", self.gspo_form, GSPO_FORMS)
         for field in ("clip_low", "clip_high", "log_ratio_cap", "clip_cov_low", "kl_cov_coef"):
             _number("objective", field, getattr(self, field))
         for field in ("tau_pos", "tau_neg", "clip_cov_high"):
@@ -179,10 +204,15 @@ class CorrectionConfig:
     rejection: tuple[RejectionRule, ...] = ()  # masks, AND-combined: token rules first, then sequence rules.
     opsm_delta: float | None = None  # slime OPSM: drop a sequence with mean A < 0 and mean(old - lp) > delta.
     reduction: str = "token-mean"  # per-token loss -> scalar; one of REDUCTIONS.
-    denominator: str = "original"  # "original": rejected tokens still count (SkyRL, slime, AReaL); "kept": verl.
+    # "original": rejected tokens still count (SkyRL, slime, AReaL); "kept": verl (for seq-mean-token-sum-norm:
+    # the rows that kept a token times T, where "original" divides by B * T as the Dr. GRPO paper).
+    denominator: str = "original"
     kl_coef: float = 0.0  # weight of the KL penalty to a reference policy (needs ref_logprobs).
     kl_estimator: str = "low_var_kl"  # one of KL_ESTIMATORS.
     entropy_coef: float = 0.0  # entropy bonus weight (needs entropy).
+    # slime use_unbiased_kl (DeepSeek-V3.2): the KL term times exp(lp - old) (clamped log, WITH gradient), an
+    # estimate of KL(pi || ref) under pi from tokens sampled by old; low_var_kl is clamped after the product.
+    kl_importance_weighted: bool = False
     # Value checks (mask is 0/1; logprobs finite, advantages finite where it is 1): None runs them on concrete inputs
     # (eager calls) and skips them under jit; True always, and also bounds logprobs by 1e-3 (under jit wrap the
     # caller with chex.chexify(..., async_check=False) so that the call raises); False never.
@@ -196,6 +226,7 @@ class CorrectionConfig:
         _number("config", "kl_coef", self.kl_coef)
         _number("config", "entropy_coef", self.entropy_coef)
         _number("config", "opsm_delta", self.opsm_delta, optional=True)
+        _flag("config", "kl_importance_weighted", self.kl_importance_weighted)
         if not isinstance(self.objective, Objective):
             raise ValueError("config.objective must be an Objective; build nested dicts with config_from_dict.")
         if self.importance is not None and not isinstance(self.importance, ImportanceWeights):
@@ -207,7 +238,7 @@ class CorrectionConfig:
     @property
     def needs_rollout_logprobs(self) -> bool:
         """Whether ``compute`` needs the rollout (behaviour) logprobs for this config."""
-        uses_rollout = self.objective.spec.reads_rollout or self.opsm_delta is not None
+        uses_rollout = self.objective.spec.reads_rollout  # OPSM reads proximal and current logprobs only
         return self.mode == "bypass" or self.importance is not None or bool(self.rejection) or uses_rollout
 
     def replace(self, **changes) -> "CorrectionConfig":
@@ -235,7 +266,7 @@ def config_from_dict(data: Mapping[str, Any]) -> CorrectionConfig:
     >>> config_from_dict({"clip": 0.2})
     Traceback (most recent call last):
     ...
-    ValueError: config: unknown field(s) clip; known: check_values, denominator, entropy_coef, importance, kl_coef, kl_estimator, mode, objective, opsm_delta, reduction, rejection.
+    ValueError: config: unknown field(s) clip; known: check_values, denominator, entropy_coef, importance, kl_coef, kl_estimator, kl_importance_weighted, mode, objective, opsm_delta, reduction, rejection.
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"config must be a mapping of fields, got {type(data).__name__}.")

@@ -48,11 +48,16 @@ def _row_moments(x, mask):
 
 
 def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> dict:
-    """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays, 0 at padding)."""
+    """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays, 0 at padding).
+    Without rollout logprobs (None) only the training-policy ones (verl's ``compute_offpolicy_metrics``)."""
     old, roll, valid = old_logprobs, rollout_logprobs, jnp.asarray(mask).astype(bool)
-    lr = clamp_log_ratio(old - roll)  # like roll - old and |old - roll|: 0 at padding, summed unmasked
     count, mean_old, m2_old = _row_moments(old, valid)
+    if roll is None:
+        return {"count": count, "mean_old": mean_old}
+    lr = clamp_log_ratio(old - roll)  # like roll - old and |old - roll|: 0 at padding, summed unmasked
     _, mean_roll, m2_roll = _row_moments(roll, valid)
+    rho = safe_exp(lr)
+    _, mean_rho, m2_rho = _row_moments(jnp.where(valid, rho, 0.0), valid)
     abs_diff = jnp.abs(old - roll)
     return {
         "count": count,
@@ -67,6 +72,10 @@ def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> dict:
         "comoment": masked_sum((old - mean_old) * (roll - mean_roll), valid),
         "sum_abs_diff": jnp.sum(abs_diff),
         "max_abs_diff": jnp.max(abs_diff, initial=0.0),  # >= 0, and 0 at padding and for an empty sequence
+        "mean_rho": mean_rho,
+        "m2_rho": m2_rho,
+        "max_rho": masked_max(rho, valid),
+        "min_rho": masked_min(rho, valid),
     }
 
 
@@ -75,17 +84,20 @@ def mismatch_from_rows(stats: dict) -> dict:
     count = stats["count"]
     rows = count > 0
     tokens = jnp.sum(count)
-    mt, mr = stats["mean_old"], stats["mean_roll"]
+    mt = stats["mean_old"]
+    row_mean = lambda x: _ratio(masked_sum(x, rows), jnp.sum(rows))  # noqa: E731
+    metrics = {"training_ppl": row_mean(safe_exp(-mt)), "training_log_ppl": row_mean(-mt)}
+    if "mean_roll" not in stats:
+        return {PREFIX + k: v.astype(jnp.float32) for k, v in metrics.items()}
+    mr = stats["mean_roll"]
     diff = mr - mt
     _, pooled_old, m2_old = _pooled_moments(count, mt, stats["m2_old"])
     _, pooled_roll, m2_roll = _pooled_moments(count, mr, stats["m2_roll"])
+    _, mean_rho, m2_rho = _pooled_moments(count, stats["mean_rho"], stats["m2_rho"])
     comoment = jnp.sum(stats["comoment"]) + jnp.sum(count * (mt - pooled_old) * (mr - pooled_roll))
-    row_mean = lambda x: _ratio(masked_sum(x, rows), jnp.sum(rows))  # noqa: E731
-    metrics = {
+    metrics.update({
         "kl": _ratio(jnp.sum(stats["sum_kl"]), tokens),
         "k3_kl": _ratio(jnp.sum(stats["sum_k3"]), tokens),
-        "training_ppl": row_mean(safe_exp(-mt)),
-        "training_log_ppl": row_mean(-mt),
         "rollout_ppl": row_mean(safe_exp(-mr)),
         "rollout_log_ppl": row_mean(-mr),
         "log_ppl_diff": row_mean(diff),
@@ -98,7 +110,11 @@ def mismatch_from_rows(stats: dict) -> dict:
         "logprob_abs_diff_mean": _ratio(jnp.sum(stats["sum_abs_diff"]), tokens),
         "logprob_abs_diff_max": masked_max(stats["max_abs_diff"], rows),
         "logprob_pearson_corr": _correlation(comoment, m2_old, m2_roll, tokens),
-    }
+        "token_ratio_mean": mean_rho,
+        "token_ratio_std": jnp.sqrt(_ratio(m2_rho, tokens)),
+        "token_ratio_max": masked_max(stats["max_rho"], rows),
+        "token_ratio_min": masked_min(stats["min_rho"], rows),
+    })
     return {PREFIX + k: v.astype(jnp.float32) for k, v in metrics.items()}
 
 
@@ -111,27 +127,40 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     the rollout ones likewise, ``log_ppl_diff = mean_b(mr_b - mt_b)`` (verl's sign: training log-ppl minus
     rollout log-ppl), its abs mean, max and min, ``ppl_ratio = mean_b exp(mr_b - mt_b)``;
     ``chi2_token = masked_mean(exp(lr)^2) - 1``, ``chi2_seq = mean_b exp(2*clamp(sum_b lr)) - 1``; logprob abs
-    difference (mean, max) and the Pearson correlation of the two logprobs over valid tokens.
+    difference (mean, max), the Pearson correlation of the two logprobs over valid tokens, and the statistics of
+    the per-token unbounded ratio ``exp(lr)`` over valid tokens, ``token_ratio_{mean,std,max,min}`` (population
+    std; SkyRL's ``is_ratio_*`` without its padding quirks). ``rollout_logprobs=None`` gives only
+    ``training_ppl`` and ``training_log_ppl`` (verl without rollout logprobs).
 
     >>> import numpy as np
     >>> m = mismatch_metrics(np.log([[0.5, 0.5]]), np.log([[0.5, 0.5]]), np.ones((1, 2)))
     >>> float(m["rollout_corr/kl"]), float(m["rollout_corr/chi2_token"]), float(m["rollout_corr/training_ppl"])
     (0.0, 0.0, 2.0)
     """
-    old, roll = zero_padding(old_logprobs, mask), zero_padding(rollout_logprobs, mask)
-    return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old, roll, mask))
+    old = zero_padding(old_logprobs, mask)
+    if rollout_logprobs is None:
+        return mismatch_from_rows(jax.vmap(lambda o, m: mismatch_row_stats(o, None, m))(old, mask))
+    return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old, zero_padding(rollout_logprobs, mask), mask))
 
 
-def weight_row_stats(weights, raw_ratios, mask, cap: float, bounds: tuple | None = None) -> dict:
-    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence (``weights`` 0 at padding);
-    with ``bounds = (low, high)`` (``high`` may be None) also the valid tokens whose raw ratio lies outside them."""
+def weight_row_stats(weights, raw_ratios, mask, cap: float, low: float | None = None, bounds: tuple | None = None,
+                     applied=None) -> dict:
+    """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence: ``weights`` are the bounded ratios
+    of every valid token (0 at padding), ``raw_ratios`` the unbounded ones; ``low`` (> 0) is the lower bound the
+    low fractions use (else ``1 / cap``); with ``bounds = (low, high)`` (``high`` may be None) also the valid
+    tokens whose raw ratio lies outside them; ``applied`` the weights the loss uses, for batch normalisation."""
     valid = jnp.asarray(mask).astype(bool)
+    lower = low if low else 1.0 / cap
     count, mean, m2 = _row_moments(weights, valid)
+    raw_mean = _ratio(masked_sum(raw_ratios, valid), count)
+    row_ratio = masked_max(raw_ratios, valid)  # a sequence-level ratio: the same at every valid token
     extra = {}
     if bounds is not None:
-        low, high = bounds
-        outside = (raw_ratios < low) | (raw_ratios > (jnp.inf if high is None else high))
+        bound_low, bound_high = bounds
+        outside = (raw_ratios < bound_low) | (raw_ratios > (jnp.inf if bound_high is None else bound_high))
         extra["out_of_bounds"] = masked_count(valid & outside)
+    if applied is not None:
+        extra["applied_mean"] = _ratio(masked_sum(applied, valid), count)
     return extra | {
         "count": count,
         "mean": mean,
@@ -140,32 +169,55 @@ def weight_row_stats(weights, raw_ratios, mask, cap: float, bounds: tuple | None
         "max": masked_max(weights, valid),
         "min": masked_min(weights, valid),
         "above_cap": masked_count(valid & (raw_ratios > cap)),
-        "below_inverse_cap": masked_count(valid & (raw_ratios < 1.0 / cap)),
+        "below_low": masked_count(valid & (raw_ratios < lower)),
+        "row_ratio": row_ratio,
+        "row_above": (row_ratio > cap).astype(jnp.float32),
+        "row_below": (row_ratio < lower).astype(jnp.float32),
+        "raw_mean_above": (raw_mean > cap).astype(jnp.float32),
+        "raw_mean_below": (raw_mean < lower).astype(jnp.float32),
+        "clipped": masked_count(valid & (weights != raw_ratios)),
     }
 
 
-def rescale_weight_row_stats(stats: dict, scale) -> dict:
-    """``weight_row_stats`` of the same weights divided by ``scale`` (batch normalisation), which each row also
-    records; the raw-ratio counts stay as they are."""
-    return dict(stats, mean=stats["mean"] / scale, m2=stats["m2"] / scale**2,
-                sum_squares=stats["sum_squares"] / scale**2, max=stats["max"] / scale, min=stats["min"] / scale,
-                scale=jnp.broadcast_to(scale, stats["count"].shape))
+def with_weight_scale(stats: dict, scale) -> dict:
+    """``weight_row_stats`` that also record the divisor of batch normalisation (the metrics stay those of the
+    weights before it, as verl reports them)."""
+    return dict(stats, scale=jnp.broadcast_to(scale, stats["count"].shape))
 
 
-def weight_from_rows(stats: dict) -> dict:
+def weight_from_rows(stats: dict, level: str = "token") -> dict:
     """Combines [B] ``weight_row_stats`` into the batch metrics (see ``weight_metrics``)."""
     count = stats["count"]
     rows = count > 0
+    n_rows = jnp.sum(rows)
     total, mean, m2 = _pooled_moments(count, stats["mean"], stats["m2"])
     mean_square = _ratio(jnp.sum(stats["sum_squares"]), total)
+    row_fraction = lambda x: _ratio(masked_sum(x, rows), n_rows)  # noqa: E731
+    if level == "token":
+        high, low = _ratio(jnp.sum(stats["above_cap"]), total), _ratio(jnp.sum(stats["below_low"]), total)
+        largest, smallest = masked_max(stats["max"], rows), masked_min(stats["min"], rows)
+    else:  # verl's sequence level: rows, and the raw sequence ratios
+        high, low = row_fraction(stats["row_above"]), row_fraction(stats["row_below"])
+        largest, smallest = masked_max(stats["row_ratio"], rows), masked_min(stats["row_ratio"], rows)
+    seq = stats["mean"]
+    seq_mean = row_fraction(seq)
+    seq_var = _ratio(masked_sum((seq - seq_mean) ** 2, rows), n_rows - 1.0)
     metrics = {
         "rollout_is_mean": mean,
         "rollout_is_std": jnp.sqrt(_ratio(m2, total)),
-        "rollout_is_max": masked_max(stats["max"], rows),
-        "rollout_is_min": masked_min(stats["min"], rows),
-        "rollout_is_ratio_fraction_high": _ratio(jnp.sum(stats["above_cap"]), total),
-        "rollout_is_ratio_fraction_low": _ratio(jnp.sum(stats["below_inverse_cap"]), total),
+        "rollout_is_max": largest,
+        "rollout_is_min": smallest,
+        "rollout_is_ratio_fraction_high": high,
+        "rollout_is_ratio_fraction_low": low,
         "rollout_is_eff_sample_size": jnp.where(mean > 0, _ratio(mean * mean, mean_square), 0.0),
+        "rollout_is_seq_mean": seq_mean,
+        "rollout_is_seq_std": jnp.sqrt(jnp.maximum(seq_var, 0.0)),
+        "rollout_is_seq_max": masked_max(seq, rows),
+        "rollout_is_seq_min": masked_min(seq, rows),
+        "rollout_is_seq_max_deviation": masked_max(jnp.abs(seq - 1.0), rows),
+        "rollout_is_seq_fraction_high": row_fraction(stats["raw_mean_above"]),
+        "rollout_is_seq_fraction_low": row_fraction(stats["raw_mean_below"]),
+        "tis_clipfrac": row_fraction(_ratio(stats["clipped"], count)),
     }
     if "out_of_bounds" in stats:  # verl's metric for "lo_up" (IcePop) thresholds
         metrics["rollout_is_oob_ratio"] = _ratio(jnp.sum(stats["out_of_bounds"]), total)
@@ -174,10 +226,13 @@ def weight_from_rows(stats: dict) -> dict:
     return {PREFIX + k: v for k, v in metrics.items()}
 
 
-def weight_metrics(weights, raw_ratios, mask, cap: float) -> dict:
-    """Importance-weight statistics over valid tokens: mean, std, max, min of the final weights, the fraction
-    of raw ratios above ``cap`` and below ``1/cap``, and the effective sample size (see
-    ``effective_sample_size``).
+def weight_metrics(weights, raw_ratios, mask, cap: float, low: float | None = None, level: str = "token") -> dict:
+    """Importance-weight statistics over valid tokens, verl's: mean, std, max, min of the (bounded) weights, the
+    fraction of raw ratios above ``cap`` and below ``low`` (``1/cap`` without one), the effective sample size
+    (see ``effective_sample_size``), the per-sequence ``rollout_is_seq_*`` (over non-empty rows: the row means
+    of the weights; the fractions from the row means of the raw ratios), and slime's ``tis_clipfrac`` (mean over
+    rows of the fraction of tokens whose weight differs from the raw ratio). At a sequence ``level`` (sequence or
+    geometric) max, min and the fractions are those of the rows' raw ratios, as verl's.
 
     >>> import numpy as np
     >>> m = weight_metrics(np.array([[1.0, 2.0, 0.0]]), np.array([[1.0, 3.0, 0.0]]), np.array([[1, 1, 0]]), 2.0)
@@ -186,7 +241,8 @@ def weight_metrics(weights, raw_ratios, mask, cap: float) -> dict:
     [1.5, 0.5, 0.5, 0.9]
     """
     weights, raw_ratios = zero_padding(weights, mask), zero_padding(raw_ratios, mask)
-    return weight_from_rows(jax.vmap(weight_row_stats, in_axes=(0, 0, 0, None))(weights, raw_ratios, mask, cap))
+    row_stats = jax.vmap(lambda w, r, m: weight_row_stats(w, r, m, cap, low))(weights, raw_ratios, mask)
+    return weight_from_rows(row_stats, level)
 
 
 def effective_sample_size(weights, mask) -> jax.Array:
@@ -217,6 +273,94 @@ def rejection_from_rows(name: str, stats: dict) -> dict:
         f"{PREFIX}{name}_masked_fraction": _ratio(jnp.sum(stats["rejected"]), jnp.sum(stats["count"])),
         f"{PREFIX}{name}_seq_masked_fraction": _ratio(jnp.sum(stats["touched"] * rows), jnp.sum(rows)),
     }
+
+
+def row_fraction_mean(stats: dict) -> jax.Array:
+    """The mean over non-empty rows of each row's rejected fraction (slime's ``opsm_clipfrac``, a sum of
+    per-sample means divided by the sample count) from [B] ``rejection_row_stats``."""
+    rows = stats["count"] > 0
+    return _ratio(masked_sum(_ratio(stats["rejected"], stats["count"]), rows), jnp.sum(rows))
+
+
+def behave_row_stats(log_ratio, behave) -> dict:
+    """For ONE sequence: AReaL's ``behave_approx_kl`` sums over its ``behave`` tokens (kept, weight > 0): the
+    log-ratio ``lr`` and AReaL's k3 of it, ``exp(-lr) - 1 + lr`` (lr clamped to [-20, 20])."""
+    lr = clamp_log_ratio(log_ratio)
+    return {"count": masked_count(behave), "sum": masked_sum(lr, behave),
+            "sum_k3": masked_sum(jnp.expm1(-lr) + lr, behave)}
+
+
+def behave_from_rows(stats: dict) -> dict:
+    """AReaL's ``behave_approx_kl`` (mean of ``prox - behave`` over its tokens) and its k3 form."""
+    tokens = jnp.sum(stats["count"])
+    return {PREFIX + "behave_approx_kl": _ratio(jnp.sum(stats["sum"]), tokens),
+            PREFIX + "behave_approx_kl_k3": _ratio(jnp.sum(stats["sum_k3"]), tokens)}
+
+
+def rule_statistic_row_stats(token_stat, seq_stat, mask, upper, lower) -> dict:
+    """For ONE sequence and one k-family rule on its own (verl's ``compute_rs_metrics``): ``token_stat`` [T] the
+    per-token statistic, ``seq_stat`` the sequence's (None for a token rule), ``upper`` / ``lower`` the bounds the
+    statistic must stay within (``lower`` None: no lower fraction, 0 is the clamp of the std)."""
+    valid = jnp.asarray(mask).astype(bool)
+    count = masked_count(valid)
+    per_token = token_stat if seq_stat is None else jnp.broadcast_to(seq_stat, token_stat.shape)
+    clamped = jnp.clip(per_token, 0.0 if lower is None else lower, upper)
+    seq = _ratio(masked_sum(token_stat, valid), count) if seq_stat is None else seq_stat
+    lower = -jnp.inf if lower is None else lower
+    if seq_stat is None:
+        high, low = masked_count(valid & (token_stat > upper)), masked_count(valid & (token_stat < lower))
+        largest, smallest = masked_max(token_stat, valid), masked_min(token_stat, valid)
+    else:
+        high, low = (seq_stat > upper).astype(jnp.float32), (seq_stat < lower).astype(jnp.float32)
+        largest = smallest = seq_stat
+    return {"count": count, "sum": masked_sum(per_token, valid), "clamped_sum": masked_sum(clamped, valid),
+            "clamped_square_sum": masked_sum(clamped**2, valid), "max": largest, "min": smallest, "high": high,
+            "low": low, "seq": seq, "seq_high": (seq > upper).astype(jnp.float32),
+            "seq_low": (seq < lower).astype(jnp.float32)}
+
+
+def rule_statistic_from_rows(name: str, stats: dict, token_level: bool, has_lower: bool) -> dict:
+    """Combines [B] ``rule_statistic_row_stats`` into verl's ``{name}_{mean,std,max,min,fraction_high,
+    fraction_low}`` and ``{name}_seq_{mean,std,max,min,max_deviation,fraction_high[,fraction_low]}`` over valid
+    tokens and non-empty rows (verl's std: population std of the statistic clamped to its bounds)."""
+    count = stats["count"]
+    rows = count > 0
+    tokens, n_rows = jnp.sum(count), jnp.sum(rows)
+    row_mean = lambda x: _ratio(masked_sum(x, rows), n_rows)  # noqa: E731
+    mean_clamped = _ratio(jnp.sum(stats["clamped_sum"]), tokens)
+    variance = _ratio(jnp.sum(stats["clamped_square_sum"]), tokens) - mean_clamped**2
+    seq = stats["seq"]
+    seq_mean = row_mean(seq)
+    if token_level:
+        high, low = _ratio(jnp.sum(stats["high"]), tokens), _ratio(jnp.sum(stats["low"]), tokens)
+    else:
+        high, low = row_mean(stats["high"]), row_mean(stats["low"])
+    metrics = {
+        "mean": _ratio(jnp.sum(stats["sum"]), tokens),
+        "std": jnp.where(tokens > 1, jnp.sqrt(jnp.maximum(variance, 0.0)), 0.0),
+        "max": masked_max(stats["max"], rows),
+        "min": masked_min(stats["min"], rows),
+        "fraction_high": high,
+        "fraction_low": low if has_lower else jnp.float32(0.0),
+        "seq_mean": seq_mean,
+        "seq_std": jnp.sqrt(jnp.maximum(_ratio(masked_sum((seq - seq_mean) ** 2, rows), n_rows - 1.0), 0.0)),
+        "seq_max": masked_max(seq, rows),
+        "seq_min": masked_min(seq, rows),
+        "seq_max_deviation": masked_max(jnp.abs(seq), rows),
+        "seq_fraction_high": row_mean(stats["seq_high"]),
+    }
+    if has_lower:
+        metrics["seq_fraction_low"] = row_mean(stats["seq_low"])
+    return {f"{PREFIX}{name}_{k}": v for k, v in metrics.items()}
+
+
+def over_under_from_rows(name: str, stats: dict) -> dict:
+    """SkyRL's ``{name}_over_high_ratio`` / ``{name}_under_low_ratio``: the fraction of non-empty rows whose
+    statistic was above / below the rule's bounds (``stats``: [B] ``count``, ``over``, ``under``)."""
+    rows = stats["count"] > 0
+    n_rows = jnp.sum(rows)
+    return {f"{PREFIX}{name}_over_high_ratio": _ratio(masked_sum(stats["over"], rows), n_rows),
+            f"{PREFIX}{name}_under_low_ratio": _ratio(masked_sum(stats["under"], rows), n_rows)}
 
 
 def rejection_metrics(name: str, keep, mask) -> dict:

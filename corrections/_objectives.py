@@ -49,15 +49,18 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.
     return loss, aux
 
 
-def reinforce_loss(logprobs, advantages):
+def reinforce_loss(logprobs, advantages, old_logprobs=None):
     """REINFORCE / pure IS base ``-A * lp``; behaviour weights multiply it (verl ``loss_type=reinforce``).
+    With ``old_logprobs`` (in bypass mode the rollout's) ``ppo_kl`` is ``old - lp`` as verl reports it.
 
     >>> import numpy as np
-    >>> np.asarray(reinforce_loss(np.log([0.5]), np.array([2.0]))[0], float).round(4).tolist()
-    [1.3863]
+    >>> loss, aux = reinforce_loss(np.log([0.5]), np.array([2.0]), np.log([0.25]))
+    >>> np.asarray(loss, float).round(4).tolist(), np.asarray(aux["ppo_kl"], float).round(4).tolist()
+    ([1.3863], [-0.6931])
     """
     lp, adv = _f32(logprobs, advantages)
-    return -adv * lp, {}
+    aux = {} if old_logprobs is None else {"ppo_kl": -clamp_log_ratio(lp - _f32(old_logprobs)[0])}
+    return -adv * lp, aux
 
 
 def cispo_loss(logprobs, old_logprobs, advantages, clip_low=1.0, clip_high=4.0):
@@ -72,7 +75,8 @@ def cispo_loss(logprobs, old_logprobs, advantages, clip_low=1.0, clip_high=4.0):
     log_ratio = clamp_log_ratio(lp - old)
     ratio = jnp.exp(log_ratio)
     clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    aux = {"pg_clipfrac": (clipped != ratio).astype(jnp.float32), "ppo_kl": -log_ratio}
+    aux = {"pg_clipfrac": (clipped != ratio).astype(jnp.float32), "ppo_kl": -log_ratio,
+           "cispo/ratio": ratio, "cispo/ratio_clamped": clipped}
     return -sg(clipped) * adv * lp, aux
 
 
@@ -116,9 +120,12 @@ def cross_entropy_loss(logprobs):
     return -lp, {}
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4, log_ratio_cap=10.0):
-    """GSPO token form for ONE sequence: ``log r_t = sg(mean_valid(lp - old)) + lp - sg(lp)``, capped at
-    ``log_ratio_cap`` (and floored at -20), then PPO clip. Its value is the sequence ratio, its gradient per token.
+def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4, log_ratio_cap=10.0,
+              form="token"):
+    """GSPO for ONE sequence. ``form="token"`` (GSPO-token, verl/SkyRL): ``log r_t = sg(mean_valid(lp - old)) +
+    lp - sg(lp)``, capped at ``log_ratio_cap`` (and floored at -20), then PPO clip: its value is the sequence
+    ratio, its gradient per token. ``form="sequence"`` (AReaL): ``log r = mean_valid(lp - old)`` with the gradient
+    through the mean (spread evenly over the row) and the advantage replaced by its mean over ``mask``.
 
     >>> import numpy as np
     >>> loss, aux = gspo_loss(np.log([1.0, 1.0]), np.log([1.0, 1.0]), np.ones(2), np.array([1, 1]))
@@ -126,8 +133,11 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high
     [-1.0, -1.0]
     """
     lp, old, adv = _f32(logprobs, old_logprobs, advantages)
-    seq_log_ratio = sg(masked_mean(lp - old, mask))
-    log_ratio = jnp.clip(lp - sg(lp) + seq_log_ratio, -SAFETY, log_ratio_cap)
+    if form == "sequence":
+        adv = jnp.broadcast_to(masked_mean(adv, mask), adv.shape)
+        log_ratio = jnp.clip(jnp.broadcast_to(masked_mean(lp - old, mask), lp.shape), -SAFETY, log_ratio_cap)
+    else:
+        log_ratio = jnp.clip(lp - sg(lp) + sg(masked_mean(lp - old, mask)), -SAFETY, log_ratio_cap)
     ratio = jnp.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -178,7 +188,8 @@ def clip_cov_loss(logprobs, old_logprobs, advantages, mask, key, clip_low=0.2, c
 
 def kl_cov_loss(logprobs, old_logprobs, advantages, mask, kl_cov_ratio=2e-3, kl_cov_coef=1.0):
     """KL-Cov over a [B, T] batch (verl/SkyRL): ``-A*r``, plus ``coef * |lp - old|`` on the
-    ``max(1, int(n_valid * ratio))`` valid tokens of largest centred covariance of A and lp.
+    ``max(1, int(n_valid * ratio))`` valid tokens of largest centred covariance of A and lp. Its ``ppo_kl`` is
+    verl's for kl-cov: ``|lp - old|``.
 
     >>> import numpy as np
     >>> lp, old = np.log([[0.5, 0.5, 0.9, 0.1]]), np.log([[0.5, 0.4, 0.9, 0.1]])
@@ -193,7 +204,7 @@ def kl_cov_loss(logprobs, old_logprobs, advantages, mask, kl_cov_ratio=2e-3, kl_
     count = jnp.maximum(jnp.floor(masked_count(valid) * kl_cov_ratio), 1.0)
     chosen = _ranked_selection(_centered_covariance(adv, lp, valid), valid, count)
     loss = jnp.where(chosen, loss + kl_cov_coef * jnp.abs(lp - old), loss)
-    return loss, {"pg_clipfrac": chosen.astype(jnp.float32), "ppo_kl": -log_ratio}
+    return loss, {"pg_clipfrac": chosen.astype(jnp.float32), "ppo_kl": jnp.abs(log_ratio)}  # verl: mean |lp - old|
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +226,9 @@ class ObjectiveSpec:
     reads_proximal: bool = False  # reads ``old``: decoupled mode then requires proximal_logprobs.
     reads_rollout: bool = False  # reads ``roll``: rollout_logprobs are required in either mode.
     whole_batch: bool = False  # selects tokens across the [B, T] batch: runs once, before the per-sequence pass.
+    # aux names reported over the ORIGINAL response mask as ``actor/{name}_{stat}`` for each stat in the tuple
+    # ("mean", "max", "min"), SkyRL's convention, instead of ``actor/{name}``, the mean over the kept tokens.
+    original_mask_metrics: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 # Read-only; the order is the one error messages list the names in.
@@ -223,13 +237,16 @@ OBJECTIVES: Mapping[str, ObjectiveSpec] = types.MappingProxyType({
         lambda o, lp, old, adv, **_: ppo_clip_loss(lp, old, adv, o.clip_low, o.clip_high, o.dual_clip),
         reads_proximal=True),
     "gspo": ObjectiveSpec(
-        lambda o, lp, old, adv, mask, **_: gspo_loss(lp, old, adv, mask, o.clip_low, o.clip_high, o.log_ratio_cap),
+        lambda o, lp, old, adv, mask, kept=None, **_: gspo_loss(
+            lp, old, adv, kept if o.gspo_form == "sequence" and kept is not None else mask, o.clip_low, o.clip_high,
+            o.log_ratio_cap, o.gspo_form),
         reads_proximal=True),
     "cispo": ObjectiveSpec(
-        lambda o, lp, old, adv, **_: cispo_loss(lp, old, adv, o.clip_low, o.clip_high), reads_proximal=True),
+        lambda o, lp, old, adv, **_: cispo_loss(lp, old, adv, o.clip_low, o.clip_high), reads_proximal=True,
+        original_mask_metrics={"cispo/ratio": ("mean", "max", "min"), "cispo/ratio_clamped": ("mean",)}),
     "sapo": ObjectiveSpec(
         lambda o, lp, old, adv, **_: sapo_loss(lp, old, adv, o.tau_pos, o.tau_neg), reads_proximal=True),
-    "reinforce": ObjectiveSpec(lambda o, lp, adv, **_: reinforce_loss(lp, adv)),
+    "reinforce": ObjectiveSpec(lambda o, lp, adv, old=None, **_: reinforce_loss(lp, adv, old)),
     "rollout_is": ObjectiveSpec(
         lambda o, lp, roll, adv, **_: rollout_is_loss(lp, roll, adv, o.clip_low, o.clip_high), reads_rollout=True),
     "clip_cov": ObjectiveSpec(

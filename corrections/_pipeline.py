@@ -37,7 +37,7 @@ from corrections import _diagnostics, _rejection, _weights
 from corrections._advantages import kl_penalty
 from corrections._config import CorrectionConfig
 from corrections._diagnostics import PREFIX
-from corrections._masked import masked_count, masked_sum, safe_exp, zero_padding
+from corrections._masked import masked_count, masked_max, masked_min, masked_sum, safe_exp, zero_padding
 from corrections._reductions import divide_loss, loss_terms_from_rows
 
 sg = jax.lax.stop_gradient
@@ -149,48 +149,81 @@ def _phases(config: CorrectionConfig):
 
 
 def _rule_labels(config: CorrectionConfig) -> list[str]:
-    """Metric labels of the per-rule keep masks, in the order ``_sequence_decisions`` returns them."""
+    """Metric labels of the rejection rules, in the order ``_sequence_decisions`` returns them."""
     early, late = _phases(config)
-    names = [rule.name for rule in early + late] + (["opsm"] if config.opsm_delta is not None else [])
+    names = [rule.name for rule in early + late]
     return [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
 
 
-def _sequence_decisions(log_ratio, logprobs, old, advantages, mask, config: CorrectionConfig):
-    """Steps 3-5 for one sequence: (keep [T] bool, raw ratio [T], weights [T], per-rule keeps)."""
+SKYRL_RULE_NAMES = {"outlier": "outlier_seq", "seq_mean_k1": "geo_sequence_mask", "seq_sum_k1": "product_sequence_mask"}
+"""SkyRL's metric prefix of the rules it has; their ``_over_high_ratio`` / ``_under_low_ratio`` are emitted."""
+
+
+def _standalone_rule_stats(rule, log_ratio, valid) -> dict:
+    """One rule on its own over the original mask (verl's per-rule metrics): rejection counts and, for the
+    k-family, verl's statistic (k1 as ``-log rho``, whose bounds are ``-log high`` .. ``-log low``)."""
+    if rule.name == "outlier":
+        return {"rejection": _diagnostics.rejection_row_stats(
+            _rejection.outlier_sequence_mask(log_ratio, valid, rule.low, rule.high), valid)}
+    keep = _rejection.divergence_mask(log_ratio, valid, rule.name, rule.low, rule.high)
+    aggregate, k = rule.name.rsplit("_", 1)
+    token_stat = _rejection.k_statistic(log_ratio, k)
+    if k == "k1":
+        token_stat = -token_stat
+        upper = jnp.inf if rule.low is None else -float(np.log(rule.low))
+        lower = -jnp.inf if rule.high is None else -float(np.log(rule.high))
+    else:
+        upper, lower = rule.high, None
+    seq_stat = None if aggregate == "token" else _rejection.sequence_statistic(token_stat, valid, aggregate)
+    return {"rejection": _diagnostics.rejection_row_stats(keep, valid),
+            "statistic": _diagnostics.rule_statistic_row_stats(token_stat, seq_stat, valid, upper, lower)}
+
+
+def _over_under(rule, log_ratio, mask) -> dict:
+    """SkyRL's over/under flags of a rule for ONE sequence: outlier over the valid tokens, the geometric and
+    product masks from the surviving tokens' statistic (a row with none left has ratio 1)."""
+    if rule.name == "outlier":
+        rho = safe_exp(log_ratio)
+        over = jnp.any(mask & (rho > (jnp.inf if rule.high is None else rule.high)))
+        under = jnp.any(mask & (rho < (-jnp.inf if rule.low is None else rule.low)))
+    else:
+        ratio = safe_exp(_rejection.sequence_statistic(_rejection.k_statistic(log_ratio, "k1"), mask,
+                                                       rule.name.rsplit("_", 1)[0]))
+        over = ratio > (jnp.inf if rule.high is None else rule.high)
+        under = ratio < (-jnp.inf if rule.low is None else rule.low)
+    return {"over": over.astype(jnp.float32), "under": under.astype(jnp.float32)}
+
+
+def _sequence_decisions(log_ratio, weight_log_ratio, mask, config: CorrectionConfig):
+    """Steps 3-5 (but OPSM) for one sequence: (keep [T] bool, raw ratios [T], bounded ratios [T] on every valid
+    token, applied weights [T], SkyRL over/under flags per rule)."""
     valid = mask.astype(bool)
     keep = valid
-    rule_keeps = []
+    over_under = []
     early, late = _phases(config)
 
     def apply(rule, keep):
+        if rule.name in SKYRL_RULE_NAMES:
+            over_under.append(_over_under(rule, log_ratio, valid if rule.name == "outlier" else keep))
         if rule.name == "outlier":
             rule_keep = _rejection.outlier_sequence_mask(log_ratio, valid, rule.low, rule.high)
         else:
             rule_keep = _rejection.divergence_mask(log_ratio, keep, rule.name, rule.low, rule.high)
-        return rule_keep | ~jnp.any(keep)  # a row already fully masked counts as kept
+        return keep & (rule_keep | ~jnp.any(keep))  # a row already fully masked counts as kept
 
     for rule in early:
-        rule_keeps.append(apply(rule, keep))
-        keep = keep & rule_keeps[-1]
-    weights, raw = _importance(log_ratio, keep, config)
-    for rule in late:
-        rule_keeps.append(apply(rule, keep))
-        keep = keep & rule_keeps[-1]
-    if config.opsm_delta is not None:
-        rule_keeps.append(_rejection.opsm_mask(logprobs, old, advantages, valid, config.opsm_delta))
-        keep = keep & rule_keeps[-1]
-    return keep, raw, jnp.where(valid, weights, 0.0), tuple(rule_keeps)
-
-
-def _importance(log_ratio, keep, config: CorrectionConfig):
-    """Importance weights over the surviving tokens, and the unbounded ratios every valid token reports in the
-    metrics (a sequence's own ratio for sequence-level weights)."""
+        keep = apply(rule, keep)
     spec = config.importance
     if spec is None:
-        return jnp.where(keep, 1.0, 0.0), _weights.unbounded_ratios(log_ratio, keep)
-    weights = _weights.SEQUENCE_WEIGHTS[spec.level](log_ratio, keep, high=spec.high, low=spec.low,
-                                                    overflow=spec.overflow)
-    return weights, _weights.unbounded_ratios(log_ratio, keep, spec.level)
+        raw = _weights.unbounded_ratios(log_ratio, keep)
+        bounded, applied = jnp.ones_like(raw), jnp.where(keep, 1.0, 0.0)
+    else:
+        raw = _weights.unbounded_ratios(weight_log_ratio, keep, spec.level, spec.clamp_each_token)
+        bounded = _weights.bound_weights(raw, spec.low, spec.high, spec.overflow)
+        applied = jnp.where(keep, bounded, 0.0)
+    for rule in late:
+        keep = apply(rule, keep)
+    return keep, raw, jnp.where(valid, bounded, 0.0), jnp.where(valid, applied, 0.0), tuple(over_under)
 
 
 CHUNK_ELEMENTS = {"cpu": 65536}  # tokens per chunk of the per-sequence pass, by backend (0: vmap everything)
@@ -213,27 +246,41 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     stats = {"valid": masked_count(valid)}
     if clean["lag"] is not None:
         stats["staleness"] = _diagnostics.staleness_row_stats(clean["lag"], valid)
+    trainer = sg(lp) if config.mode == "bypass" else old
+    importance = config.importance
     if roll is not None:
-        trainer = sg(lp) if config.mode == "bypass" else old
-        keep, raw, weights, rule_keeps = _sequence_decisions(trainer - roll, lp, old, adv, valid, config)
-        importance = config.importance
+        log_ratio = trainer - roll
+        current = importance is not None and importance.numerator == "current"
+        keep, raw, bounded, weights, over_under = _sequence_decisions(
+            log_ratio, sg(lp) - roll if current else log_ratio, valid, config)
         cap = importance.high if importance is not None and importance.high else 2.0
         masking = importance is not None and importance.overflow == "mask"
         stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, roll, valid)
-        stats["weights"] = _diagnostics.weight_row_stats(weights, raw, valid, cap,
-                                                         (importance.low, importance.high) if masking else None)
-        stats["rules"] = tuple(_diagnostics.rejection_row_stats(rule_keep, valid) for rule_keep in rule_keeps)
-        stats["rejection"] = _diagnostics.rejection_row_stats(keep, valid)
+        stats["weights"] = _diagnostics.weight_row_stats(
+            bounded, raw, valid, cap, importance.low if importance is not None else None,
+            (importance.low, importance.high) if masking else None, applied=weights)
+        early, late = _phases(config)
+        stats["rules"] = tuple(_standalone_rule_stats(rule, log_ratio, valid) for rule in early + late)
+        stats["over_under"] = tuple(dict(flags, count=stats["valid"]) for flags in over_under)
+        stats["behave"] = _diagnostics.behave_row_stats(log_ratio, keep & (weights > 0))
     else:
         keep, weights = valid, jnp.where(valid, 1.0, 0.0)
+        stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, None, valid)
+    if config.opsm_delta is not None:
+        opsm_keep = _rejection.opsm_mask(lp, old, adv, valid, config.opsm_delta)
+        stats["opsm"] = _diagnostics.rejection_row_stats(opsm_keep, valid)
+        keep = keep & opsm_keep
+    if roll is not None or config.opsm_delta is not None:
+        stats["rejection"] = _diagnostics.rejection_row_stats(keep, valid)
     if "loss" in row:
         loss, aux = row["loss"], row["aux"]
     else:
         loss, aux = config.objective.spec.loss(config.objective, lp=lp, old=old, roll=roll, adv=adv, mask=valid,
-                                               key=None)
+                                               kept=keep, key=None)
     extra = []  # the KL and entropy terms, when configured
     if config.kl_coef > 0:
-        kl = kl_penalty(lp, clean["ref"], config.kl_estimator)
+        ratio = safe_exp(lp - old) if config.kl_importance_weighted else None
+        kl = kl_penalty(lp, clean["ref"], config.kl_estimator, importance_ratio=ratio)
         extra.append(config.kl_coef * kl)
         stats["kl_loss"] = masked_sum(kl, keep)
     if clean["entropy"] is not None:
@@ -242,11 +289,16 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     weights = sg(weights)
     policy_loss = jnp.where(keep, loss * weights, 0.0)
     per_token = {"weights": weights, "mask": keep.astype(jnp.float32), "policy_loss": policy_loss}
+    original = config.objective.spec.original_mask_metrics
     stats.update(
         kept=masked_count(keep),
         policy_loss_sum=jnp.sum(policy_loss),
-        aux={name: masked_sum(values, keep) for name, values in aux.items()},
+        aux={name: masked_sum(values, keep) for name, values in aux.items() if name not in original},
+        aux_original={name: {"sum": masked_sum(aux[name], valid), "max": masked_max(aux[name], valid),
+                             "min": masked_min(aux[name], valid)} for name in original if name in aux},
     )
+    if "pg_clipfrac" in aux:  # SkyRL's clip_ratio: the same indicator over the original mask
+        stats["aux_original"]["clip_ratio"] = {"sum": masked_sum(aux["pg_clipfrac"], valid)}
     if extra:
         per_token["extra_loss"] = jnp.where(keep, sum(extra[1:], extra[0]), 0.0)
         stats["extra_loss_sum"] = jnp.sum(per_token["extra_loss"])
@@ -284,14 +336,40 @@ def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
     """
     metrics = {}
     kept, valid = jnp.sum(row_stats["kept"]), jnp.sum(row_stats["valid"])
-    if "mismatch" in row_stats:
-        metrics.update(_diagnostics.mismatch_from_rows(row_stats["mismatch"]))
-        metrics.update(_diagnostics.weight_from_rows(row_stats["weights"]))
-        for label, rule_stats in zip(_rule_labels(config), row_stats["rules"]):
-            metrics.update(_diagnostics.rejection_from_rows(f"rollout_rs_{label}", rule_stats))
+    metrics.update(_diagnostics.mismatch_from_rows(row_stats["mismatch"]))
+    if "weights" in row_stats:
+        importance = config.importance
+        metrics.update(_diagnostics.weight_from_rows(row_stats["weights"], "token" if importance is None
+                                                     else importance.level))
+        metrics.update(_diagnostics.behave_from_rows(row_stats["behave"]))
+        early, late = _phases(config)
+        rules = early + late
+        for rule, label, rule_stats in zip(rules, _rule_labels(config), row_stats["rules"]):
+            metrics.update(_diagnostics.rejection_from_rows(f"rollout_rs_{label}", rule_stats["rejection"]))
+            if "statistic" in rule_stats:
+                metrics.update(_diagnostics.rule_statistic_from_rows(
+                    f"rollout_rs_{label}", rule_stats["statistic"], not rule.sequence_level,
+                    rule.name.endswith("k1")))
+        skyrl_rules = [(rule, label) for rule, label in zip(rules, _rule_labels(config)) if rule.name in SKYRL_RULE_NAMES]
+        for (rule, label), flags in zip(skyrl_rules, row_stats["over_under"]):
+            metrics.update(_diagnostics.over_under_from_rows(SKYRL_RULE_NAMES[rule.name] + label[len(rule.name):],
+                                                             flags))
+    if "opsm" in row_stats:
+        metrics.update(_diagnostics.rejection_from_rows("rollout_rs_opsm", row_stats["opsm"]))
+        metrics[PREFIX + "opsm_clipfrac"] = _diagnostics.row_fraction_mean(row_stats["opsm"])
+    if "rejection" in row_stats:
         metrics.update(_diagnostics.rejection_from_rows("rollout_rs", row_stats["rejection"]))
     for name, sums in row_stats["aux"].items():
         metrics[f"actor/{name}"] = jnp.sum(sums) / jnp.maximum(kept, 1.0)
+    rows = row_stats["valid"] > 0
+    wanted = dict(config.objective.spec.original_mask_metrics, clip_ratio=("mean",))
+    for name, parts in row_stats["aux_original"].items():
+        for stat in wanted[name]:
+            key = f"actor/{name}" if name == "clip_ratio" else f"actor/{name}_{stat}"
+            if stat == "mean":
+                metrics[key] = jnp.sum(parts["sum"]) / jnp.maximum(valid, 1.0)
+            else:
+                metrics[key] = (masked_max if stat == "max" else masked_min)(parts[stat], rows)
     if "kl_loss" in row_stats:
         metrics["actor/kl_loss"] = jnp.sum(row_stats["kl_loss"]) / jnp.maximum(kept, 1.0)
     if "entropy" in row_stats:
@@ -319,7 +397,9 @@ def compute(
     weight_scale=None,
     rows_per_chunk: int | None = None,
 ) -> Corrected:
-    """Applies the configured corrections and objective to a [B, T] batch.
+    """Applies the configured corrections and objective to a [B, T] batch, or to one [T] sequence (then
+    ``advantages`` and ``policy_lag`` are a scalar or [T], and ``weights``, ``mask``, ``per_token_loss`` are [T];
+    everything else is as for a batch of that one row).
 
     Args:
       logprobs: [B, T] current-policy logprobs of the sampled tokens (the only input with gradient).
@@ -367,6 +447,14 @@ def compute(
     ...
     AssertionError: ...advantages must be finite where the mask is 1...
     """
+    if jnp.ndim(logprobs) == 1:  # one sequence: a batch of one row, per-token outputs returned as [T]
+        row = lambda a: None if a is None else jnp.asarray(a)[None]  # noqa: E731
+        per_sequence = lambda a: None if a is None else jnp.reshape(jnp.asarray(a), (1, -1)[:max(jnp.ndim(a), 1)])  # noqa: E731
+        out = compute(row(logprobs), per_sequence(advantages), row(mask), config,
+                      proximal_logprobs=row(proximal_logprobs), rollout_logprobs=row(rollout_logprobs),
+                      ref_logprobs=row(ref_logprobs), entropy=row(entropy), policy_lag=per_sequence(policy_lag),
+                      key=key, weight_scale=weight_scale, rows_per_chunk=rows_per_chunk)
+        return out._replace(weights=out.weights[0], mask=out.mask[0], per_token_loss=out.per_token_loss[0])
     lp = jnp.asarray(logprobs)
     mask = jnp.asarray(mask)
     arrays = [None if a is None else jnp.asarray(a) for a in (proximal_logprobs, rollout_logprobs, ref_logprobs, entropy)]
@@ -397,15 +485,16 @@ def compute(
     if config.importance is not None and config.importance.batch_normalize:
         weight_stats = stats["weights"]
         if weight_scale is None:
-            weight_scale = _weights.normalizer(
-                _weights.batch_mean_weight(weight_stats["mean"], weight_stats["count"], config.importance.level))
+            weight_scale = _weights.normalizer(_weights.batch_mean_weight(
+                weight_stats["applied_mean"], weight_stats["count"], config.importance.level))
         scale = sg(jnp.asarray(weight_scale, jnp.float32))
         weights, per_token_loss, row_sums = weights / scale, per_token_loss / scale, row_sums / scale
-        stats["weights"] = _diagnostics.rescale_weight_row_stats(weight_stats, scale)
+        stats["weights"] = _diagnostics.with_weight_scale(weight_stats, scale)
     if extra_sums is not None:
         per_token_loss, row_sums = per_token_loss + per_token["extra_loss"], row_sums + extra_sums
     row_counts = stats["valid"] if config.denominator == "original" else stats["kept"]
-    numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1])
+    numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1],
+                                                  count_rows=config.denominator == "kept")
     reduced = divide_loss(numerator, denominator)
     stats = jax.tree.map(sg, stats)
     metrics = metrics_from_row_stats(stats, config)

@@ -37,8 +37,14 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
     return loss_terms_from_rows(row_sums, masked_count(denominator_mask, axis=-1), mode, max_len or loss.shape[-1])
 
 
-def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int):
-    """``loss_terms`` from per-row loss sums and per-row denominator counts ([B] arrays)."""
+def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_rows: bool = False):
+    """``loss_terms`` from per-row loss sums and per-row denominator counts ([B] arrays). ``count_rows`` makes
+    ``seq-mean-token-sum-norm`` divide by (rows with a non-zero count) * max_len, as verl does, instead of B * max_len.
+
+    >>> [float(x) for x in loss_terms_from_rows(jnp.array([3.0, 0.0]), jnp.array([2.0, 0.0]),
+    ...                                         "seq-mean-token-sum-norm", 4, count_rows=True)]
+    [3.0, 4.0]
+    """
     rows = jnp.sum((row_counts > 0).astype(jnp.float32))
     if mode == "token-mean":
         return jnp.sum(row_sums), jnp.sum(row_counts)
@@ -47,7 +53,7 @@ def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int):
     if mode == "seq-mean-token-sum":
         return jnp.sum(row_sums), rows
     if mode == "seq-mean-token-sum-norm":
-        return jnp.sum(row_sums), jnp.float32(row_sums.shape[0] * max_len)
+        return jnp.sum(row_sums), (rows if count_rows else jnp.float32(row_sums.shape[0])) * max_len
     if mode == "token-sum":
         return jnp.sum(row_sums), jnp.float32(0.0)  # no division: 0 adds up over micro-batches
     raise ValueError(f"reduction mode={mode!r} is not an option.")

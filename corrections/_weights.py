@@ -7,7 +7,7 @@ Weights are always stop-gradient and 0 at padded positions.
 import jax
 import jax.numpy as jnp
 
-from corrections._masked import masked_mean, masked_sum, safe_exp
+from corrections._masked import clamp_log_ratio, masked_mean, masked_sum, safe_exp
 
 
 def bound_weights(ratio: jax.Array, low: float, high: float | None, overflow: str) -> jax.Array:
@@ -22,18 +22,23 @@ def _finish(weights: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(mask.astype(bool), weights, 0.0))
 
 
-def unbounded_ratios(log_ratio, mask, level: str = "token") -> jax.Array:
+def unbounded_ratios(log_ratio, mask, level: str = "token", clamp_each_token: bool = False) -> jax.Array:
     """The ratio before any bound, for ONE sequence ([T]; vmap it over a batch), on every position:
     ``exp(clamp(lr))`` per token, or the sequence's ``exp(clamp(sum_t m*lr))`` (``sequence``) or
-    ``exp(clamp(masked_mean(lr)))`` (``geometric``) broadcast.
+    ``exp(clamp(masked_mean(lr)))`` (``geometric``; with ``clamp_each_token``, the fw cookbook's
+    ``exp(masked_mean(clamp(lr)))``) broadcast.
 
     >>> import numpy as np
     >>> unbounded_ratios(np.log([2.0, 2.0, 9.0]), np.array([1, 1, 0]), "sequence").tolist()
     [4.0, 4.0, 4.0]
+    >>> [round(float(unbounded_ratios(np.array([30.0, 0.0]), np.ones(2), "geometric", c)[0]), 1) for c in (0, 1)]
+    [3269017.5, 22026.5]
     """
     log_ratio = jnp.asarray(log_ratio, jnp.float32)
     if level == "token":
         return safe_exp(log_ratio)
+    if clamp_each_token:
+        log_ratio = clamp_log_ratio(log_ratio)
     reduce = masked_sum if level == "sequence" else masked_mean
     return jnp.broadcast_to(safe_exp(reduce(log_ratio, mask)), log_ratio.shape)
 
