@@ -282,12 +282,12 @@ def _field(hf_config: Mapping, key: str, default=None):
 def _rope(hf_config: Mapping) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, Llama-3 scaling) from every spelling: ``rope_theta``, ``rope_scaling``, ``rope_parameters``."""
     legacy, current = hf_config.get("rope_scaling"), hf_config.get("rope_parameters")
+    if current and all(isinstance(value, Mapping) for value in current.values()):
+        raise ValueError(f"config.json rope_parameters with one RoPE per layer type ({sorted(current)}) is not "
+                         "implemented: the model has one RoPE for all layers")
     if legacy and current and any(key in current and current[key] != value for key, value in legacy.items()):
         raise ValueError(f"config.json rope_scaling={legacy!r} contradicts rope_parameters={current!r}")
     rope = dict(current or {}) | dict(legacy or {})  # transformers 5 lets rope_scaling win
-    if rope and all(isinstance(value, Mapping) for value in rope.values()):
-        raise ValueError(f"config.json rope_parameters with one RoPE per layer type ({sorted(rope)}) is not "
-                         "implemented: the model has one RoPE for all layers")
     top_theta = hf_config.get("rope_theta")
     if top_theta is not None and rope.get("rope_theta") is not None and top_theta != rope["rope_theta"]:
         raise ValueError(f"config.json rope_theta={top_theta} contradicts rope_parameters.rope_theta="
