@@ -1,0 +1,190 @@
+"""The SGLang engine: sampling over smg's SGLang proto, weights and pauses over SGLang's HTTP API.
+
+Data plane: ``sglang.grpc.scheduler.SglangScheduler`` from ``smg-grpc-proto`` (served by ``sglang serve
+--grpc-mode``): token ids in, streamed token ids and logprobs out, ``n`` samples per request (``index``). Every
+sampling field is sent with an explicit value (`sglang_generate_request`): the proto's floats are plain proto3
+fields whose zero is not SGLang's default (temperature 0 is greedy), so "off" is spelled out for each.
+
+Control plane (`SGLangControl`), SGLang's native HTTP API (``python/sglang/srt/entrypoints/http_server.py``):
+``POST /pause_generation {"mode"}`` (``PauseGenerationReqInput``), ``POST /update_weights_from_disk {"model_path",
+"load_format", "weight_version", "flush_cache", "abort_all_requests"}`` (``UpdateWeightFromDiskReqInput``; 200 with
+``{"success": true, ...}``, 400 with ``success: false`` and a message), ``POST /continue_generation``, and the served
+version from ``GET /model_info`` (``weight_version``; older servers: ``GET /get_weight_version``).
+
+Versions: the smg proto carries no per-token ``weight_versions`` (SGLang's HTTP ``meta_info`` does; the gRPC
+``GenerateStreamChunk``/``GenerateComplete`` have no such field), so the client stamps the version served at
+admission (`VersionReporting.ENGINE`) and runs must be synchronous (``rollout.max_staleness = 0``).
+
+Logprobs: SGLang returns ``log_softmax(logits / temperature)``, before top-k, top-p and min-p: Tether's PROCESSED
+when no truncation is used (the default here; a truncating request is refused), or the RAW ``log_softmax(logits)``
+when the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``logprob_mode=RAW``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Sequence
+
+from smg_grpc_proto import sglang_scheduler_pb2
+from smg_grpc_proto import sglang_scheduler_pb2_grpc
+
+from rollout_client.client import ClientConfig
+from rollout_client.engine import EngineCapabilities
+from rollout_client.engine import VersionReporting
+from rollout_client.engine import WeightTransport
+from rollout_client.http_control import ControlPlaneError
+from rollout_client.http_control import HttpControl
+from rollout_client.http_control import HttpControlledEngine
+from rollout_client.http_control import final_repeats_last_chunk
+from rollout_client.mlx_engine import CheckpointWriter
+from rollout_client.request_guards import RequestRefusedError
+from rollout_client.sampling_params import LogprobMode
+from rollout_client.sampling_params import PauseMode
+from rollout_client.smg.dialects import EngineSampling
+from rollout_client.smg.dialects import SmgDialect
+
+__all__ = ["SGLANG", "SGLANG_CAPABILITIES", "SGLangControl", "SGLangEngine", "sglang_generate_request"]
+
+STREAM_INTERVAL = 8  # tokens per streamed chunk: an abort keeps all but the last < 8; fewer messages per sample
+
+SGLANG_CAPABILITIES = EngineCapabilities(
+    logprob_modes=frozenset({LogprobMode.RAW, LogprobMode.PROCESSED}),  # one of them, by server setting
+    sampler_order=("temperature", "top_k", "top_p", "min_p"),  # Sampler.forward: T, then top-k/top-p renorm, min-p
+    pause_modes=frozenset({PauseMode.ABORT, PauseMode.KEEP}),  # "abort"; "in_place"/"retract" keep requests
+    weight_transport=WeightTransport.FROM_DISK,
+    version_reporting=VersionReporting.ENGINE,
+    native_n=True,
+    honours_seed=False,  # the proto has no seed field
+)
+
+_PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.KEEP: "in_place"}
+
+
+def sglang_generate_request(request_id: str, prompt: Sequence[int], sampling: EngineSampling
+                            ) -> sglang_scheduler_pb2.GenerateRequest:
+    """SGLang's request with an explicit value for every sampling field (the values that mean "off" for those
+    Tether does not use).
+
+    Stops: SGLang's ``ignore_eos`` also ignores ``stop_token_ids`` (``Req.check_finished``), so a request with stop
+    ids keeps ``ignore_eos`` off and lists them (the engine also stops at its eos ids: `SGLangEngine` refuses stop
+    ids that leave one out), and a request with none sets it.
+    """
+    return sglang_scheduler_pb2.GenerateRequest(
+        request_id=request_id, tokenized=sglang_scheduler_pb2.TokenizedInput(input_ids=prompt), stream=True,
+        return_logprob=True, logprob_start_len=-1, top_logprobs_num=0, return_hidden_states=False,
+        sampling_params=sglang_scheduler_pb2.SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, min_p=sampling.min_p,
+            frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
+            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=not sampling.stop_token_ids, skip_special_tokens=False, spaces_between_special_tokens=False,
+            no_stop_trim=True, n=sampling.n, stream_interval=STREAM_INTERVAL))
+
+
+SGLANG = SmgDialect(
+    name="sglang", pb=sglang_scheduler_pb2,
+    stub=final_repeats_last_chunk(sglang_scheduler_pb2_grpc.SglangSchedulerStub), native_n=True,
+    logprob_modes=SGLANG_CAPABILITIES.logprob_modes, generate_request=sglang_generate_request,
+    abort_requests=lambda ids: [sglang_scheduler_pb2.AbortRequest(request_id=request_id, reason="aborted by Tether")
+                                for request_id in ids])
+
+
+class SGLangControl:
+    """SGLang's HTTP control endpoints (bodies as in ``io_struct.py``)."""
+
+    def __init__(self, http: HttpControl):
+        self.http = http
+
+    def pause(self, mode: PauseMode) -> None:
+        """``POST /pause_generation {"mode": "abort" | "in_place"}``."""
+        self.http.post("/pause_generation", {"mode": _PAUSE_MODES[mode]})
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """``POST /update_weights_from_disk``; safetensors named explicitly (a server started with
+        ``--load-format dummy`` would otherwise reload dummy weights), the prefix cache flushed (it holds the old
+        weights' KV), nothing aborted (the engine is paused already).
+
+        Raises:
+          ControlPlaneError: HTTP 400 (SGLang's ``success: false``, with its message) or a reply without success.
+        """
+        reply = self.http.post("/update_weights_from_disk", {
+            "model_path": model_path, "load_format": "safetensors", "weight_version": weight_version,
+            "flush_cache": True, "abort_all_requests": False})
+        if not (isinstance(reply, dict) and reply.get("success") is True):
+            raise ControlPlaneError(f"POST {self.http.base_url}/update_weights_from_disk: no success in {reply!r}")
+
+    def continue_generation(self) -> None:
+        """``POST /continue_generation``."""
+        self.http.post("/continue_generation")
+
+    def weight_version(self) -> str:
+        """The served ``weight_version``: ``GET /model_info``, or ``GET /get_weight_version`` where the first is
+        missing (SGLang renamed it; each answers 404 where it does not exist)."""
+        try:
+            reply = self.http.get("/model_info")
+        except ControlPlaneError as error:
+            if "HTTP 404" not in str(error):
+                raise
+            reply = self.http.get("/get_weight_version")
+        if not (isinstance(reply, dict) and "weight_version" in reply):
+            raise ControlPlaneError(f"GET {self.http.base_url}/model_info: no weight_version in {reply!r}")
+        return str(reply["weight_version"])
+
+
+class SGLangEngine(HttpControlledEngine):
+    """An SGLang server: gRPC data plane at ``config.target``, HTTP control plane at ``control_url``.
+
+    Args:
+      config: the gRPC address and the client's patience.
+      control_url: ``http://host:port`` of SGLang's HTTP API for the same engine.
+      write_checkpoint, weights_dir, keep_weight_versions: as `HttpControlledEngine`.
+      logprob_mode: PROCESSED (SGLang's default logprobs) or RAW (server run with
+        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``).
+      control_timeout_s: per HTTP call (a weight load takes as long as reading the checkpoint).
+      auth_token: SGLang's ``--api-key`` / ``--admin-api-key``, for the HTTP API.
+    """
+
+    name = "sglang"
+    capabilities = SGLANG_CAPABILITIES
+    dialect = SGLANG
+
+    def __init__(self, config: ClientConfig, control_url: str, write_checkpoint: CheckpointWriter,
+                 weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode = LogprobMode.PROCESSED,
+                 keep_weight_versions: int = 2, control_timeout_s: float = 600.0, auth_token: str | None = None):
+        self.sglang = SGLangControl(HttpControl(control_url, control_timeout_s, auth_token))
+        super().__init__(config, self.sglang.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
+                         pause_mode=PauseMode.ABORT, keep_weight_versions=keep_weight_versions)
+
+    def _check(self, request) -> None:
+        """PROCESSED logprobs with truncation, and stop ids that leave out an eos id, cannot be honoured."""
+        sampling, info = request.sampling, self.client.model_info
+        truncated = [name for name, on in (("top_k", 0 < (sampling.top_k or 0) < info.vocab_size),
+                                           ("top_p", (sampling.top_p or 1.0) < 1.0),
+                                           ("min_p", (sampling.min_p or 0.0) > 0.0)) if on]
+        if truncated and LogprobMode.PROCESSED in self.capabilities.logprob_modes:
+            raise RequestRefusedError(
+                f"request {request.request_id}: {', '.join(truncated)} with processed logprobs: SGLang's logprobs "
+                "are log_softmax(logits / temperature), before truncation, so they are not of the distribution it "
+                "samples; start SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1 and use rollout.logprob_mode='raw', or "
+                "sample without truncation")
+        missing = sorted(set(info.eos_token_ids) - set(sampling.stop_token_ids or ()))
+        if sampling.stop_token_ids and missing:
+            raise RequestRefusedError(
+                f"request {request.request_id}: stop_token_ids={list(sampling.stop_token_ids)} leaves out the "
+                f"engine's eos ids {missing}: SGLang stops at them unless ignore_eos, which also ignores "
+                "stop_token_ids; add them, or pass no stop ids (None: the eos ids; (): never stop)")
+
+    def _pause(self, mode: PauseMode) -> None:
+        self.sglang.pause(mode)
+
+    def _load(self, directory: pathlib.Path, policy_version: int) -> None:
+        self.sglang.update_weights_from_disk(str(directory), str(policy_version))
+
+    def _resume(self) -> None:
+        self.sglang.continue_generation()
+
+    def _confirm(self, policy_version: int) -> None:
+        served = self.sglang.weight_version()
+        if served != str(policy_version):
+            raise ControlPlaneError(f"the SGLang engine at {self.sglang.http.base_url} reports weight_version "
+                                    f"{served!r} after loading policy version {policy_version}")

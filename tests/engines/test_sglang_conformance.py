@@ -1,0 +1,181 @@
+"""SGLang backend, protocol conformance only: SGLang does not run on this CPU.
+
+`rollout_client.SGLangEngine` is driven against a gRPC server built from smg's own ``SglangSchedulerServicer``
+base class and an HTTP server with SGLang's control endpoints (`tests.engines.conformance_servers`). What is checked:
+what goes on the wire (every sampling field explicit, with the value meant), how the streamed answer is assembled
+(the final message repeats the last chunk), ``n``, abort, the publish sequence, and errors. What is not: that a real
+SGLang samples and loads as its source says.
+"""
+
+import numpy as np
+import pytest
+
+from rollout_client import ClientConfig, FinishReason, LogprobMode, RolloutRequest, SamplingParams, ValidationConfig
+from rollout_client.errors import ServerNotReadyError
+from rollout_client.http_control import ControlPlaneError, ControlPlaneUnavailableError
+from rollout_client.request_guards import RequestRefusedError
+from rollout_client.sglang_engine import STREAM_INTERVAL, SGLangEngine
+from tests.engines.conformance_servers import (EOS, VOCAB, logprob, sglang_servers, token, write_fake_checkpoint)
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    servers = sglang_servers()
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def engine(servers, tmp_path):
+    servers.reset()
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                       validation=ValidationConfig(vocab_size=VOCAB)),
+                          servers.http.url, write_fake_checkpoint, tmp_path / "weights")
+    yield engine
+    engine.close()
+
+
+def expected_tokens(offset, index, length, prompt=PROMPT):
+    return [token(sum(prompt), step, index, offset) for step in range(length)]
+
+
+def test_generate_sends_every_sampling_field_explicitly_protocol_conformance(servers, engine):
+    engine.publish(1, {"offset": np.array(2)})
+    request = RolloutRequest(PROMPT, SamplingParams(temperature=0.7, max_new_tokens=11, stop_token_ids=()))
+    (sample,) = engine.submit(request).result(timeout=30)
+
+    (sent,) = servers.engine.generate_requests
+    params = sent.sampling_params
+    assert (sent.request_id, list(sent.tokenized.input_ids), sent.stream) == (f"{request.request_id}/0", PROMPT, True)
+    assert (sent.return_logprob, sent.logprob_start_len, sent.top_logprobs_num) == (True, -1, 0)
+    assert params.temperature == np.float32(0.7)
+    assert (params.top_p, params.top_k, params.min_p) == (1.0, -1, 0.0)  # off, not proto3's 0 (top_p 0: greedy)
+    assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert params.HasField("max_new_tokens") and params.max_new_tokens == 11
+    assert (list(params.stop_token_ids), params.ignore_eos, params.min_new_tokens) == ([], True, 0)
+    assert (params.skip_special_tokens, params.spaces_between_special_tokens, params.no_stop_trim) == (False, False, True)
+    assert params.HasField("stream_interval") and params.stream_interval == STREAM_INTERVAL
+    assert params.n == 1 and not params.HasField("constraint") and not params.logit_bias
+
+    # 11 tokens come as chunks of 8 and 3, then a complete repeating the 3: each token counted once.
+    assert sample.completion_token_ids.tolist() == expected_tokens(2, 0, 11)
+    np.testing.assert_array_equal(sample.logprobs, np.float32([logprob(step, 0) for step in range(11)]))
+    assert sample.finish_reason == FinishReason.LENGTH
+    assert sample.policy_versions.tolist() == [1] * 11
+    assert sample.logprob_mode == LogprobMode.PROCESSED
+
+
+def test_n_samples_in_one_engine_request_protocol_conformance(servers, engine):
+    engine.publish(1, {"offset": np.array(0)})
+    request = RolloutRequest(PROMPT, SamplingParams(max_new_tokens=4, stop_token_ids=()), num_samples=3)
+    samples = engine.submit(request).result(timeout=30)
+
+    (sent,) = servers.engine.generate_requests
+    assert sent.request_id == request.request_id and sent.sampling_params.n == 3
+    assert [s.sample_index for s in samples] == [0, 1, 2]
+    for s in samples:
+        assert s.completion_token_ids.tolist() == expected_tokens(0, s.sample_index, 4)
+        np.testing.assert_array_equal(s.logprobs, np.float32([logprob(t, s.sample_index) for t in range(4)]))
+
+
+def test_stop_at_eos_sends_eos_without_ignore_eos_protocol_conformance(servers, engine):
+    engine.publish(1, {"offset": np.array(0)})
+    stop = token(sum(PROMPT), 2, 0, 0)  # the third token the model samples
+    (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=9, stop_token_ids=(stop, EOS)))
+                              ).result(timeout=30)
+    params = servers.engine.generate_requests[-1].sampling_params
+    assert (list(params.stop_token_ids), params.ignore_eos) == ([stop, EOS], False)
+    assert sample.completion_token_ids.tolist() == expected_tokens(0, 0, 3)
+    assert sample.finish_reason == FinishReason.STOP
+
+
+def test_abort_keeps_streamed_tokens_protocol_conformance(servers, engine):
+    engine.publish(1, {"offset": np.array(0)})
+    servers.engine.hold_after = 5
+    request = RolloutRequest(PROMPT, SamplingParams(max_new_tokens=40, stop_token_ids=()))
+    future = engine.submit(request)
+    while not servers.engine.aborted:
+        pass  # until the engine has the request
+    assert engine.client.abort([request.request_id]) == [request.request_id]
+    (sample,) = future.result(timeout=30)
+
+    assert [a.request_id for a in servers.engine.abort_requests] == [f"{request.request_id}/0"]
+    assert sample.finish_reason == FinishReason.ABORT
+    assert sample.completion_token_ids.tolist() == expected_tokens(0, 0, 5)
+
+
+def test_publish_pauses_loads_continues_and_confirms_protocol_conformance(servers, engine, tmp_path):
+    assert engine.publish(1, {"offset": np.array(4)}) == 1
+    assert engine.publish(2, {"offset": np.array(9)}) == 2
+
+    calls = [(method, path) for method, path, _, _ in servers.engine.http_calls]
+    assert calls == 2 * [("POST", "/pause_generation"), ("POST", "/update_weights_from_disk"),
+                         ("POST", "/continue_generation"), ("GET", "/model_info")]
+    bodies = [body for _, path, _, body in servers.engine.http_calls if path != "/model_info"]
+    assert bodies[:3] == [{"mode": "abort"},
+                          {"model_path": str(tmp_path / "weights" / "v000000000001"), "load_format": "safetensors",
+                           "weight_version": "1", "flush_cache": True, "abort_all_requests": False}, {}]
+    assert servers.engine.weight_version == "2" and engine.info().policy_version == 2
+    (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=3, stop_token_ids=()))
+                              ).result(timeout=30)
+    assert sample.completion_token_ids.tolist() == expected_tokens(9, 0, 3)  # the new weights sampled it
+    assert sample.policy_versions.tolist() == [2, 2, 2]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000000000001", "v000000000002"]
+
+
+def test_weight_version_from_the_older_endpoint_protocol_conformance(servers, engine):
+    servers.engine.legacy_version_endpoint = True
+    assert engine.publish(3, {"offset": np.array(1)}) == 3
+    assert [path for _, path, _, _ in servers.engine.http_calls][-2:] == ["/model_info", "/get_weight_version"]
+
+
+def test_failed_update_surfaces_the_engine_answer_and_continues_protocol_conformance(servers, engine):
+    engine.publish(1, {"offset": np.array(0)})
+    servers.engine.fail["/update_weights_from_disk"] = (400, {"success": False, "message": "shape mismatch: q_proj",
+                                                               "num_paused_requests": 0})
+    with pytest.raises(ControlPlaneError, match=rf"POST {servers.http.url}/update_weights_from_disk: HTTP 400 .*"
+                                                r"shape mismatch: q_proj"):
+        engine.publish(2, {"offset": np.array(5)})
+    assert [path for _, path, _, _ in servers.engine.http_calls][-1] == "/continue_generation"
+    (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=2, stop_token_ids=()))
+                              ).result(timeout=30)
+    assert sample.policy_versions.tolist() == [1, 1]  # still the old version, as the engine still serves it
+
+
+def test_wrong_version_after_load_is_an_error_protocol_conformance(servers, engine):
+    servers.engine.fail["/model_info"] = (200, {"weight_version": "default"})
+    with pytest.raises(ControlPlaneError, match="reports weight_version 'default' after loading policy version 1"):
+        engine.publish(1, {"offset": np.array(0)})
+
+
+def test_control_endpoint_down_names_the_address_protocol_conformance(servers, tmp_path):
+    servers.reset()
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0), "http://127.0.0.1:9",
+                          write_fake_checkpoint, tmp_path / "weights")
+    try:
+        with pytest.raises(ControlPlaneUnavailableError, match=r"POST http://127.0.0.1:9/pause_generation: .*"
+                                                               "did not answer"):
+            engine.publish(1, {"offset": np.array(0)})
+    finally:
+        engine.close()
+
+
+def test_grpc_engine_down_protocol_conformance(tmp_path):
+    with pytest.raises(ServerNotReadyError, match="127.0.0.1:9"):
+        SGLangEngine(ClientConfig("127.0.0.1:9", ready_timeout_s=1.0), "http://127.0.0.1:9",
+                     write_fake_checkpoint, tmp_path / "weights")
+
+
+def test_requests_the_engine_cannot_honour_are_refused(servers, engine):
+    with pytest.raises(RequestRefusedError, match="publish first"):
+        engine.submit(RolloutRequest(PROMPT))
+    engine.publish(1, {"offset": np.array(0)})
+    with pytest.raises(RequestRefusedError, match="top_k, top_p with processed logprobs.*SGLANG_RETURN_ORIGINAL"):
+        engine.submit(RolloutRequest(PROMPT, SamplingParams(top_k=5, top_p=0.9)))
+    with pytest.raises(RequestRefusedError, match=rf"leaves out the engine's eos ids \[{EOS}\]"):
+        engine.submit(RolloutRequest(PROMPT, SamplingParams(stop_token_ids=(7,))))
+    with pytest.raises(RequestRefusedError, match="logprob_mode=raw: this sglang engine returns processed"):
+        engine.submit(RolloutRequest(PROMPT, logprob_mode=LogprobMode.RAW))
+    assert servers.engine.generate_requests == []
