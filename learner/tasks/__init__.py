@@ -36,15 +36,28 @@ Saved as ``my_tasks.py`` on the Python path, it is the run config's ``task.name 
 two methods (a random question, its answer) give prompts, exact-match rewards and demonstrations.
 """
 
+from learner.tasks._chat_template import ChatTemplateError
+from learner.tasks._chat_template import render_chat
+from learner.tasks._dataset_files import read_rows
+from learner.tasks._dataset_task import DatasetTask
+from learner.tasks._dataset_task import decode_completion
 from learner.tasks._digit_tasks import Addition
 from learner.tasks._digit_tasks import ReverseDigits
 from learner.tasks._digit_tasks import SortDigits
 from learner.tasks._protocols import Demonstrations
 from learner.tasks._protocols import Task
 from learner.tasks._protocols import Tokenizer
+from learner.tasks._hf_tokenizer import HFTokenizer
 from learner.tasks._registry import load_task
 from learner.tasks._registry import register_task
 from learner.tasks._registry import task_names
+from learner.tasks._rewards import BUILTIN_REWARDS
+from learner.tasks._rewards import Reward
+from learner.tasks._rewards import RewardError
+from learner.tasks._rewards import RewardScores
+from learner.tasks._rewards import RewardSet
+from learner.tasks._rewards import load_function
+from learner.tasks._rewards import make_reward
 from learner.tasks._text_task import TextTask
 from learner.tasks._tokenizer import BOS_ID
 from learner.tasks._tokenizer import EOS_ID
@@ -56,18 +69,31 @@ from learner.tasks._tokenizer import CharTokenizer
 __all__ = (
     "Addition",
     "BOS_ID",
+    "BUILTIN_REWARDS",
     "CharTokenizer",
+    "ChatTemplateError",
+    "DatasetTask",
     "Demonstrations",
     "EOS_ID",
+    "HFTokenizer",
     "PAD_ID",
     "ReverseDigits",
+    "Reward",
+    "RewardError",
+    "RewardScores",
+    "RewardSet",
     "SEP_ID",
     "SortDigits",
     "TOKENIZER",
     "Task",
     "TextTask",
     "Tokenizer",
+    "decode_completion",
+    "load_function",
     "load_task",
+    "make_reward",
+    "read_rows",
     "register_task",
+    "render_chat",
     "task_names",
 )

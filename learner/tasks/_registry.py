@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from learner.tasks._dataset_task import DatasetTask
 from learner.tasks._digit_tasks import Addition, ReverseDigits, SortDigits
 from learner.tasks._protocols import Task, Tokenizer, missing_members
 
@@ -28,7 +29,7 @@ def task_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
+def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: str | None = None) -> Task:
     """The task that the run config's ``task.name`` and ``task.args`` name, checked against the `Task` protocol.
 
     Args:
@@ -36,6 +37,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
         is a Task class or factory (called with ``**args``) or a Task instance (then ``args`` must be empty).
         The module is imported from ``sys.path``, so a user's task needs no wrapper script.
       args: keyword arguments of the class or factory; None for none.
+      model_path: the run's ``model.hf_path``, passed as ``model_path`` to a class or factory that takes one
+        (the ``dataset`` task's default tokenizer directory) unless ``args`` set it.
 
     Raises:
       ValueError: naming the config key at fault (``task.name`` or ``task.args``) and the reason.
@@ -52,6 +55,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     args = dict(args or {})
     target = _resolve(name)
     if callable(target) and (isinstance(target, type) or not isinstance(target, Task)):
+        if model_path is not None and "model_path" not in args and _takes(target, "model_path"):
+            args["model_path"] = model_path
         try:
             inspect.signature(target).bind(**args)
         except TypeError as err:
@@ -67,6 +72,13 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     if missing:
         raise ValueError(f"task.name={name!r}: {type(task).__name__} is not a Task: it lacks {', '.join(missing)}")
     return task
+
+
+def _takes(factory: Callable, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _resolve(name: str) -> Any:
@@ -88,5 +100,6 @@ def _resolve(name: str) -> Any:
 
 register_task("addition_1digit", functools.partial(Addition, digits=1))
 register_task("addition_2digit", functools.partial(Addition, digits=2))
+register_task("dataset", DatasetTask)
 register_task("sort_digits", SortDigits)
 register_task("reverse_digits", ReverseDigits)

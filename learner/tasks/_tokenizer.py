@@ -55,9 +55,13 @@ class CharTokenizer:
             raise ValueError(f"not printable ASCII: {text!r}")
         return codes + _CHAR_OFFSET
 
-    def decode(self, ids) -> str:
-        """The text of character ids; raises ValueError on special or out-of-vocabulary ids."""
-        codes = np.asarray(ids, np.int64) - _CHAR_OFFSET
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """The text of character ids; raises ValueError on special ids (unless ``skip_special_tokens``: then they
+        are dropped) and out-of-vocabulary ids."""
+        ids = np.asarray(ids, np.int64)
+        if skip_special_tokens:
+            ids = ids[ids >= _FIRST_CHAR + _CHAR_OFFSET]
+        codes = ids - _CHAR_OFFSET
         if np.any((codes < _FIRST_CHAR) | (codes > _LAST_CHAR)):
             raise ValueError(f"ids are not characters: {np.asarray(ids).tolist()}")
         return codes.astype(np.uint8).tobytes().decode("ascii")
