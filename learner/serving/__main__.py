@@ -1,8 +1,9 @@
 """The reference server with the learner's model engine: ``python -m learner.serving --help``.
 
 The server shell (network, auth, TLS, drain, policy version) is `rollout_client.server.cli`'s; this entry point adds
-the model engine's arguments. Weights are random (from --seed) unless --weights names a safetensors file or an orbax
-checkpoint in the server's naming.
+the model engine's arguments. The model is a Hugging Face checkpoint directory (--hf-path: the config from its
+config.json, the weights from its safetensors) or a named config (--model-config) with random weights (from --seed);
+--weights then replaces the initial weights with a safetensors file or an orbax checkpoint in the server's naming.
 """
 
 import argparse
@@ -10,8 +11,10 @@ import pathlib
 
 from flax import nnx
 
+from learner.hf_checkpoint import model_config_from_checkpoint
 from learner.model import Transformer
 from learner.model import model_config
+from learner.safetensors_io import load_safetensors
 from learner.serving.model_generator import ModelGenerator
 from rollout_client.protocol import pb
 from rollout_client.server.cli import run
@@ -21,7 +24,10 @@ from rollout_client.server.weights_io import load_weights
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model engine's own arguments."""
-    parser.add_argument("--model-config", default="tiny", help="name for learner.model.model_config")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--hf-path", help="Hugging Face checkpoint directory (config.json + *.safetensors) to serve")
+    model.add_argument("--model-config", default="tiny",
+                       help="name for learner.model.model_config (random weights); ignored with --hf-path")
     parser.add_argument("--dtype", default="float32", help="compute dtype of the served model")
     parser.add_argument("--weights", help="initial weights (safetensors file or orbax dir); default: random")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
@@ -31,7 +37,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_engine(args: argparse.Namespace) -> ModelGenerator:
     """The model engine the arguments describe; without --eos-ids a request without stop tokens runs to its end."""
-    model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
+    if args.hf_path:
+        # The served length bounds the sequences: a sliding window at least that long is no window.
+        model = Transformer(model_config_from_checkpoint(args.hf_path, max_seq_len=args.max_seq_len),
+                            rngs=nnx.Rngs(args.seed))
+        load_safetensors(model, args.hf_path)
+    else:
+        model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
     generator = ModelGenerator(model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                max_seq_len=args.max_seq_len, decode_steps_per_call=args.decode_steps_per_call,
                                eos_token_ids=tuple(args.eos_ids or ()))

@@ -1,5 +1,6 @@
 """The model engine (``python -m learner.serving``) against the learner's own logprobs, as a real server process."""
 
+import pathlib
 import signal
 import sys
 
@@ -23,6 +24,8 @@ from rollout_client import SamplingParams
 from rollout_client import collate
 from rollout_client.protocol import pb
 from tests.rollout_client.conftest import ServerProcess
+
+GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf_golden"
 
 PROMPTS = ([3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
 PROCESSED = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, max_new_tokens=24, stop_token_ids=())
@@ -141,3 +144,26 @@ def test_bfloat16_server_has_measurable_mismatch(tmp_path_factory, learner_model
     record_property("bf16_max_abs_logprob_mismatch", float(mismatch.max()))
     print(f"bfloat16 server vs float32 learner: mean |dlogp| {mismatch.mean():.2e}, max {mismatch.max():.2e}")
     assert 1e-4 < mismatch.mean() < 0.5
+
+
+def test_server_from_hf_checkpoint_gives_transformers_logprobs(tmp_path):
+    """--hf-path builds the model from config.json (here transformers 5's rope_parameters with Llama 3 scaling, which
+    no named config has) and loads its weights: each prompt's first token's RAW logprob is transformers' (float32
+    logits from scripts/make_golden_logits.py; 1e-4 covers XLA vs torch summation order)."""
+    checkpoint = GOLDEN / "llama3_rope_parameters"
+    golden = np.load(checkpoint / "golden.npz")
+    input_ids, golden_logprobs = golden["input_ids"], np.asarray(jax.nn.log_softmax(golden["logits"], axis=-1))
+    server = ServerProcess([sys.executable, "-m", "learner.serving", "--hf-path", str(checkpoint),
+                            "--max-batch-size", "4", "--max-seq-len", "32", "--decode-steps-per-call", "1"], tmp_path)
+    client = RolloutClient(ClientConfig(target=server.target, ready_timeout_s=60))
+    try:
+        assert client.server_info().vocab_size == golden["logits"].shape[1]
+        for length in (3, 13, 24):
+            sampling = SamplingParams(max_new_tokens=1, stop_token_ids=(), seed=length)
+            request = RolloutRequest(input_ids[:length], sampling, num_samples=3, logprob_mode=LogprobMode.RAW)
+            for sample in client.generate(request):
+                token = sample.completion_token_ids[0]
+                np.testing.assert_allclose(sample.logprobs[0], golden_logprobs[length - 1, token], atol=1e-4)
+    finally:
+        client.close()
+        server.stop(signal.SIGKILL)
