@@ -22,6 +22,7 @@ import dataclasses
 import http.server
 import json
 import pathlib
+import shutil
 import threading
 import urllib.parse
 
@@ -65,6 +66,7 @@ class FakeEngine:
         self.resumed = threading.Event()
         self.resumed.set()
         self.aborted: dict[str, threading.Event] = {}  # running request id -> set when aborted
+        self.holding = threading.Event()  # set when a request stops at hold_after
 
     def abort(self, request_ids) -> None:
         with self.lock:
@@ -87,6 +89,7 @@ class FakeEngine:
                 finish = "length"
                 for step in range(max_new_tokens):
                     if self.hold_after is not None and step == self.hold_after:
+                        self.holding.set()
                         aborted.wait(timeout=30)
                     if aborted.is_set():
                         finish = "abort"
@@ -315,6 +318,7 @@ class FakeServers:
                      "abort_requests", "http_calls"):
             setattr(self.engine, name, getattr(fresh, name))
         self.engine.resumed.set()
+        self.engine.holding.clear()
         return self.engine
 
     def stop(self) -> None:
@@ -334,10 +338,14 @@ def vllm_servers() -> FakeServers:
 
 
 def write_fake_checkpoint(directory: pathlib.Path, weights) -> None:
-    """The tests' checkpoint writer: ``{"offset": weights["offset"]}`` as WEIGHTS_FILE, written to a temporary
-    directory and renamed into place (atomically, as the learner's writer does)."""
+    """The tests' checkpoint writer (a `rollout_client.mlx_engine.CheckpointWriter`): ``{"offset": weights["offset"]}``
+    as WEIGHTS_FILE, written to a temporary directory and renamed into place, replacing one there (a retried
+    publish writes the same version again), as the learner's writer does."""
     directory = pathlib.Path(directory)
-    temporary = directory.with_name(f".{directory.name}.tmp")
+    temporary, replaced = directory.with_name(f".{directory.name}.tmp"), directory.with_name(f".{directory.name}.old")
     temporary.mkdir(parents=True)
     (temporary / WEIGHTS_FILE).write_text(json.dumps({"offset": int(weights["offset"])}))
+    if directory.exists():
+        directory.rename(replaced)
     temporary.rename(directory)
+    shutil.rmtree(replaced, ignore_errors=True)
