@@ -1,11 +1,14 @@
-"""A small JSON-over-HTTP client for engines' control planes (stdlib only).
+"""Engines sampled over an smg proto and controlled over their HTTP API: what the SGLang and vLLM backends share.
 
-The smg data plane (Generate, Abort, HealthCheck, GetModelInfo) has no pause, weight-update or version RPC, so the
-SGLang and vLLM backends drive those through each engine's own HTTP API. This module only moves JSON: it sends a
-request to ``base_url + path`` and returns the decoded body, and every failure names the address and the endpoint
-with the engine's answer (`ControlPlaneError`), or says the endpoint could not be reached
-(`ControlPlaneUnavailableError`). What the endpoints mean lives in `rollout_client.sglang_engine` and
-`rollout_client.vllm_engine`.
+The smg data plane (Generate, Abort, HealthCheck, GetModelInfo) has no pause, weight-update or version RPC, so those
+go through each engine's own HTTP API:
+
+- `HttpControl`: a small JSON-over-HTTP client (stdlib only). Every failure names the method, the URL and the
+  engine's answer (`ControlPlaneError`), or says the endpoint could not be reached (`ControlPlaneUnavailableError`).
+- `HttpControlledEngine`: the `rollout_client.Engine` over `rollout_client.smg.SmgClient` whose `publish` writes a
+  checkpoint directory and has the engine load it (pause -> load -> resume -> confirm), stamping versions at
+  admission. Subclasses name the endpoints (`rollout_client.SGLangEngine`, `rollout_client.VllmEngine`).
+- `final_repeats_last_chunk`: the stream shape both engines' smg servicers share.
 """
 
 from __future__ import annotations
@@ -206,6 +209,7 @@ class HttpControlledEngine(Engine):
         self.weights_dir = pathlib.Path(weights_dir)
         self.keep_weight_versions = keep_weight_versions
         self._write_checkpoint = write_checkpoint
+        self.config = config
         self.policy_version: int | None = None  # None: the engine's own start-up weights
         self.served_dir: pathlib.Path | None = None
         self._publish_metrics: dict[str, float] = {}
@@ -214,13 +218,13 @@ class HttpControlledEngine(Engine):
 
     @property
     def address(self) -> str:
-        return self.client._client.config.target
+        return self.config.target
 
     @property
     def limits(self) -> PromptLimits:
         """What prompts must respect: the learner's and the engine's vocabulary, the engine's context."""
         info = self.client.model_info
-        learner_vocab = self.client._client.config.validation.vocab_size or info.vocab_size
+        learner_vocab = self.config.validation.vocab_size or info.vocab_size
         return PromptLimits(vocab_size=min(learner_vocab, info.vocab_size), max_seq_len=info.max_context_length)
 
     def info(self) -> EngineInfo:
