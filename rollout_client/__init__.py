@@ -2,7 +2,9 @@
 validation of rollouts.
 
 `Engine` is what the learner talks to; each backend declares its `EngineCapabilities` and `check_capabilities`
-refuses a run it cannot honour. `TetherEngine` (rollout.v1) is the first backend.
+refuses a run it cannot honour. Backends: `TetherEngine` (rollout.v1) and `MlxEngine` (the MLX servicer over its smg
+proto, launched here and restarted to publish). `rollout_client.smg` is the data plane of the smg engines;
+`rollout_client.request_guards` checks requests and the engine's model before anything reaches an engine.
 
 The reference inference server's shell lives in `rollout_client.server` (``python -m rollout_client.server`` serves
 the scripted engine; ``python -m learner.serving`` the learner's model). `EngineProcess` runs an engine's server as a
@@ -23,6 +25,7 @@ from rollout_client.engine import EngineRequirements
 from rollout_client.engine import VersionReporting
 from rollout_client.engine import WeightTransport
 from rollout_client.engine import check_capabilities
+from rollout_client.engine_process import EngineExitedError
 from rollout_client.engine_process import EngineProcess
 from rollout_client.errors import InvalidRolloutError
 from rollout_client.errors import ProtocolError
@@ -30,6 +33,11 @@ from rollout_client.errors import RolloutDeadlineError
 from rollout_client.errors import RolloutError
 from rollout_client.errors import RolloutUnavailableError
 from rollout_client.errors import ServerNotReadyError
+from rollout_client.mlx_engine import MlxEngine
+from rollout_client.request_guards import ModelIdentity
+from rollout_client.request_guards import ModelMismatchError
+from rollout_client.request_guards import PromptLimits
+from rollout_client.request_guards import RequestRefusedError
 from rollout_client.sampling_params import FinishReason
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.sampling_params import PauseMode
@@ -46,13 +54,19 @@ __all__ = [
     "EngineCapabilities",
     "EngineCapabilityError",
     "EngineInfo",
+    "EngineExitedError",
     "EngineProcess",
     "EngineRequirements",
     "FinishReason",
     "InvalidRolloutError",
     "LogprobMode",
+    "MlxEngine",
+    "ModelIdentity",
+    "ModelMismatchError",
     "PauseMode",
+    "PromptLimits",
     "ProtocolError",
+    "RequestRefusedError",
     "RolloutBatch",
     "RolloutBuffer",
     "RolloutClient",

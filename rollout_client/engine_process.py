@@ -2,15 +2,25 @@
 
 The child runs ``python -m MODULE ARGS`` (e.g. ``learner.serving``, the reference server with the learner's model)
 through `rollout_client.engine_child`, so it dies with its parent: a learner killed with SIGKILL leaves no server
-behind, and a rerun starts a fresh one. The module must take the server shell's ``--host``, ``--port`` and
-``--port-file`` arguments (`rollout_client.server.cli.server_parser`): the server binds a free port and reports it
-through the port file.
+behind, and a rerun starts a fresh one.
+
+Two ways to learn the port:
+
+- ``port=None``: the module takes the server shell's ``--host``, ``--port`` and ``--port-file`` arguments
+  (`rollout_client.server.cli.server_parser`): it binds a free port and reports it through the port file, and the
+  constructor returns once it has.
+- ``port=N``: the module takes ``--host`` and ``--port`` only and cannot report a port it picked (the MLX servicer,
+  ``python -m smg_grpc_servicer.mlx.server``): it is started on port N (`free_port`), and the caller waits for it
+  to serve (its health check), calling `check_alive` while it waits.
+
+A server that exits raises `EngineExitedError`, naming the module, the address, the exit code and the log.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,55 +28,85 @@ import time
 from collections.abc import Mapping
 from collections.abc import Sequence
 
+from rollout_client.errors import RolloutUnavailableError
+
 _LOG_TAIL_CHARS = 3000
 
 
+class EngineExitedError(RolloutUnavailableError, RuntimeError):
+    """A launched engine's server exited (or never served); the message names its address, exit code and log."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 class EngineProcess:
-    """Starts an engine's server and waits until it has bound its port.
+    """Starts an engine's server (see the module docstring for ``port``).
 
     Args:
         module: the Python module that serves, run like ``python -m MODULE`` (e.g. ``"learner.serving"``).
         args: its arguments (model, dtype, ...), without host and port.
         log_path: the server's stdout and stderr go here (appended).
-        start_timeout_s: how long to wait for the port.
+        start_timeout_s: how long to wait for the port (``port=None``).
         env: variables added to the server's environment (e.g. its auth token, which must not be on the command
             line, where any local user can read it).
+        port: the port to serve on; None: the server picks one and reports it through a port file.
 
     Attributes:
         address: ``"127.0.0.1:PORT"``, where the server listens.
         log_path: the server's log.
 
     Raises:
-        RuntimeError: the server exited or did not bind in time; names the module, the exit code and the log, and
-            quotes the end of the log.
+        EngineExitedError: the server exited or did not bind in time; names the module, the exit code and the log,
+            and quotes the end of the log.
     """
 
     def __init__(self, module: str, args: Sequence[str], log_path: str | os.PathLike,
-                 start_timeout_s: float = 180.0, env: Mapping[str, str] | None = None):
+                 start_timeout_s: float = 180.0, env: Mapping[str, str] | None = None, port: int | None = None):
         self.module = module
         self.log_path = pathlib.Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.address = f"127.0.0.1:{port}" if port is not None else "127.0.0.1 (port not yet bound)"
+        environment = {**os.environ, **(env or {})}
+        child = [sys.executable, "-m", "rollout_client.engine_child", str(os.getpid()), module, *args,
+                 "--host", "127.0.0.1"]
+        if port is not None:
+            self._process = self._start([*child, "--port", str(port)], environment)
+            return
         with tempfile.TemporaryDirectory(prefix="engine-") as scratch:
             port_file = pathlib.Path(scratch) / "port"
-            with self.log_path.open("ab") as log:
-                self._process = subprocess.Popen(
-                    [sys.executable, "-m", "rollout_client.engine_child", str(os.getpid()), module, *args,
-                     "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
-                    stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            self._process = self._start([*child, "--port", "0", "--port-file", str(port_file)], environment)
             give_up = time.monotonic() + start_timeout_s
             while not (port_file.exists() and port_file.read_text().strip()):
-                if self._process.poll() is not None:
-                    self._fail("exited")
+                self.check_alive()
                 if time.monotonic() > give_up:
                     self.stop()
                     self._fail(f"did not bind a port within {start_timeout_s:g} s and was stopped")
                 time.sleep(0.05)
             self.address = f"127.0.0.1:{int(port_file.read_text())}"
 
+    def _start(self, command: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+        with self.log_path.open("ab") as log:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        return self._process.pid
+
     @property
     def returncode(self) -> int | None:
         """The server's exit code (negative: killed by that signal); None while it runs."""
         return self._process.poll()
+
+    def check_alive(self) -> None:
+        """Raises `EngineExitedError` (address, exit code, end of the log) if the server has exited."""
+        if self._process.poll() is not None:
+            self._fail("exited")
 
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM (the server drains), then SIGKILL if it has not exited within ``timeout_s``; the exit code."""
@@ -81,5 +121,5 @@ class EngineProcess:
 
     def _fail(self, what: str) -> None:
         tail = self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        raise RuntimeError(f"the engine server (python -m {self.module}) {what} (exit code {self.returncode}); "
-                           f"end of its log {self.log_path}:\n{tail}")
+        raise EngineExitedError(f"the engine server at {self.address} (python -m {self.module}) {what} (exit code "
+                                f"{self.returncode}); end of its log {self.log_path}:\n{tail}")

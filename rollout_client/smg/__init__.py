@@ -1,0 +1,24 @@
+"""The data plane of the engines that speak an smg proto (``smg-grpc-proto``: MLX, SGLang, vLLM).
+
+`SmgDialect` says what differs between the engines' protos (`MLX` so far); `SmgStub` answers rollout.v1's sampling
+calls over any of them, so that `AsyncSmgClient` / `SmgClient` are the rollout.v1 clients with their retries,
+deadlines, validation and `Sample` objects. A new smg engine is a new dialect plus its control plane.
+"""
+
+from rollout_client.smg.client import AsyncSmgClient
+from rollout_client.smg.client import SmgClient
+from rollout_client.smg.dialects import MLX
+from rollout_client.smg.dialects import EngineSampling
+from rollout_client.smg.dialects import SmgDialect
+from rollout_client.smg.stub import SmgHealth
+from rollout_client.smg.stub import SmgStub
+
+__all__ = [
+    "MLX",
+    "AsyncSmgClient",
+    "EngineSampling",
+    "SmgClient",
+    "SmgDialect",
+    "SmgHealth",
+    "SmgStub",
+]

@@ -1,0 +1,275 @@
+"""rollout.v1 calls answered by an engine that speaks an smg proto: the data plane of every smg engine.
+
+`SmgStub` has the methods of rollout.v1's ``RolloutServiceStub`` that `rollout_client.AsyncRolloutClient` calls for
+sampling (``Generate``, ``GetServerInfo``, ``Abort``), and `SmgHealth` the ``grpc.health.v1`` check it waits on.
+They translate to the engine's proto (`rollout_client.smg.dialects.SmgDialect`), so the client's retries,
+deadlines, validation drops and `Sample` assembly apply to these engines unchanged:
+
+- One rollout.v1 request of ``num_samples`` becomes one engine request per sample (engine request id
+  ``"<request_id>/<sample_index>"``), or one request with ``n`` where the engine has it. Each is streamed: an
+  aborted streamed request keeps the tokens it sent, a non-streamed one loses them.
+- Every sampling value is resolved and sent explicitly (`resolve_sampling`), and echoed back to the client as the
+  sample's resolved parameters (these engines echo nothing).
+- Policy versions: the engines report none. Each sample's tokens carry the version the engine served when the
+  request was admitted (`policy_version`); while the engine changes weights, admission is held (`hold`,
+  `release`), so no request is stamped with a version it was not sampled by.
+- A stream that ends without the engine's final message (aborted, or the engine stopping) is an ABORT sample with
+  the tokens received; the client keeps it if it asked for the abort, and drops and counts it otherwise.
+- A failed call to a launched engine first asks ``check_alive``, which raises a clear error if the engine's process
+  died (address, log, exit code) instead of retrying a dead server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2
+
+from rollout_client.errors import ProtocolError
+from rollout_client.packed_arrays import LOGPROB_DTYPE
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE
+from rollout_client.packed_arrays import pack
+from rollout_client.protocol import pb
+from rollout_client.request_guards import RequestRefusedError
+from rollout_client.smg.dialects import EngineSampling
+from rollout_client.smg.dialects import SmgDialect
+
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                   "abort": pb.FINISH_REASON_ABORT}
+
+
+def resolve_sampling(asked: pb.SamplingParams, prompt_tokens: int, model_info, n: int) -> EngineSampling:
+    """Every sampling value of a rollout.v1 request, unset ones resolved as Tether's server resolves them.
+
+    ``top_k`` at or above the vocabulary is sent as 0 (the same sampler; mlx-lm raises on it).
+    """
+    def value(name, default):
+        return getattr(asked, name) if asked.HasField(name) else default
+
+    top_k = value("top_k", 0)
+    stops = (tuple(asked.stop_token_ids.token_ids) if asked.HasField("stop_token_ids")
+             else tuple(model_info.eos_token_ids))
+    return EngineSampling(temperature=value("temperature", 1.0), top_k=0 if top_k >= model_info.vocab_size else top_k,
+                          top_p=value("top_p", 1.0), min_p=value("min_p", 0.0),
+                          max_new_tokens=value("max_new_tokens", model_info.max_context_length - prompt_tokens),
+                          stop_token_ids=stops, n=n)
+
+
+def echoed_sampling(asked: pb.SamplingParams, sent: EngineSampling) -> pb.SamplingParams:
+    """The sample's resolved parameters: the request's own values, and what was sent for those it left unset."""
+    echo = pb.SamplingParams()
+    echo.CopyFrom(asked)
+    for name in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens"):
+        if not echo.HasField(name):
+            setattr(echo, name, getattr(sent, name))
+    if not echo.HasField("stop_token_ids"):
+        echo.stop_token_ids.SetInParent()
+        echo.stop_token_ids.token_ids.extend(sent.stop_token_ids)
+    return echo
+
+
+class _SampleState:
+    """One sample's tokens and logprobs as they stream in."""
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+
+    def add(self, part, token_ids) -> None:
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(part.output_logprobs.token_logprobs)
+
+
+class SmgStub:
+    """The rollout.v1 sampling calls over one smg engine (see the module docstring).
+
+    Args:
+      channel: a ``grpc.aio`` channel to the engine.
+      dialect: the engine's proto.
+      check_alive: raises if a launched engine's process has exited; None for an external engine.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel, dialect: SmgDialect, check_alive: Callable[[], None] | None):
+        self.dialect = dialect
+        self.engine = dialect.stub(channel)
+        self.check_alive = check_alive
+        self.policy_version = 0  # the version the engine serves; stamped on the tokens of requests admitted now
+        self.model_info = None  # the engine's GetModelInfoResponse, once fetched
+        self.engine_calls = 0  # Generate calls sent to the engine
+        self._admission = asyncio.Event()
+        self._admission.set()
+        self._in_flight: dict[str, set[str]] = {}  # rollout.v1 request id -> its engine request ids now running
+        self._background: set[asyncio.Task] = set()
+
+    def hold(self) -> None:
+        """Admits no new engine request until `release` (the engine is changing weights)."""
+        self._admission.clear()
+
+    def release(self, policy_version: int) -> None:
+        """Admits requests again; their tokens are stamped ``policy_version``."""
+        self.policy_version = policy_version
+        self._admission.set()
+
+    async def call(self, method: str, request, timeout: float, metadata=()):
+        """One unary engine call; a launched engine that died raises `check_alive`'s error."""
+        try:
+            return await getattr(self.engine, method)(request, timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as error:
+            self._raise_if_dead(error)
+            raise
+
+    def _raise_if_dead(self, error: grpc.aio.AioRpcError) -> None:
+        if error.code() == grpc.StatusCode.UNAVAILABLE and self.check_alive is not None:
+            self.check_alive()
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, timeout: float, metadata=()) -> pb.ServerInfo:
+        """The engine's GetModelInfo as rollout.v1's ServerInfo, with the version it serves."""
+        info = await self.call("GetModelInfo", self.dialect.pb.GetModelInfoRequest(), timeout, metadata)
+        self.model_info = info
+        return pb.ServerInfo(policy_version=self.policy_version, vocab_size=info.vocab_size,
+                             eos_token_ids=info.eos_token_ids, model_config_hash=info.model_type,
+                             max_seq_len=info.max_context_length)
+
+    async def Abort(self, request: pb.AbortRequest, timeout: float, metadata=()) -> pb.AbortResponse:
+        """Aborts every engine request of the given rollout.v1 requests; returns those that were running."""
+        running = [request_id for request_id in request.request_ids if self._in_flight.get(request_id)]
+        engine_ids = [engine_id for request_id in running for engine_id in self._in_flight[request_id]]
+        for message in self.dialect.abort_requests(engine_ids) if engine_ids else ():
+            await self.call("Abort", message, timeout, metadata)
+        return pb.AbortResponse(aborted_request_ids=running)
+
+    def Generate(self, request: pb.GenerateRequest, timeout: float, metadata=()) -> _FanOut:
+        """Samples ``request`` (its ``sample_indices``, else all ``num_samples``); yields rollout.v1 final messages."""
+        if request.logprob_mode not in {int(mode) for mode in self.dialect.logprob_modes}:
+            raise RequestRefusedError(
+                f"request {request.request_id}: logprob_mode {request.logprob_mode}: the {self.dialect.name} engine "
+                f"returns only {', '.join(mode.name.lower() for mode in self.dialect.logprob_modes)} logprobs")
+        indices = list(request.sample_indices) or list(range(request.num_samples))
+        return _FanOut(self, request, indices, timeout, metadata)
+
+    def _abort_quietly(self, engine_ids: Sequence[str], metadata) -> None:
+        """Sends an Abort for cancelled engine requests in the background (best effort: the engine may be gone)."""
+        async def abort():
+            for message in self.dialect.abort_requests(engine_ids):
+                try:
+                    await self.engine.Abort(message, timeout=5.0, metadata=metadata)
+                except grpc.aio.AioRpcError:
+                    return
+        task = asyncio.get_running_loop().create_task(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+class _FanOut:
+    """One rollout.v1 Generate call: engine requests for its sample indices, their final messages as they end."""
+
+    def __init__(self, stub: SmgStub, request: pb.GenerateRequest, indices: list[int], timeout: float, metadata):
+        self._stub, self._request, self._indices = stub, request, indices
+        self._timeout, self._metadata = timeout, metadata
+        self._tasks: list[asyncio.Task] = []
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def __aiter__(self):
+        stub, request = self._stub, self._request
+        await stub._admission.wait()
+        if stub.model_info is None:
+            await stub.GetServerInfo(pb.GetServerInfoRequest(), self._timeout, self._metadata)
+        prompt = np.frombuffer(request.prompt_token_ids, TOKEN_ID_DTYPE).tolist()
+        groups = [self._indices] if stub.dialect.native_n else [[index] for index in self._indices]
+        finals: asyncio.Queue = asyncio.Queue()
+        version = stub.policy_version  # admitted now: sampled by the weights the engine serves now
+        self._tasks = [asyncio.get_running_loop().create_task(self._sample(group, prompt, version, finals))
+                       for group in groups]
+        try:
+            for _ in self._indices:
+                message = await finals.get()
+                if message is not None:  # None: that engine request failed; the others' samples come first
+                    yield message
+            failures = [result for result in await asyncio.gather(*self._tasks, return_exceptions=True)
+                        if isinstance(result, BaseException)]
+            if failures:  # an error that is not a retryable gRPC status (e.g. a dead engine) wins
+                raise min(failures, key=lambda error: isinstance(error, grpc.aio.AioRpcError))
+        finally:
+            self.cancel()
+
+    async def _sample(self, indices: list[int], prompt: list[int], version: int, finals: asyncio.Queue) -> None:
+        """One engine request for ``indices``; puts one final message per index on ``finals`` (None if it failed)."""
+        stub, request = self._stub, self._request
+        engine_id = f"{request.request_id}/{indices[0]}" if len(indices) == 1 else request.request_id
+        sent = resolve_sampling(request.sampling, len(prompt), stub.model_info, n=len(indices))
+        states = [_SampleState() for _ in indices]
+        running = stub._in_flight.setdefault(request.request_id, set())
+        running.add(engine_id)
+        started = time.monotonic()
+        delivered = False
+        try:
+            stub.engine_calls += 1
+            call = stub.engine.Generate(stub.dialect.generate_request(engine_id, prompt, sent),
+                                        timeout=self._timeout, metadata=self._metadata)
+            async for response in call:
+                kind = response.WhichOneof("response")
+                part = getattr(response, kind)
+                if part.index >= len(states):
+                    raise ProtocolError(f"Generate {engine_id}: response index {part.index}, but {len(states)} "
+                                        "samples were asked")
+                state = states[part.index]
+                if kind == "chunk":
+                    state.add(part, part.token_ids)
+                    continue
+                if stub.dialect.complete_repeats_chunks:
+                    state.token_ids, state.logprobs = [], []
+                state.add(part, part.output_ids)
+                state.finish_reason = part.finish_reason
+            elapsed = time.monotonic() - started
+            for index, state in zip(indices, states):
+                finals.put_nowait(self._final(index, state, len(prompt), version, sent, elapsed))
+            delivered = True
+        except grpc.aio.AioRpcError as error:
+            stub._raise_if_dead(error)
+            raise
+        except asyncio.CancelledError:
+            stub._abort_quietly([engine_id], self._metadata)
+            raise
+        finally:
+            running.discard(engine_id)
+            if not running:
+                stub._in_flight.pop(request.request_id, None)
+            if not delivered:
+                for _ in indices:
+                    finals.put_nowait(None)
+
+    def _final(self, index: int, state: _SampleState, prompt_tokens: int, version: int, sent: EngineSampling,
+               elapsed: float) -> pb.GenerateResponse:
+        """The sample as rollout.v1's final message; no final from the engine: ABORT with the tokens received."""
+        count = len(state.token_ids)
+        finish = pb.FINISH_REASON_ABORT if state.finish_reason is None else _FINISH_REASONS.get(
+            state.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+        spans = [pb.VersionSpan(start=0, end=count, policy_version=version)] if count else []
+        return pb.GenerateResponse(sample_index=index, final=pb.SampleResult(
+            token_ids=pack(np.asarray(state.token_ids, np.int64), TOKEN_ID_DTYPE),
+            logprobs=pack(np.asarray(state.logprobs, np.float32), LOGPROB_DTYPE), version_spans=spans,
+            finish_reason=finish, prompt_tokens=prompt_tokens, completion_tokens=count,
+            timings=pb.Timings(queue_s=0.0, generate_s=elapsed), sampling=echoed_sampling(self._request.sampling, sent)))
+
+
+class SmgHealth:
+    """``grpc.health.v1``'s Check, answered by the engine's own HealthCheck (``healthy``)."""
+
+    def __init__(self, stub: SmgStub):
+        self._stub = stub
+
+    async def Check(self, request, timeout: float, wait_for_ready: bool = False) -> health_pb2.HealthCheckResponse:
+        if self._stub.check_alive is not None:
+            self._stub.check_alive()
+        reply = await self._stub.engine.HealthCheck(self._stub.dialect.pb.HealthCheckRequest(), timeout=timeout,
+                                                    wait_for_ready=wait_for_ready)
+        status = health_pb2.HealthCheckResponse.SERVING if reply.healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
