@@ -105,6 +105,8 @@ class ServerSection:
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
     start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
+    control_url: str | None = None  # http://host:port of the engine's HTTP control API (sglang, vllm).
+    control_timeout_s: float = _positive(600.0)  # one control call (pause, load weights, resume).
     weights_dir: str | None = None  # HF checkpoints for disk-loading engines (mlx, sglang, vllm); None: run_dir/engine_weights.
     keep_weight_versions: int = _positive(2)  # published checkpoint directories kept there (older ones are deleted).
     generate_deadline_s: float = 30.0  # one Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts.
