@@ -358,8 +358,9 @@ def kl_cov(lp, old, adv, m, ratio=2e-3, coef=1.0):
 # ------------------------------------------------------------------------------------ section 4: reductions
 
 
-def reduction_terms(loss, m, den_mask, mode, max_len=None):
-    """(numerator, denominator) with the loss summed over ``m`` and counted over ``den_mask``."""
+def reduction_terms(loss, m, den_mask, mode, max_len=None, count_rows=False):
+    """(numerator, denominator) with the loss summed over ``m`` and counted over ``den_mask``; ``count_rows``:
+    Dr. GRPO divides by the rows of ``den_mask`` with a token (verl) instead of B."""
     loss = clean(loss, m)
     mm, dm = bmask(m), bmask(den_mask)
     B, T = mm.shape
@@ -373,7 +374,7 @@ def reduction_terms(loss, m, den_mask, mode, max_len=None):
     if mode == "seq-mean-token-sum":
         return float(np.sum([rs[b] for b in range(B) if counts[b] > 0])), rows
     if mode == "seq-mean-token-sum-norm":
-        return rs.sum(), float(B * (max_len or T))
+        return rs.sum(), float((rows if count_rows else B) * (max_len or T))
     if mode == "token-sum":
         return rs.sum(), 0.0  # no division; 0 adds up over micro-batches and max(0, 1) = 1
     raise ValueError(mode)
@@ -466,7 +467,12 @@ def mismatch(old, roll, m):
     any_tok = bool(mm.any())
     vo, vr = old[mm], roll[mm]
     absd = np.abs(vo - vr)
+    rho = np.exp(lr)[mm]
     return {
+        P + "token_ratio_mean": float(rho.mean()) if any_tok else 0.0,
+        P + "token_ratio_std": float(rho.std()) if any_tok else 0.0,
+        P + "token_ratio_max": float(rho.max()) if any_tok else 0.0,
+        P + "token_ratio_min": float(rho.min()) if any_tok else 0.0,
         P + "kl": mmean(roll - old, mm),
         P + "k3_kl": mmean(np.exp(lr) - lr - 1.0, mm),
         P + "training_ppl": mean_over_rows(np.exp(-mt), mm),
@@ -496,20 +502,87 @@ def ess(w, m):
     return 1.0 / second if second > 0 else 0.0
 
 
-def weight_stats(w, raw, m, cap):
+def weight_stats(w, raw, m, cap, low=None, level="token"):
+    """verl's IS metrics of the bounded weights ``w`` of every valid token and the raw ratios ``raw``; per-row
+    statistics over non-empty rows; at a sequence level max/min/fractions are the rows' raw ratios."""
     mm = bmask(m)
+    lower = low if low else 1.0 / cap
     vw, vr = f64(w)[mm], f64(raw)[mm]
     n = vw.size
     mean = float(vw.mean()) if n else 0.0
+    rows = rows_valid(mm)
+    seq = np.array([f64(w)[b][mm[b]].mean() for b in range(len(mm)) if rows[b]])
+    raw_seq = np.array([f64(raw)[b][mm[b]].mean() for b in range(len(mm)) if rows[b]])
+    row_ratio = np.array([f64(raw)[b][mm[b]].max() for b in range(len(mm)) if rows[b]])
+    clipped = np.array([np.mean(f64(w)[b][mm[b]] != f64(raw)[b][mm[b]]) for b in range(len(mm)) if rows[b]])
+    if level == "token":
+        high, low_ = (float(np.mean(vr > cap)), float(np.mean(vr < lower))) if n else (0.0, 0.0)
+        largest, smallest = (float(vw.max()), float(vw.min())) if n else (0.0, 0.0)
+    else:
+        high, low_ = (float(np.mean(row_ratio > cap)), float(np.mean(row_ratio < lower))) if n else (0.0, 0.0)
+        largest, smallest = (float(row_ratio.max()), float(row_ratio.min())) if n else (0.0, 0.0)
+    some = seq.size > 0
     return {
         P + "rollout_is_mean": mean,
         P + "rollout_is_std": float(np.sqrt(np.mean((vw - mean) ** 2))) if n else 0.0,
-        P + "rollout_is_max": float(vw.max()) if n else 0.0,
-        P + "rollout_is_min": float(vw.min()) if n else 0.0,
-        P + "rollout_is_ratio_fraction_high": float(np.mean(vr > cap)) if n else 0.0,
-        P + "rollout_is_ratio_fraction_low": float(np.mean(vr < 1.0 / cap)) if n else 0.0,
+        P + "rollout_is_max": largest,
+        P + "rollout_is_min": smallest,
+        P + "rollout_is_ratio_fraction_high": high,
+        P + "rollout_is_ratio_fraction_low": low_,
         P + "rollout_is_eff_sample_size": ess(w, m),
+        P + "rollout_is_seq_mean": float(seq.mean()) if some else 0.0,
+        P + "rollout_is_seq_std": float(seq.std(ddof=1)) if seq.size > 1 else 0.0,
+        P + "rollout_is_seq_max": float(seq.max()) if some else 0.0,
+        P + "rollout_is_seq_min": float(seq.min()) if some else 0.0,
+        P + "rollout_is_seq_max_deviation": float(np.abs(seq - 1.0).max()) if some else 0.0,
+        P + "rollout_is_seq_fraction_high": float(np.mean(raw_seq > cap)) if some else 0.0,
+        P + "rollout_is_seq_fraction_low": float(np.mean(raw_seq < lower)) if some else 0.0,
+        P + "tis_clipfrac": float(clipped.mean()) if some else 0.0,
     }
+
+
+def rule_statistics(name, rule, lr, m):
+    """verl's ``compute_rs_metrics`` of one k-family rule on its own over the original mask, in verl's terms:
+    k1 is ``-log rho`` with bounds ``[-log high, -log low]``; k2/k3 keep ``stat <= high``."""
+    mm = bmask(m)
+    agg, k = rule["name"].rsplit("_", 1)
+    low, high = rule.get("low"), rule.get("high")
+    tok = {"k1": -clamp(lr), "k2": k2(lr), "k3": k3(lr)}[k]
+    if k == "k1":
+        upper = np.inf if low is None else -np.log(low)
+        lower = -np.inf if high is None else -np.log(high)
+    else:
+        upper, lower = high, None
+    rows = rows_valid(mm)
+    if agg == "token":
+        seq = np.array([tok[b][mm[b]].mean() for b in range(len(mm)) if rows[b]])
+        per_token = tok
+    else:
+        red = {"seq_sum": np.sum, "seq_mean": np.mean, "seq_max": np.max}[agg]
+        full = np.array([red(tok[b][mm[b]]) if rows[b] else 0.0 for b in range(len(mm))])
+        seq = full[rows]
+        per_token = np.broadcast_to(full[:, None], mm.shape)
+    v = per_token[mm]
+    lo_ = -np.inf if lower is None else lower
+    if agg == "token":
+        high_f, low_f = float(np.mean(v > upper)), float(np.mean(v < lo_))
+        largest, smallest = float(v.max()), float(v.min())
+    else:
+        high_f, low_f = float(np.mean(seq > upper)), float(np.mean(seq < lo_))
+        largest, smallest = float(seq.max()), float(seq.min())
+    c = np.clip(v, 0.0 if lower is None else lower, upper)
+    out = {
+        "mean": float(v.mean()),
+        "std": float(np.sqrt(max(np.mean(c ** 2) - np.mean(c) ** 2, 0.0))) if v.size > 1 else 0.0,
+        "max": largest, "min": smallest, "fraction_high": high_f,
+        "fraction_low": low_f if k == "k1" else 0.0,
+        "seq_mean": float(seq.mean()), "seq_std": float(seq.std(ddof=1)) if seq.size > 1 else 0.0,
+        "seq_max": float(seq.max()), "seq_min": float(seq.min()), "seq_max_deviation": float(np.abs(seq).max()),
+        "seq_fraction_high": float(np.mean(seq > upper)),
+    }
+    if k == "k1":
+        out["seq_fraction_low"] = float(np.mean(seq < lo_))
+    return {f"{P}{name}_{key}": value for key, value in out.items()}
 
 
 def rejection_stats(name, keep, m):
@@ -566,46 +639,67 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
     rules = cfg["rejection"]
     early = [r for r in rules if r["name"] == "outlier"] + [r for r in rules if r["name"].startswith("token")]
     late = [r for r in rules if r["name"] != "outlier" and not r["name"].startswith("token")]
-    names = [r["name"] for r in early + late] + (["opsm"] if cfg["opsm_delta"] is not None else [])
+
+    names = [r["name"] for r in early + late]
     labels = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]
+    wlr = (lp - roll) if imp is not None and imp.get("numerator") == "current" else lr
 
     keep = mm.copy()
-    weights = np.zeros((B, T))
+    weights = np.zeros((B, T))  # applied (0 where an early rule dropped the token)
+    bounded = np.zeros((B, T))  # bounded ratio of every valid token (the metrics' weights)
     raw = np.zeros((B, T))
-    rule_keeps = [np.ones((B, T), dtype=bool) for _ in labels]
+    skyrl = {"outlier": "outlier_seq", "seq_mean_k1": "geo_sequence_mask", "seq_sum_k1": "product_sequence_mask"}
+    over_under = {label: np.zeros((2, B)) for r, label in zip(early + late, labels) if r["name"] in skyrl}
     opsm = opsm_keep(lp, old, adv, mm, cfg["opsm_delta"]) if cfg["opsm_delta"] is not None else None
+
+    def flag(rule, label, b, k):
+        if label not in over_under:
+            return
+        lo = -np.inf if rule.get("low") is None else rule["low"]
+        hi = np.inf if rule.get("high") is None else rule["high"]
+        if rule["name"] == "outlier":
+            rho = sexp(lr[b])[mm[b]]
+            over_under[label][:, b] = [np.any(rho > hi), np.any(rho < lo)]
+        else:
+            kept = clamp(lr[b])[k]
+            stat = (kept.mean() if kept.size else 0.0) if rule["name"] == "seq_mean_k1" else kept.sum()
+            over_under[label][:, b] = [sexp(stat) > hi, sexp(stat) < lo]
+
     for b in range(B):
         k = mm[b].copy()
-        for i, rule in enumerate(early):
-            rule_keeps[i][b] = _rule_keep(rule, lr[b], k, mm[b])
-            k &= rule_keeps[i][b]
+        for rule, label in zip(early, labels):
+            flag(rule, label, b, k)
+            k &= _rule_keep(rule, lr[b], k, mm[b])
         if imp is None:
             weights[b] = k.astype(np.float64)
             raw[b] = sexp(lr[b])
+            bounded[b] = 1.0
         else:
-            fn = WEIGHTS[imp["level"]]
-            weights[b] = fn(lr[b][None], k[None], high=imp["high"], low=imp["low"], overflow=imp["overflow"])[0]
-            # Raw (unbounded) ratios for the "fraction above C / below 1/C" diagnostics, on the ORIGINAL mask:
-            # a token's own rho (token level), or its row's ratio over the surviving tokens (sequence levels).
-            # A token removed by an outlier/token rule still has a ratio; it is not 0 (spec section 6, pitfall 4).
+            # Raw (unbounded) ratios on every valid token: a token's own rho (token level), or its row's ratio
+            # over the tokens that survived the outlier/token rules (sequence levels).
             if imp["level"] == "token":
-                raw[b] = sexp(lr[b])
+                raw[b] = sexp(wlr[b])
             else:
-                survivors = lr[b][k]
+                survivors = wlr[b][k]
                 if imp["level"] == "sequence":
                     raw[b] = sexp(np.sum(survivors))
                 else:
-                    raw[b] = sexp(survivors.mean() if survivors.size else 0.0)
-        for j, rule in enumerate(late):
-            i = len(early) + j
-            rule_keeps[i][b] = _rule_keep(rule, lr[b], k, mm[b])
-            k &= rule_keeps[i][b]
+                    s_ = clamp(survivors) if imp.get("clamp_each_token") else survivors
+                    raw[b] = sexp(s_.mean() if s_.size else 0.0)
+            bounded[b] = bound(raw[b], imp["low"], imp["high"], imp["overflow"])
+            weights[b] = np.where(k, bounded[b], 0.0)
+        for rule, label in zip(late, labels[len(early):]):
+            flag(rule, label, b, k)
+            k &= _rule_keep(rule, lr[b], k, mm[b])
         if opsm is not None:
-            rule_keeps[-1][b] = opsm[b]
             k &= opsm[b]
         keep[b] = k
     weights = np.where(mm, weights, 0.0)
+    bounded = np.where(mm, bounded, 0.0)
     metrics = {}
+    cap = imp["high"] if imp is not None and imp["high"] else 2.0
+    metrics.update(weight_stats(bounded, raw, mm, cap, imp["low"] if imp is not None else None,
+                                imp["level"] if imp is not None else "token"))
     if imp is not None and imp["batch_normalize"]:
         metrics[P + "rollout_is_batch_norm_factor"] = batch_norm_factor(weights, mm, imp["level"])
         weights = batch_normalize(weights, mm, imp["level"])
@@ -615,11 +709,26 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
         metrics[P + "rollout_is_oob_ratio"] = float(outside[mm].mean()) if mm.any() else 0.0
 
     metrics.update(mismatch(trainer, roll, mm))
-    cap = imp["high"] if imp is not None and imp["high"] else 2.0
-    metrics.update(weight_stats(weights, raw, mm, cap))
-    for label, rk in zip(labels, rule_keeps):
-        metrics.update(rejection_stats(f"rollout_rs_{label}", rk, mm))
+    for rule, label in zip(early + late, labels):  # each rule on its own, over the original mask (verl)
+        alone = np.stack([_rule_keep(rule, lr[b], mm[b], mm[b]) for b in range(B)])
+        metrics.update(rejection_stats(f"rollout_rs_{label}", alone, mm))
+        if rule["name"] != "outlier":
+            metrics.update(rule_statistics(f"rollout_rs_{label}", rule, lr, mm))
+    rows = rows_valid(mm)
+    for rule, label in zip(early + late, labels):
+        if label in over_under:
+            prefix = skyrl[rule["name"]] + label[len(rule["name"]):]
+            metrics[f"{P}{prefix}_over_high_ratio"] = float(over_under[label][0][rows].mean())
+            metrics[f"{P}{prefix}_under_low_ratio"] = float(over_under[label][1][rows].mean())
+    if opsm is not None:
+        metrics.update(rejection_stats("rollout_rs_opsm", opsm, mm))
+        dropped = [np.mean(~opsm[b][mm[b]]) for b in range(B) if rows[b]]
+        metrics[P + "opsm_clipfrac"] = float(np.mean(dropped)) if dropped else 0.0
     metrics.update(rejection_stats("rollout_rs", keep, mm))  # every rule together
+    behave = keep & (weights > 0)
+    lr_c = clamp(lr)
+    metrics[P + "behave_approx_kl"] = float(lr_c[behave].mean()) if behave.any() else 0.0
+    metrics[P + "behave_approx_kl_k3"] = float((np.exp(-lr_c) - 1 + lr_c)[behave].mean()) if behave.any() else 0.0
 
     obj = cfg["objective"]
     name = obj["name"]
@@ -631,9 +740,15 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
             aux["pg_clipfrac_lower"] = lower
     elif name == "reinforce":
         loss = reinforce(lp, adv)
+        aux = {"ppo_kl": -clamp(lp - old)}
     elif name == "cispo":
         loss, clipfrac, ppo_kl = cispo(lp, old, adv, obj["clip_low"], obj["clip_high"])
         aux = {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl}
+        r = sexp(lp - old)
+        metrics["actor/cispo/ratio_mean"] = mmean(r, mm)
+        metrics["actor/cispo/ratio_clamped_mean"] = mmean(np.clip(r, 1 - obj["clip_low"], 1 + obj["clip_high"]), mm)
+        metrics["actor/cispo/ratio_max"] = float(r[mm].max()) if mm.any() else 0.0
+        metrics["actor/cispo/ratio_min"] = float(r[mm].min()) if mm.any() else 0.0
     elif name == "sapo":
         loss, ppo_kl = sapo(lp, old, adv, obj["tau_pos"], obj["tau_neg"])
         aux = {"ppo_kl": ppo_kl}
@@ -647,12 +762,17 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
         aux = {"pg_clipfrac": clipfrac, "ppo_kl": -clamp(lp - old)}
     elif name == "kl_cov":
         loss, chosen = kl_cov(lp, old, adv, mm, obj["kl_cov_ratio"], obj["kl_cov_coef"])
-        aux = {"pg_clipfrac": chosen.astype(np.float64), "ppo_kl": -clamp(lp - old)}
+        aux = {"pg_clipfrac": chosen.astype(np.float64), "ppo_kl": np.abs(clamp(lp - old))}
     else:
         raise NotImplementedError(name)
     per_token = loss * weights
+    if "pg_clipfrac" in aux:
+        metrics["actor/clip_ratio"] = mmean(aux["pg_clipfrac"], mm)  # SkyRL's: over the original mask
     if cfg["kl_coef"] > 0:
         kl = kl_estimate(lp, ref, cfg["kl_estimator"])
+        if cfg.get("kl_importance_weighted"):
+            kl = sexp(lp - old) * (kl_estimate(lp, ref, "k3") if cfg["kl_estimator"] == "low_var_kl" else kl)
+            kl = np.clip(kl, -10, 10) if cfg["kl_estimator"] == "low_var_kl" else kl
         per_token = per_token + cfg["kl_coef"] * kl
         metrics["actor/kl_loss"] = mmean(kl, keep)
     if entropy is not None:
@@ -661,7 +781,7 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
             per_token = per_token - cfg["entropy_coef"] * entropy
     per_token = np.where(keep, per_token, 0.0)
     den_mask = mm if cfg["denominator"] == "original" else keep
-    num, den = reduction_terms(per_token, keep, den_mask, cfg["reduction"])
+    num, den = reduction_terms(per_token, keep, den_mask, cfg["reduction"], count_rows=cfg["denominator"] == "kept")
     loss_value = num / max(den, 1.0)
     metrics["actor/pg_loss"] = loss_value
     for k_, v in aux.items():

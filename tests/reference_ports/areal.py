@@ -6,6 +6,9 @@ Sources read (via the code index):
 - AReaL areal/utils/functional.py, intermediate version with ``behave_imp_weight_mode`` (index id 52915931901;
   repo/commit not returned by the index) -> ``compute_behave_imp_weight``, ``ppo_actor_loss_fn_mode``,
   ``_compute_sequence_level_ratio_and_advantages``. Config default (test excerpt): mode "token_mask", cap 5.0.
+- re-checked against inclusionAI/AReaL @ 4aef98d8 (areal/utils/functional/functional.py): the sequence-level
+  (GSPO) advantages are summed over the MASK there, and ``behave_approx_kl`` = prox - old on ``behave_mask``
+  (weight > 0 and kept), logged as its mean over those tokens (areal/trainer/ppo/actor.py).
 - inclusionAI/AReaL areal/utils/functional/functional.py @ 2274616c3d28d2120de3beb0831d08b6b6d243ea
   -> ``apply_rejection_sampling``, ``ppo_actor_loss_fn_rs`` (RejectionSamplingConfig replaces cap/mode;
   RejectionSamplingConfig defaults and KLEstimator._compute_approx_kl were NOT read: the kl_k1/k2/k3 metrics
@@ -67,17 +70,16 @@ def ppo_actor_loss_fn(logprobs, proximal_logprobs, old_logprobs, advantages, eps
 
 
 def _compute_sequence_level_ratio_and_advantages(log_ratio, advantages, loss_mask, cu_seqlens=None):
-    """Port of functional._compute_sequence_level_ratio_and_advantages (2-D path).
-
-    ratio = exp(masked mean log_ratio) on mask (0 elsewhere); advantages = UNMASKED row sum / clamp(n,1) (quirk).
-    """
+    """Port of functional._compute_sequence_level_ratio_and_advantages @ 4aef98d8 (2-D path): ratio =
+    exp(masked mean log_ratio) on mask (0 elsewhere); advantages = MASKED row sum / clamp(n, 1) on mask.
+    (Older AReaL summed the advantages unmasked.)"""
     lm = np.asarray(loss_mask).astype(bool)
     n = np.maximum(lm.sum(-1), 1)
     seq = np.where(lm, log_ratio, 0.0).sum(1) / n
     with np.errstate(**_ERR):
         ratio = np.where(lm, np.exp(np.broadcast_to(seq[:, None], lm.shape)), 0.0)
-    adv = np.broadcast_to((np.asarray(advantages).sum(-1) / n)[:, None], lm.shape).copy()
-    return ratio, adv
+    adv = np.where(lm, np.asarray(advantages), 0.0).sum(-1) / n
+    return ratio, np.where(lm, np.broadcast_to(adv[:, None], lm.shape), 0.0)
 
 
 def compute_behave_imp_weight(proximal_logprobs, old_logprobs, loss_mask, cu_seqlens, behave_imp_weight_mode,
@@ -225,7 +227,9 @@ def ppo_actor_loss_fn_rs(logprobs, proximal_logprobs, old_logprobs, advantages, 
         pg, clip_mask, dual = _clip_core(ratio, A, eps_clip, eps_clip_higher, c_clip)
     if rejection_sampling is not None:
         pg = pg * bw
-        stat.update(behave_imp_weight=bw, behave_mask=(bw > 0) & lm)
+        behave_mask = (bw > 0) & lm
+        bkl = np.asarray(proximal_logprobs, dtype=np.float64) - np.asarray(old_logprobs, dtype=np.float64)
+        stat.update(behave_imp_weight=bw, behave_mask=behave_mask, behave_approx_kl=np.where(behave_mask, bkl, 0.0))
     stat.update(loss=pg, importance_weight=ratio, clip_mask=clip_mask & lm, dual_clip_mask=dual & lm)
     return np.where(lm, pg, 0.0).sum() / n, stat
 

@@ -1,6 +1,13 @@
 """NumPy float64 port of slime's PPO / TIS / IcePop / OPSM / MIS code.
 
-Sources read (via the code index):
+Re-checked line by line against THUDM/slime @ 624b824a8 (slime/utils/ppo_utils.py, slime/backends/megatron_utils/
+loss.py) and PR #2084 @ 8e0d556e (``off_policy_is_function``, slime/utils/ppo_utils.py): ``compute_opsm_mask``
+(624b824a: the per-token decision NOT multiplied by the loss mask), ``compute_approx_kl`` (``importance_ratio``:
+``use_unbiased_kl``), ``vanilla_tis_function`` / ``icepop_function`` / ``off_policy_is_function`` (all clamp or
+mask to ``[tis_clip_low, tis_clip]``; metrics ``tis`` / ``tis_clipfrac`` / ``tis_abs``) and
+``policy_loss_function`` are from those commits.
+
+Sources first read (via the code index):
 - THUDM/slime slime/utils/ppo_utils.py              @ 06787cf5798525d9af068135ade88dc795d75821
   (compute_approx_kl, compute_opsm_mask [current, per-token advantage * effective mask], compute_gspo_kl,
   compute_policy_loss)
@@ -31,7 +38,8 @@ _ERR = dict(over="ignore", invalid="ignore")
 
 
 def compute_approx_kl(log_probs, log_probs_base, kl_loss_type, importance_ratio=None):
-    """Port of ppo_utils.compute_approx_kl (k1, k2, k3/low_var_kl = exp(-l)-1+l; clamp only low_var_kl)."""
+    """Port of ppo_utils.compute_approx_kl (k1, k2, k3/low_var_kl = exp(-l)-1+l; clamp only low_var_kl, after the
+    ``importance_ratio`` product: ``use_unbiased_kl`` passes exp(log_probs - old_log_probs), with gradient)."""
     lr = np.asarray(log_probs, dtype=np.float64) - np.asarray(log_probs_base, dtype=np.float64)
     if kl_loss_type == "k1":
         kl = lr
@@ -81,7 +89,20 @@ def compute_gspo_kl(full_log_probs, full_old_log_probs, loss_masks):
     return np.broadcast_to(kl[:, None], m.shape).copy()
 
 
-def compute_opsm_mask(advantages, full_log_probs, full_old_log_probs, loss_masks, opsm_delta=1e-4):
+def compute_opsm_mask(advantages, full_log_probs, full_old_log_probs, loss_masks, opsm_delta=1e-4, sample_mask=None):
+    """Port of ppo_utils.compute_opsm_mask @ 624b824a -> (opsm_mask [B,T], opsm_clipfrac): per sample,
+    mask = (advantage < 0) & (seq_kl > delta) over every position of the sample (NOT multiplied by the loss
+    mask); clipfrac += mask.sum() / clamp_min(loss_mask.sum(), 1). ``sample_mask`` marks the positions that
+    exist in each sample ([B, T] rows of different lengths; default: the loss mask)."""
+    m = np.asarray(loss_masks, dtype=np.float64)
+    exists = m if sample_mask is None else np.asarray(sample_mask, dtype=np.float64)
+    seq_kl = compute_gspo_kl(full_log_probs, full_old_log_probs, m)
+    mask = ((np.asarray(advantages) < 0) & (seq_kl > opsm_delta)).astype(np.float64) * exists
+    clipfrac = float((mask.sum(-1) / np.maximum(m.sum(-1), 1)).sum())
+    return 1 - mask, clipfrac
+
+
+def compute_opsm_mask_06787cf5(advantages, full_log_probs, full_old_log_probs, loss_masks, opsm_delta=1e-4):
     """Port of ppo_utils.compute_opsm_mask @ 06787cf5 -> (opsm_mask [B,T], opsm_clipfrac).
 
     BUG kept: the decision uses the PER-TOKEN advantage sign (advantage < 0) with the sequence KL, so a mixed-sign
@@ -146,14 +167,14 @@ def icepop_function(pg_loss, train_log_probs, rollout_log_probs, loss_masks, tis
     return pg_loss * w, loss_masks, {"tis": r, "tis_clipfrac": (w != r) * 1.0, "tis_abs": np.abs(r - 1)}
 
 
-def off_policy_is_function(pg_loss, cur_log_probs, rollout_log_probs, loss_masks, eps_clip=0.2, eps_clip_high=None):
-    """Port of off_policy_is_function (slime PR #2084): w = clamp(exp(sg(cur) - rollout), 1-eps, 1+eps_high).
-    eps_clip_high=None -> eps_clip here (assumption: slime fills it from --eps-clip; not read)."""
-    eps_clip_high = eps_clip if eps_clip_high is None else eps_clip_high
+def off_policy_is_function(pg_loss, cur_log_probs, rollout_log_probs, loss_masks, tis_clip=2.0, tis_clip_low=0.0):
+    """Port of ppo_utils.off_policy_is_function @ 8e0d556e (slime PR #2084): the weight
+    clamp(exp(sg(cur) - rollout), tis_clip_low, tis_clip) multiplies the NORMAL pg_loss (PPO, or CISPO); masks
+    unchanged; metrics tis / tis_clipfrac / tis_abs like vanilla TIS."""
     with np.errstate(**_ERR):
-        r = np.exp(np.asarray(cur_log_probs) - np.asarray(rollout_log_probs))
-    w = np.clip(r, 1.0 - eps_clip, 1.0 + eps_clip_high)
-    return pg_loss * w, loss_masks, {"is_weight": r, "is_clipfrac": (w != r) * 1.0}
+        tis = np.exp(np.asarray(cur_log_probs) - np.asarray(rollout_log_probs))
+    w = np.clip(tis, tis_clip_low, tis_clip)
+    return pg_loss * w, loss_masks, {"tis": tis, "tis_clipfrac": (w != tis) * 1.0, "tis_abs": np.abs(tis - 1)}
 
 
 def get_sum_of_sample_mean(loss_masks, calculate_per_token_loss=False, sample_denoms=None):
@@ -200,10 +221,8 @@ def policy_loss_function(log_probs, old_log_probs, advantages, loss_masks, rollo
     reducer = get_sum_of_sample_mean(m)
     if use_tis:
         tl = train_log_probs if train_log_probs is not None else old
-        if tis_func is off_policy_is_function:
-            pg, new_m, tm = tis_func(pg, lp, rollout_log_probs, m, eps_clip, eps_clip_high)
-        else:
-            pg, new_m, tm = tis_func(pg, tl, rollout_log_probs, m, tis_clip, tis_clip_low)
+        numerator = lp if tis_func is off_policy_is_function else tl  # PR #2084 passes cur_log_probs
+        pg, new_m, tm = tis_func(pg, numerator, rollout_log_probs, m, tis_clip, tis_clip_low)
         metrics.update({k: reducer(v) for k, v in tm.items()})
         pg_reducer = get_sum_of_sample_mean(new_m, sample_denoms=m.sum(-1))
     else:
@@ -211,6 +230,15 @@ def policy_loss_function(log_probs, old_log_probs, advantages, loss_masks, rollo
     # after TIS the rebuilt reducer is also used for pg_clipfrac / ppo_kl (tis metrics use the original one)
     metrics.update(pg_clipfrac=pg_reducer(clipfrac), ppo_kl=pg_reducer(ppo_kl))
     return pg_reducer(pg), metrics
+
+
+def unbiased_kl_loss(log_probs, old_log_probs, ref_log_probs, kl_loss_type, loss_masks, use_unbiased_kl=True):
+    """The KL part of loss.policy_loss_function (cp_size 1): sum of sample means of compute_approx_kl, with
+    importance_ratio = exp(log_probs - old_log_probs) when ``use_unbiased_kl``."""
+    with np.errstate(**_ERR):
+        ratio = np.exp(np.asarray(log_probs) - np.asarray(old_log_probs)) if use_unbiased_kl else None
+    kl = compute_approx_kl(log_probs, ref_log_probs, kl_loss_type, importance_ratio=ratio)
+    return get_sum_of_sample_mean(loss_masks)(kl)
 
 
 # ----------------------------------------------------------------------------- examples/.../mis.py

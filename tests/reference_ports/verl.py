@@ -1,6 +1,11 @@
 """NumPy float64 port of verl's rollout-correction and PPO-loss code.
 
-Sources read (via the code index):
+Re-checked line by line against verl-project/verl @ 1dda039b9 (verl/trainer/ppo/rollout_corr_helper.py,
+verl/trainer/ppo/core_algos.py, verl/utils/torch_functional.py): at that commit ``rollout_rs`` has no
+``binary_kl`` option (removed here) and ``compute_rollout_rejection_mask`` takes only the log-ratio; the rest below
+matches it.
+
+Sources first read (via the code index):
 - verl-project/verl  verl/trainer/ppo/rollout_corr_helper.py  @ 20c30bf8b70e37fae4b38f5ccf170f20e349395d
 - verl-project/verl  verl/trainer/ppo/core_algos.py           @ 018f23b5f83a13340421349e40ec42530739b23a
 - verl-project/verl  verl/utils/torch_functional.py           @ 0db13434d04637f539356a9c43209387ed3894a4
@@ -31,9 +36,8 @@ SUPPORTED_ROLLOUT_RS_OPTIONS: set[str] = {
     "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
-    "binary_kl",
 }
-TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {"token_k1", "token_k2", "token_k3", "binary_kl"}
+TOKEN_LEVEL_ROLLOUT_RS_OPTIONS: set[str] = {"token_k1", "token_k2", "token_k3"}
 
 
 # ----------------------------------------------------------------------------- torch_functional helpers
@@ -182,13 +186,6 @@ def _normalize_rs_options(rollout_rs):
 
 
 # ----------------------------------------------------------------------------- rejection sampling
-def compute_binary_kl_divergence(log_p, log_q, eps=1e-6):
-    """Port of rollout_corr_helper.compute_binary_kl_divergence (Bernoulli KL on the sampled token)."""
-    p = np.clip(np.exp(np.asarray(log_p, dtype=np.float64)), eps, 1.0 - eps)
-    q = np.clip(np.exp(np.asarray(log_q, dtype=np.float64)), eps, 1.0 - eps)
-    return p * np.log(p / q) + (1 - p) * np.log((1 - p) / (1 - q))
-
-
 def compute_rs_metrics(option_name, rs_statistic, response_mask, seq_valid_mask, *, level, per_sequence_values,
                        rollout_rs_threshold, rollout_rs_threshold_lower, apply_lower_threshold):
     """Port of rollout_corr_helper.compute_rs_metrics (per-option keys ``rollout_rs_{option}_*``)."""
@@ -234,8 +231,7 @@ def compute_rs_metrics(option_name, rs_statistic, response_mask, seq_valid_mask,
     return m
 
 
-def compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs="token_k1", rollout_rs_threshold=None,
-                                   old_log_prob=None, rollout_log_prob=None):
+def compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs="token_k1", rollout_rs_threshold=None):
     """Port of rollout_corr_helper.compute_rollout_rejection_mask -> (modified_response_mask, metrics).
 
     log_ratio = old - rollout. Options AND together; k1 keeps log(lo) <= -log_ratio <= log(up) (inverted).
@@ -268,13 +264,7 @@ def compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs="token_k
         up_log = math.log(up) if is_k1 else None
         level = "token" if opt in TOKEN_LEVEL_ROLLOUT_RS_OPTIONS else "sequence"
         seq_stat = None
-        if opt == "binary_kl":
-            if old_log_prob is None or rollout_log_prob is None:
-                raise ValueError("rollout_rs option 'binary_kl' requires both old_log_prob and rollout_log_prob.")
-            stat = np.maximum(compute_binary_kl_divergence(old_log_prob, rollout_log_prob),
-                              compute_binary_kl_divergence(rollout_log_prob, old_log_prob))
-            keep = stat <= up
-        elif opt.startswith("token_"):
+        if opt.startswith("token_"):
             stat = tok[opt[-2:]]
             keep = (stat >= lo_log) & (stat <= up_log) if is_k1 else stat <= up
         else:
@@ -444,8 +434,7 @@ def compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob
         if rollout_rs_threshold is None:
             raise ValueError("rollout_rs_threshold must be explicitly provided when rollout_rs is enabled. "
                              "Set rollout_rs_threshold to the desired threshold value.")
-        modified, rm = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold,
-                                                      old_log_prob=old, rollout_log_prob=roll)
+        modified, rm = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold)
         metrics.update(rm)
     metrics.update(compute_offpolicy_metrics(old, roll, response_mask))
     return weights, modified, {f"rollout_corr/{k}": v for k, v in metrics.items()}
