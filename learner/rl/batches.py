@@ -103,15 +103,22 @@ def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[M
 
     Groups with fewer than ``num_samples`` samples (dropped as stale or invalid) are left out; missing rows are
     fully masked padding. Rewards come from ``task.rewards`` with each group's prompt record
-    (``rows_of_groups[g]``); advantages are GRPO's, per group, broadcast over each sample's completion tokens.
+    (``rows_of_groups[g]``); a group with a NaN reward (a reward the task skipped, e.g. one that raised) is left out
+    too. Advantages are GRPO's, per group, broadcast over each sample's completion tokens.
     """
     complete = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group) == num_samples]
-    samples = [sample for group, _ in complete for sample in group]
-    if not samples:
+    if not complete:
         raise NoUsableRolloutsError("every group of this rollout batch was dropped (stale or invalid samples)")
     records = [row for group, row in complete for _ in group]
+    rewards = np.asarray(task.rewards(records, [s.completion_token_ids for group, _ in complete for s in group]),
+                         np.float32).reshape(len(complete), num_samples)
+    scored = ~np.isnan(rewards).any(axis=1)
+    if not scored.any():
+        raise NoUsableRolloutsError(f"no group of this rollout batch could be scored: {len(groups) - len(complete)} "
+                                    f"lost samples (stale or invalid), {len(complete)} had a skipped reward")
+    samples = [sample for (group, _), keep in zip(complete, scored) if keep for sample in group]
+    rewards = rewards[scored].reshape(-1)
     collated = collate(samples, pad_to_multiple=spec.length, pad_token_id=task.tokenizer.pad_id)
-    rewards = np.asarray(task.rewards(records, [s.completion_token_ids for s in samples]), np.float32)
     advantages = np.asarray(corrections.grpo_advantages(rewards, num_samples), np.float32)
     width = collated.tokens.shape[1]
     lengths = collated.prompt_lengths + collated.completion_lengths
@@ -135,14 +142,16 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
     """A supervised batch of noisy demonstrations of random prompts of ``task`` (loss on the completion tokens).
 
     Needs a task with ``make_prompt`` and ``noisy_demonstration`` (`learner.tasks.Demonstrations`): fresh prompts,
-    not the RL prompt stream. Host NumPy ``[size', length]``.
+    not the RL prompt stream. Host NumPy ``[size', length]``. The loss covers every completion token, the stop id
+    included, also when it is the pad id (rows end where their tokens do, whatever their ids); a demonstration
+    longer than the row is cut there, as a rollout at its length limit.
     """
     tokens = np.full((size, length), task.tokenizer.pad_id, np.int32)
     loss_mask = np.zeros((size, length), np.float32)
     lengths = np.zeros(size, np.int32)  # real tokens per row (not `tokens != pad_id`: pad may equal eos)
     for row in range(size):
         prompt = np.asarray(task.make_prompt(rng)[0], np.int32)
-        completion = task.noisy_demonstration(prompt, rng, noise)
+        completion = np.asarray(task.noisy_demonstration(prompt, rng, noise), np.int32)[:length - len(prompt)]
         tokens[row, :len(prompt) + len(completion)] = np.concatenate([prompt, completion])
         loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0
         lengths[row] = len(prompt) + len(completion)

@@ -44,10 +44,12 @@ from learner.tasks._dataset_task import decode_completion
 from learner.tasks._digit_tasks import Addition
 from learner.tasks._digit_tasks import ReverseDigits
 from learner.tasks._digit_tasks import SortDigits
+from learner.tasks._evaluation import evaluation_metrics
+from learner.tasks._evaluation import pass_at_k
+from learner.tasks._hf_tokenizer import HFTokenizer
 from learner.tasks._protocols import Demonstrations
 from learner.tasks._protocols import Task
 from learner.tasks._protocols import Tokenizer
-from learner.tasks._hf_tokenizer import HFTokenizer
 from learner.tasks._registry import load_task
 from learner.tasks._registry import register_task
 from learner.tasks._registry import task_names
@@ -60,11 +62,11 @@ from learner.tasks._rewards import load_function
 from learner.tasks._rewards import make_reward
 from learner.tasks._text_task import TextTask
 from learner.tasks._tokenizer import BOS_ID
+from learner.tasks._tokenizer import CharTokenizer
 from learner.tasks._tokenizer import EOS_ID
 from learner.tasks._tokenizer import PAD_ID
 from learner.tasks._tokenizer import SEP_ID
 from learner.tasks._tokenizer import TOKENIZER
-from learner.tasks._tokenizer import CharTokenizer
 
 __all__ = (
     "Addition",
@@ -89,9 +91,11 @@ __all__ = (
     "TextTask",
     "Tokenizer",
     "decode_completion",
+    "evaluation_metrics",
     "load_function",
     "load_task",
     "make_reward",
+    "pass_at_k",
     "read_rows",
     "register_task",
     "render_chat",

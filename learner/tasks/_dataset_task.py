@@ -10,14 +10,19 @@ Run config::
 
 Each row becomes a prompt: the prompt column's text (or ``prompt_format`` filled from the row), or the chat
 ``messages`` column, put through the tokenizer's chat template when it has one (``chat_template``), and encoded.
-Prompts longer than ``max_prompt_tokens`` are left out and counted. The loop shuffles the kept prompts, epoch after
-epoch, without replacement (`learner.rl.prompts.PromptStream`). Each completion is decoded up to its stop token and
-scored by the rewards (`learner.tasks._rewards`) with the prompt text and the row.
+Prompts longer than ``max_prompt_tokens`` (or empty) are left out and counted. The loop shuffles the kept prompts,
+epoch after epoch, without replacement (`learner.rl.prompts.PromptStream`). Each completion is decoded up to its stop
+token and scored by the rewards (`learner.tasks._rewards`) with the prompt text and the row.
+
+For an evaluation, `DatasetTask.validation_records` are the held-out prompts and `DatasetTask.score` scores
+completions without touching the training metrics. With ``demonstration_column``, the task also feeds the supervised
+warm-up (`learner.tasks.Demonstrations`): the column's text, then the first stop id, is the demonstration.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import operator
 import pathlib
@@ -27,11 +32,16 @@ from typing import Any
 import numpy as np
 
 from learner.tasks._dataset_files import read_rows
+from learner.tasks._evaluation import evaluation_metrics
 from learner.tasks._hf_tokenizer import HFTokenizer
 from learner.tasks._rewards import RewardScores, RewardSet, make_reward
 from learner.tasks._tokenizer import CharTokenizer
 
 _VALIDATION_KEYS = ("path", "format", "split", "fraction", "every", "max_prompts")
+_LOGGED_REWARD_ERRORS = 5  # reward failures logged per call (all are counted)
+_PENDING_DEMONSTRATIONS = 1 << 16  # prompts from make_prompt awaiting noisy_demonstration, at most
+
+logger = logging.getLogger(__name__)
 
 
 def _error(key: str, message: str) -> ValueError:
@@ -71,6 +81,8 @@ class DatasetTask:
       messages_column: instead, a column of chat messages ``[{"role", "content"}, ...]`` (or their JSON).
       prompt_format: instead, a ``str.format`` template filled from the row, e.g. ``"{question}\\nAnswer:"``.
       answer_column: the reference answer, for the built-in rewards (the whole row reaches every reward anyway).
+      demonstration_column: a column holding a correct completion as text (e.g. GSM8K's ``answer``): the
+        warm-up's demonstrations. None: the task has none (set ``warmup.steps = 0``).
       tokenizer: a checkpoint directory with ``tokenizer.json`` (`HFTokenizer`), or ``"char"`` (`CharTokenizer`:
         prompts are ``[bos] + text + [sep]``); None: ``model_path``.
       model_path: the run's ``model.hf_path`` (the loop passes it), the default tokenizer directory.
@@ -87,8 +99,10 @@ class DatasetTask:
         error naming the sample.
       reward_timeout_s: wall-clock limit of each reward call; None: none.
       reward_workers: reward calls in flight at once.
+      success_threshold: a sample whose weighted reward reaches this is correct (pass@k in `validation_metrics`).
       validation: ``{path, format, split}`` (another dataset) or ``{fraction}`` (held out of this one by
-        ``split_seed``), plus ``every`` (steps between evaluations, read by the loop) and ``max_prompts``.
+        ``split_seed``), plus ``every`` (steps between evaluations, for the loop: `validation_every`) and
+        ``max_prompts`` (the first ones only).
       split_seed: the seed of the held-out fraction.
       max_rows: read only the first rows (quick experiments); None: all.
       name: for logs; None: ``dataset(<file name>)``.
@@ -96,11 +110,12 @@ class DatasetTask:
 
     def __init__(self, path: str, format: str | None = None, split: str | None = None,
                  prompt_column: str | None = None, messages_column: str | None = None,
-                 prompt_format: str | None = None, answer_column: str | None = None, tokenizer: str | None = None,
+                 prompt_format: str | None = None, answer_column: str | None = None,
+                 demonstration_column: str | None = None, tokenizer: str | None = None,
                  model_path: str | None = None, chat_template: bool | None = None, system_prompt: str | None = None,
                  max_prompt_tokens: int | None = None, max_completion_tokens: int = 256,
                  rewards: Sequence[str | Mapping[str, Any]] = ("exact_match",), on_reward_error: str = "skip",
-                 reward_timeout_s: float | None = 60.0, reward_workers: int = 16,
+                 reward_timeout_s: float | None = 60.0, reward_workers: int = 16, success_threshold: float = 1.0,
                  validation: Mapping[str, Any] | None = None, split_seed: int = 0, max_rows: int | None = None,
                  name: str | None = None):
         sources = [key for key, value in (("prompt_column", prompt_column), ("messages_column", messages_column),
@@ -115,8 +130,12 @@ class DatasetTask:
         self.path = pathlib.Path(path)
         self.name = name or f"dataset({self.path.name})"
         self.prompt_column, self.messages_column, self.prompt_format = prompt_column, messages_column, prompt_format
-        self.answer_column, self.system_prompt = answer_column, system_prompt
+        self.answer_column, self.demonstration_column = answer_column, demonstration_column
+        self.system_prompt = system_prompt
         self.max_completion_tokens = max_completion_tokens
+        if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)):
+            raise _error("success_threshold", f"{success_threshold!r}: a number")
+        self.success_threshold = float(success_threshold)
         self.tokenizer = self._load_tokenizer(tokenizer or model_path)
         self.chat_template = self._use_chat_template(chat_template)
         if system_prompt is not None and not self.chat_template:
@@ -130,9 +149,14 @@ class DatasetTask:
         unknown = sorted(set(validation) - set(_VALIDATION_KEYS))
         if unknown:
             raise _error("validation", f"unknown keys {unknown}; known: {', '.join(_VALIDATION_KEYS)}")
-        self.validation_every = validation.get("every")
-        if "path" in validation and "fraction" in validation:
-            raise _error("validation", "give path or fraction, not both")
+        if validation and ("path" in validation) == ("fraction" in validation):
+            raise _error("validation", "give path (another dataset) or fraction (held out of this one), not both "
+                                       "and not neither")
+        for key in ("every", "max_prompts"):
+            value = validation.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise _error(f"validation.{key}", f"{value!r}: a positive integer")
+        self.validation_every: int | None = validation.get("every")  # steps between evaluations; None: none asked
         indices = np.arange(len(rows) if max_rows is None else min(max_rows, len(rows)))
         validation_rows, validation_indices = rows, indices[:0]
         if "fraction" in validation:
@@ -152,16 +176,19 @@ class DatasetTask:
         train = self._encode(rows, indices)
         valid = self._encode(validation_rows, validation_indices)
         longest = max((len(ids) for ids in [*train[2], *valid[2]]), default=0)
-        self.max_prompt_tokens = max_prompt_tokens or longest
+        self.max_prompt_tokens = max_prompt_tokens or max(longest, 1)
         self.dropped_too_long = int(sum(len(ids) > self.max_prompt_tokens for ids in train[2]))
-        self.validation_dropped_too_long = int(sum(len(ids) > self.max_prompt_tokens for ids in valid[2]))
+        self.dropped_empty = int(sum(len(ids) == 0 for ids in train[2]))
+        self.validation_dropped = int(sum(not 0 < len(ids) <= self.max_prompt_tokens for ids in valid[2]))
         self._train = self._keep(rows, *train)
         self._validation = self._keep(validation_rows, *valid)
         if not len(self._train):
-            raise _error("max_prompt_tokens", f"all {len(train[0])} prompts of {path} are longer than "
-                                              f"{self.max_prompt_tokens} tokens; raise it")
+            raise _error("max_prompt_tokens", f"none of the {len(train[0])} training prompts of {path} is kept: "
+                                              f"{self.dropped_too_long} are longer than {self.max_prompt_tokens} "
+                                              f"tokens, {self.dropped_empty} are empty")
         self._reward_sums: dict[str, list[float]] = {}
         self._skipped = 0
+        self._pending_demonstrations: dict[bytes, str] = {}
 
     # --- construction ----------------------------------------------------------------------------------------
 
@@ -192,7 +219,7 @@ class DatasetTask:
             rows = read_rows(path, format, split)
         except ValueError as err:
             raise _error(key, str(err)) from None
-        for column_key in ("prompt_column", "messages_column", "answer_column"):
+        for column_key in ("prompt_column", "messages_column", "answer_column", "demonstration_column"):
             column = getattr(self, column_key)
             if column is not None and column not in rows.columns:
                 raise _error(column_key, f"{column!r} is not a column of {path}; its columns: {rows.columns}")
@@ -200,25 +227,32 @@ class DatasetTask:
 
     def _prompt_text(self, row: Mapping[str, Any], index: int) -> str:
         """The prompt of a row as text: after the chat template if there is one."""
+        if self.messages_column is not None:
+            messages = row[self.messages_column]
+            try:
+                messages = json.loads(messages) if isinstance(messages, str) else list(messages)
+            except (json.JSONDecodeError, TypeError) as err:
+                raise _error("messages_column", f"row {index}: not a list of messages ({err})") from None
+            return self._render(messages, "messages_column", index)
         if self.prompt_format is not None:
             try:
                 text = self.prompt_format.format_map(row)
             except (KeyError, IndexError, ValueError) as err:
                 raise _error("prompt_format", f"row {index}: {type(err).__name__}: {err}") from None
-        elif self.prompt_column is not None:
-            text = row[self.prompt_column]
-        if self.messages_column is not None:
-            messages = row[self.messages_column]
-            messages = json.loads(messages) if isinstance(messages, str) else list(messages)
         else:
+            text = row[self.prompt_column]
             if not isinstance(text, str):
                 raise _error("prompt_column", f"row {index}: {text!r} is not text")
-            if not self.chat_template:
-                return text
-            messages = [{"role": "user", "content": text}]
-            if self.system_prompt is not None:
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not self.chat_template:
+            return text
+        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        return self._render([*system, {"role": "user", "content": text}], "chat_template", index)
+
+    def _render(self, messages, key: str, index: int) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except (ValueError, TypeError) as err:  # ChatTemplateError is a ValueError
+            raise _error(key, f"row {index}: {err}") from None
 
     def _encode(self, rows, indices) -> tuple[np.ndarray, list[str], list[np.ndarray]]:
         texts = [self._prompt_text(rows[int(i)], int(i)) for i in indices]
@@ -252,6 +286,14 @@ class DatasetTask:
         return self.reward_set.score(texts, [r["prompt"] for r in records], [r["row"] for r in records],
                                      _sample_names(records))
 
+    def validation_metrics(self, records: Sequence[Mapping[str, Any]], completions: Sequence, num_samples: int,
+                           prefix: str = "eval") -> dict[str, float]:
+        """Evaluation metrics of ``num_samples`` completions per record (``completions[i * num_samples + j]`` is
+        sample ``j`` of ``records[i]``): `learner.tasks.evaluation_metrics` of their `score`, with
+        ``success_threshold``. Greedy pass@1: one greedy completion per record, ``num_samples = 1``."""
+        repeated = [record for record in records for _ in range(num_samples)]
+        return evaluation_metrics(self.score(repeated, completions), num_samples, self.success_threshold, prefix)
+
     def rewards(self, records: Sequence[Mapping[str, Any]], completions: Sequence) -> np.ndarray:
         """float32 ``[n]``: the weighted reward of each completion; NaN for a skipped sample (see
         ``on_reward_error``). Adds to the means `metrics` reports."""
@@ -261,6 +303,10 @@ class DatasetTask:
             sums[0] += float(np.nansum(values))
             sums[1] += int(np.isfinite(values).sum())
         self._skipped += scores.skipped
+        for line in scores.errors[:_LOGGED_REWARD_ERRORS]:
+            logger.warning("%s (skipped: on_reward_error = 'skip')", line)
+        if len(scores.errors) > _LOGGED_REWARD_ERRORS:
+            logger.warning("... and %d more reward failures", len(scores.errors) - _LOGGED_REWARD_ERRORS)
         return scores.total
 
     def metrics(self) -> dict[str, float]:
@@ -270,9 +316,39 @@ class DatasetTask:
                for label, (total, count) in self._reward_sums.items()}
         out |= {"reward/skipped_samples": float(self._skipped), "data/prompts": float(len(self._train)),
                 "data/prompts_dropped_too_long": float(self.dropped_too_long),
+                "data/prompts_dropped_empty": float(self.dropped_empty),
                 "data/validation_prompts": float(len(self._validation))}
         self._reward_sums, self._skipped = {}, 0
         return out
+
+    # --- Demonstrations (the warm-up) ------------------------------------------------------------------------
+
+    def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, Mapping[str, Any]]:
+        """A random training prompt: its int32 ids and its record (for `noisy_demonstration`)."""
+        if self.demonstration_column is None:
+            raise _error("demonstration_column", "not set, and the warm-up needs demonstrations: name the column "
+                                                 "holding correct completions (e.g. the answer), or set "
+                                                 "warmup.steps = 0")
+        record = self._train[int(rng.integers(len(self._train)))]
+        if len(self._pending_demonstrations) >= _PENDING_DEMONSTRATIONS:
+            self._pending_demonstrations.clear()
+        self._pending_demonstrations[record["prompt_ids"].tobytes()] = str(record["row"][self.demonstration_column])
+        return record["prompt_ids"], record
+
+    def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float) -> np.ndarray:
+        """The int32 ids of the demonstration of a prompt from `make_prompt`, then the first stop id; each token
+        before the stop id is replaced, with probability ``noise``, by a token drawn from the same demonstration."""
+        key = np.asarray(prompt_ids, np.int32).tobytes()
+        if key not in self._pending_demonstrations:
+            raise ValueError("noisy_demonstration: not a prompt from make_prompt (or asked for twice)")
+        tokenizer = self.tokenizer
+        text = self._pending_demonstrations.pop(key)
+        completion = np.append(tokenizer.encode(text), tokenizer.eos_ids[0]).astype(np.int32)
+        body = completion[:-1]
+        replace = rng.random(body.shape) < noise
+        if body.size:
+            body[replace] = rng.choice(body, size=int(replace.sum()))
+        return completion
 
 
 def _sample_names(records: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -6,7 +6,8 @@ last number of the text instead.
 
 Boxed answers (as the MATH graders' ``strip_string``): the content of the last ``\boxed{...}`` (nested braces
 matched) or ``\fbox{...}``; normalised by dropping spaces, ``\left``/``\right``, ``\!``/``\,``/``\;``, ``$``,
-``\%``, degree marks, ``\text{...}`` wrappers and a trailing ``.``; ``\dfrac``/``\tfrac`` -> ``\frac``;
+``\%``, degree marks, units written after the number as ``\text{ cm}`` (a ``\text{`` opening with a space),
+``\text{...}`` wrappers and a trailing ``.``; ``\dfrac``/``\tfrac`` -> ``\frac``;
 ``\frac12`` -> ``\frac{1}{2}``, ``\sqrt2`` -> ``\sqrt{2}``, ``a/b`` -> ``\frac{a}{b}``; a leading ``x=`` dropped;
 thousands commas dropped. Two answers are equal when their normal forms are, or when both are rational numbers
 (integers, decimals, ``\frac{a}{b}``, signs) of equal value.
@@ -109,8 +110,13 @@ def normalize_latex(answer: str) -> str:
     '(\\frac{1}{2},3)'
     >>> normalize_latex(r"x = 10\%"), normalize_latex(r"1{,}000"), normalize_latex("3/4")
     ('10', '1000', '\\frac{3}{4}')
+    >>> normalize_latex(r"12\text{ cm}^2"), normalize_latex(r"\text{Monday}")
+    ('12', 'Monday')
     """
     text = answer.replace("\n", "").strip()
+    for units in ("\\text{ ", "\\mbox{ "):  # "12\text{ cm}": units after the number (the MATH graders' rule)
+        if units in text[1:]:
+            text = text[:text.index(units, 1)]
     for old, new in (("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\:", ""), ("\\left", ""), ("\\right", ""),
                      ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("^{\\circ}", ""), ("^\\circ", ""),
                      ("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""), ("{,}", ""), ("\\displaystyle", "")):

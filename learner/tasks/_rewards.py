@@ -143,6 +143,7 @@ class Reward:
     fn: RewardFn
     weight: float = 1.0
     batched: bool = False  # fn takes lists (completions, prompts, rows) and returns a number per sample
+    inline: bool = False  # called in the caller's thread, without the timeout (the built-ins: pure and fast)
 
     @property
     def is_async(self) -> bool:
@@ -173,19 +174,19 @@ def make_reward(entry: str | Mapping[str, Any], answer_column: str | None, key: 
             inspect.signature(factory).bind(answer_column, **args)
         except TypeError as err:
             raise ValueError(f"{key}.args: {name}: {err}") from None
-        fn, label, batched = factory(answer_column, **args), name, False
+        fn, label, batched, inline = factory(answer_column, **args), name, False, True
     elif ":" in name:
         try:
             fn = load_function(name)
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
-        label = name.rpartition(":")[2]
+        label, inline = name.rpartition(":")[2], False
         batched = bool(entry.get("batched", getattr(fn, "batched", False)))
         fn = functools.partial(fn, **args) if args else fn
     else:
         raise ValueError(f"{key}: unknown reward {name!r}; built-in: {', '.join(BUILTIN_REWARDS)}, or "
                          "'package.module:function', or 'path/to/file.py:function'")
-    return Reward(label=str(entry.get("label", label)), fn=fn, weight=float(weight), batched=batched)
+    return Reward(label=str(entry.get("label", label)), fn=fn, weight=float(weight), batched=batched, inline=inline)
 
 
 class RewardError(RuntimeError):
@@ -224,9 +225,10 @@ class RewardSet:
       rewards: the rewards; their labels must differ.
       on_error: ``"skip"``: a failing sample's total is NaN (the loop leaves its group out; counted), ``"stop"``:
         raise `RewardError`.
-      timeout_s: wall-clock limit of each call (a batched reward: of the whole call); None: no limit. Synchronous
-        rewards then run in daemon threads, ``workers`` at a time (a call past its limit is abandoned, not killed:
-        it cannot block the process's exit); asynchronous ones are cancelled.
+      timeout_s: wall-clock limit of each call of a user reward (a batched reward: of the whole call); None: no
+        limit. Synchronous rewards then run in daemon threads, ``workers`` at a time (a call past its limit is
+        abandoned, not killed: it cannot block the process's exit); asynchronous ones are cancelled. Built-in
+        rewards (``inline``) run in the caller's thread, without a limit.
       workers: calls in flight at once.
     """
 
@@ -269,8 +271,10 @@ class RewardSet:
             calls = [functools.partial(reward.fn, list(completions), list(prompts), list(rows))]
         else:
             calls = [functools.partial(reward.fn, c, p, r) for c, p, r in zip(completions, prompts, rows)]
-        outcomes = _run_async(calls, self.timeout_s, self.workers) if reward.is_async else \
-            _run_sync(calls, self.timeout_s, self.workers)
+        if reward.is_async:
+            outcomes = _run_async(calls, self.timeout_s, self.workers)
+        else:
+            outcomes = _run_sync(calls, None if reward.inline else self.timeout_s, self.workers)
         n = len(completions)
         values, failures = np.full(n, np.nan, np.float32), []
         if reward.batched:
@@ -363,4 +367,10 @@ def _run_async(calls: Sequence[Callable[[], Any]], timeout_s: float | None, work
     async def all_calls():
         gate = asyncio.Semaphore(workers)
         return await asyncio.gather(*(one(call, gate) for call in calls))
-    return asyncio.run(all_calls())
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # the usual case: no event loop in this thread
+        return asyncio.run(all_calls())
+    # Called from inside an event loop (a notebook, an async driver): asyncio.run needs a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        return executor.submit(asyncio.run, all_calls()).result()
