@@ -1,0 +1,154 @@
+"""Export a run's policy as a Hugging Face checkpoint: ``python -m learner.export RUN_DIR [--step N] OUT_DIR``.
+
+Reads the parameters of one checkpoint of ``RUN_DIR/checkpoints`` (default: the newest whose manifest verifies; the
+optimizer state is not read) and the run's model section from that checkpoint's metadata, and writes ``OUT_DIR``
+with `learner.hf_checkpoint.write_hf_checkpoint`: safetensors (float32 or bfloat16), config.json with
+``architectures`` and bos/eos ids, generation_config.json, and, when the run started from ``model.hf_path``, that
+checkpoint's tokenizer files, generation config, architecture and bos/eos ids. transformers, vLLM, SGLang and mlx-lm
+load the result. Nothing in the run directory is modified.
+
+Example::
+
+    python -m learner.export runs/gsm8k_qwen2.5 exports/gsm8k_step500 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import warnings
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from learner.checkpoints import MANIFEST, verify_manifest
+from learner.hf_checkpoint import TOKENIZER_FILES, model_config_from_checkpoint, write_hf_checkpoint
+from learner.model import ModelConfig, model_config
+from learner.param_paths import named_leaves
+
+__all__ = [
+    "export_run",
+    "read_checkpoint_params",
+]
+
+
+def _step_dirs(checkpoints: pathlib.Path) -> dict[int, pathlib.Path]:
+    if not checkpoints.is_dir():
+        raise FileNotFoundError(f"no checkpoints directory {checkpoints}: is this a run directory?")
+    return {int(path.name): path for path in checkpoints.iterdir() if path.is_dir() and path.name.isdigit()}
+
+
+def _choose_step(checkpoints: pathlib.Path, step: int | None) -> pathlib.Path:
+    """Checkpoint ``step`` (verified if it has a manifest), or the newest one whose manifest verifies."""
+    steps = _step_dirs(checkpoints)
+    if step is not None:
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint {step} in {checkpoints} (have {sorted(steps)})")
+        if (steps[step] / MANIFEST).exists() and (problem := verify_manifest(epath.Path(steps[step]))):
+            raise ValueError(f"checkpoint {step} fails its manifest: {problem}")
+        return steps[step]
+    for candidate in sorted(steps, reverse=True):
+        if not (steps[candidate] / MANIFEST).exists():
+            warnings.warn(f"skipping checkpoint {candidate}: no manifest yet (a save in flight, or a run killed "
+                          "before sealing it); pass --step to export it anyway", stacklevel=2)
+        elif problem := verify_manifest(epath.Path(steps[candidate])):
+            warnings.warn(f"skipping checkpoint {candidate}: {problem}", stacklevel=2)
+        else:
+            return steps[candidate]
+    raise ValueError(f"no checkpoint in {checkpoints} has a manifest that verifies (have {sorted(steps)})")
+
+
+def read_checkpoint_params(step_dir: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """The policy parameters of one learner checkpoint, ``{parameter path: array}``, read on the host.
+
+    Only the parameters are read (a partial orbax restore), whether the state is a ``TrainState`` or
+    ``{"train": TrainState, "reference": params}`` (runs with a KL reference).
+    """
+    path = str(pathlib.Path(step_dir, "state").resolve())
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(path).item_metadata
+    prefix = ("train",) if "train" in metadata else ()
+    wanted = metadata
+    for key in prefix:
+        wanted = wanted[key]
+    item = {"params": wanted["params"]}
+    for key in reversed(prefix):
+        item = {key: item}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                  partial_restore=True))
+    for key in prefix:
+        tree = tree[key]
+    return {name: np.asarray(array) for name, array in named_leaves(tree["params"]).items()}
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _id_list(value) -> tuple[int, ...]:
+    return () if value is None else (value,) if isinstance(value, int) else tuple(value)
+
+
+def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
+               dtype: str = "float32", eos_token_ids: Sequence[int] | None = None,
+               overwrite: bool = False) -> pathlib.Path:
+    """Writes checkpoint ``step`` (default: the newest verified) of the run in ``run_dir`` to ``out_dir``.
+
+    Args:
+        run_dir: the run's directory (``run_dir`` of its config): holds ``checkpoints/<step>/``.
+        out_dir: the Hugging Face checkpoint directory to create.
+        step: which checkpoint; None: the newest whose manifest verifies.
+        dtype: "float32" or "bfloat16" (or "float16").
+        eos_token_ids: stop ids to write; None: the source checkpoint's (``model.hf_path``), if any.
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir``.
+    """
+    step_dir = _choose_step(pathlib.Path(run_dir) / "checkpoints", step)
+    metadata = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(str((step_dir / "metadata").resolve()))
+    model = (metadata.get("config") or {}).get("model") or {}
+    hf_path = model.get("hf_path")
+    if hf_path:
+        source = pathlib.Path(hf_path)
+        config: ModelConfig = model_config_from_checkpoint(source)
+        source_config = _read_json(source / "config.json")
+        generation = _read_json(source / "generation_config.json")
+        has_tokenizer = any((source / name).is_file() for name in TOKENIZER_FILES)
+        tokenizer = source if has_tokenizer else None
+        if not has_tokenizer:
+            warnings.warn(f"{source} has no tokenizer files: the export has none", stacklevel=2)
+        model_type = source_config.get("model_type")
+        bos = source_config.get("bos_token_id", generation.get("bos_token_id"))
+        eos = _id_list(generation.get("eos_token_id", source_config.get("eos_token_id")))
+    else:
+        config = model_config(model.get("name", "tiny"))
+        tokenizer, model_type, bos, eos = None, None, None, ()
+    params = read_checkpoint_params(step_dir)
+    return write_hf_checkpoint(out_dir, params, config, tokenizer=tokenizer,
+                               eos_token_ids=eos if eos_token_ids is None else eos_token_ids, bos_token_id=bos,
+                               dtype=dtype, model_type=model_type, overwrite=overwrite)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m learner.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=pathlib.Path, help="the run directory (holds checkpoints/)")
+    parser.add_argument("out_dir", type=pathlib.Path, help="the Hugging Face checkpoint directory to write")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest whose manifest verifies)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--eos-ids", type=int, nargs="*", help="stop ids (default: the source checkpoint's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    args = parser.parse_args(argv)
+    out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, eos_token_ids=args.eos_ids,
+                     overwrite=args.overwrite)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Hugging Face checkpoints written by Tether: `write_hf_checkpoint` and ``python -m learner.export``.
+
+An export is checked by three readers: Tether itself (same parameters, bit for bit in float32), transformers' config,
+generation-config and tokenizer loaders (no torch needed), and mlx-lm, a second implementation of the model, whose
+float32 log-probabilities must equal Tether's to 1e-5 (two float32 implementations of a 2-layer model differ by
+~1e-6: summation order).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.export import export_run, main, read_checkpoint_params
+from learner.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
+from learner.model import Llama3RopeScaling, ModelConfig, Transformer, model_config
+from learner.param_paths import named_leaves, parameter_names
+from learner.rl.config import load_config, to_dict
+from learner.safetensors_io import load_safetensors
+from learner.train_state import create_train_state
+
+VOCAB = ["<pad>", "<s>", "</s>", "<|im_end|>"] + [f"w{i}" for i in range(60)]
+BOS, EOS, IM_END = 1, 2, 3
+ARCHITECTURES = {
+    # Llama 3 RoPE scaling, GQA, untied head.
+    "llama": model_config("tiny", vocab_size=64, qkv_bias=False, num_layers=2, rope_theta=500_000.0,
+                          rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                         original_max_position_embeddings=32)),
+    "qwen2": model_config("tiny", vocab_size=64, tie_embeddings=True, rope_theta=1_000_000.0),
+    "qwen3": model_config("tiny", vocab_size=64, qkv_bias=False, qk_norm=True, head_dim=32),
+    "mistral": model_config("tiny", vocab_size=64, qkv_bias=False, num_kv_heads=1),
+}
+TOKENS = np.array([1, 7, 30, 12, 55, 9, 41, 3, 22, 17, 60, 5, 33, 2], np.int32)
+
+
+def _weights(model: Transformer) -> dict[str, np.ndarray]:
+    """What ``Trainer.host_weights()`` returns: parameters by path."""
+    return {name: np.asarray(leaf) for name, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
+
+
+def _logprobs(config: ModelConfig, weights: dict[str, np.ndarray]) -> np.ndarray:
+    """Tether's float32 log-probabilities of TOKENS under ``weights``."""
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    names, treedef = parameter_names(nnx.state(model, nnx.Param))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(weights[name]) for name in names]))
+    logits = model.logits(model(jnp.asarray(TOKENS[None]), jnp.arange(TOKENS.size)[None]))[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A transformers tokenizer over a word-level vocabulary (no download)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    model = tokenizers.models.WordLevel({token: i for i, token in enumerate(VOCAB)}, unk_token="<pad>")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                                pad_token="<pad>")
+
+
+def _make_run(tmp_path, source, config: ModelConfig, steps: dict[int, int]):
+    """A run directory whose checkpoints hold the params of ``Transformer(config, rngs=Rngs(seed))`` per step."""
+    run_dir = tmp_path / "run"
+    run_config = to_dict(load_config(None, [f"run_dir={run_dir}", f"model.hf_path={source}"]))
+    params = {}
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"), keep_last=None, async_save=False)) as saver:
+        for step, seed in steps.items():
+            model = Transformer(config, rngs=nnx.Rngs(seed))
+            saver.save(step, create_train_state(model, optax.adam(1e-3)), policy_version=step, config=run_config)
+            params[step] = _weights(model)
+    return run_dir, params
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def exported(request, tmp_path_factory, tokenizer):
+    """(architecture, config, source dir, export dir, the exported step's params)."""
+    architecture, config = request.param, ARCHITECTURES[request.param]
+    tmp_path = tmp_path_factory.mktemp(architecture)
+    source = write_hf_checkpoint(tmp_path / "source", Transformer(config, rngs=nnx.Rngs(0)), config,
+                                 tokenizer=tokenizer, eos_token_ids=(EOS, IM_END), bos_token_id=BOS,
+                                 model_type=architecture)
+    run_dir, params = _make_run(tmp_path, source, config, {5: 1})
+    out = tmp_path / "export"
+    main([str(run_dir), str(out)])
+    return architecture, config, source, out, params[5]
+
+
+def test_export_reloads_in_tether_with_the_checkpoints_parameters(exported):
+    _, config, _, out, params = exported
+    assert model_config_from_checkpoint(out) == config
+    model = Transformer(config, rngs=nnx.Rngs(9))
+    load_safetensors(model, out)
+    loaded = _weights(model)
+    assert loaded.keys() == params.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+
+
+def test_export_loads_in_transformers_with_architecture_ids_and_tokenizer(exported, tokenizer):
+    transformers = pytest.importorskip("transformers")
+    architecture, config, source, out, _ = exported
+    hf_config = transformers.AutoConfig.from_pretrained(out)
+    assert hf_config.model_type == architecture
+    assert hf_config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[architecture]]
+    assert (hf_config.bos_token_id, hf_config.eos_token_id) == (BOS, [EOS, IM_END])
+    assert (hf_config.num_key_value_heads, hf_config.head_dim) == (config.num_kv_heads, config.head_dim)
+    assert hf_config.rope_parameters["rope_theta"] == config.rope_theta
+    if config.rope_scaling is not None:
+        assert hf_config.rope_parameters["rope_type"] == "llama3"
+        assert hf_config.rope_parameters["factor"] == config.rope_scaling.factor
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert (generation.bos_token_id, generation.eos_token_id) == (BOS, [EOS, IM_END])
+    text = "w3 w17 </s>"
+    assert transformers.PreTrainedTokenizerFast.from_pretrained(out)(text)["input_ids"] == [7, 21, EOS]
+    # AutoTokenizer picks its class by model_type (Qwen2Tokenizer for qwen2, ...): the same for source and export.
+    auto = transformers.AutoTokenizer
+    assert auto.from_pretrained(out)(text)["input_ids"] == auto.from_pretrained(source)(text)["input_ids"]
+    assert {path.name for path in out.iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
+
+
+def test_export_logprobs_in_mlx_lm_equal_tether(exported):
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed: no second implementation to compare")
+    mlx_utils = pytest.importorskip("mlx_lm.utils", reason="mlx-lm is not installed")
+    _, config, _, out, params = exported
+    model, _ = mlx_utils.load_model(out)
+    logits = model(mx.array(TOKENS)[None]).astype(mx.float32)
+    mlx_logprobs = np.asarray(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0]
+    np.testing.assert_allclose(mlx_logprobs, _logprobs(config, params), atol=1e-5, rtol=0)
+
+
+def test_bfloat16_export_holds_the_rounded_parameters(exported, tmp_path):
+    _, config, _, out, params = exported
+    run_dir = out.parent / "run"
+    bf16 = export_run(run_dir, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    tensors = safetensors.numpy.load_file(str(bf16 / "model.safetensors"))
+    assert {tensor.dtype for tensor in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    model = Transformer(config, rngs=nnx.Rngs(9))
+    load_safetensors(model, bf16)
+    for name, value in _weights(model).items():
+        np.testing.assert_array_equal(value, params[name].astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_export_picks_the_newest_verified_checkpoint(tmp_path, tokenizer):
+    config = ARCHITECTURES["qwen2"]
+    source = write_hf_checkpoint(tmp_path / "source", Transformer(config, rngs=nnx.Rngs(0)), config,
+                                 tokenizer=tokenizer)
+    run_dir, params = _make_run(tmp_path, source, config, {1: 1, 2: 2})
+    newest = run_dir / "checkpoints" / "2"
+    damaged = next(path for path in sorted((newest / "state").rglob("*")) if path.is_file() and path.stat().st_size)
+    damaged.write_bytes(damaged.read_bytes()[:-1] + bytes([damaged.read_bytes()[-1] ^ 1]))
+    with pytest.warns(UserWarning, match="skipping checkpoint 2"):
+        out = export_run(run_dir, tmp_path / "out")
+    model = Transformer(config, rngs=nnx.Rngs(9))
+    load_safetensors(model, out)
+    np.testing.assert_array_equal(_weights(model)["final_norm/scale"], params[1]["final_norm/scale"])
+    np.testing.assert_array_equal(_weights(model)["embed/embedding"], params[1]["embed/embedding"])
+    with pytest.raises(ValueError, match="checkpoint 2 fails its manifest"):
+        export_run(run_dir, tmp_path / "out2", step=2)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 7 .*have \[1, 2\]"):
+        export_run(run_dir, tmp_path / "out3", step=7)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_run(run_dir, out, step=1)
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_read_checkpoint_params_reads_a_run_with_a_kl_reference(tmp_path):
+    config = ARCHITECTURES["qwen2"]
+    policy, reference = Transformer(config, rngs=nnx.Rngs(1)), Transformer(config, rngs=nnx.Rngs(2))
+    state = create_train_state(policy, optax.adam(1e-3))
+    with Checkpointer(CheckpointConfig(str(tmp_path / "checkpoints"), async_save=False)) as saver:
+        saver.save(1, {"train": state, "reference": nnx.state(reference, nnx.Param)}, policy_version=1)
+    read, expected = read_checkpoint_params(tmp_path / "checkpoints" / "1"), _weights(policy)
+    assert read.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(read[name], value, err_msg=name)
+
+
+# --- write_hf_checkpoint ------------------------------------------------------------------------------------------
+
+CONFIG = ARCHITECTURES["qwen2"]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return _weights(Transformer(CONFIG, rngs=nnx.Rngs(3)))
+
+
+def test_existing_directory_is_refused_unless_overwrite(tmp_path, weights):
+    target = write_hf_checkpoint(tmp_path / "ckpt", weights, CONFIG, eos_token_ids=(EOS,))
+    (target / "stale.txt").write_text("from the previous version")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        write_hf_checkpoint(target, weights, CONFIG)
+    write_hf_checkpoint(target, weights, CONFIG, eos_token_ids=(IM_END,), overwrite=True)
+    assert not (target / "stale.txt").exists()
+    assert json.loads((target / "config.json").read_text())["eos_token_id"] == IM_END  # one id: an int
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old directory left
+
+
+@pytest.mark.parametrize("problem", ["missing parameter", "tokenizer without files"])
+def test_a_failed_write_leaves_nothing_behind(tmp_path, weights, problem):
+    (tmp_path / "empty_tokenizer").mkdir()
+    with pytest.raises((KeyError, FileNotFoundError)):
+        if problem == "missing parameter":
+            write_hf_checkpoint(tmp_path / "ckpt", {k: v for k, v in weights.items() if k != "final_norm/scale"},
+                                CONFIG)
+        else:  # fails after the tensors are written
+            write_hf_checkpoint(tmp_path / "ckpt", weights, CONFIG, tokenizer=tmp_path / "empty_tokenizer")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty_tokenizer"]
+
+
+def test_tokenizer_directory_files_and_generation_config_are_carried_over(tmp_path, weights, tokenizer):
+    source = tmp_path / "source"
+    tokenizer.save_pretrained(source)
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "eos_token_id": EOS}))
+    (source / "model.safetensors").write_bytes(b"not copied")
+    target = write_hf_checkpoint(tmp_path / "ckpt", weights, CONFIG, tokenizer=source, eos_token_ids=(EOS, IM_END),
+                                 bos_token_id=BOS)
+    copied = {path.name for path in source.iterdir()} - {"generation_config.json", "model.safetensors"}
+    for name in copied:
+        assert (target / name).read_bytes() == (source / name).read_bytes(), name
+    assert json.loads((target / "generation_config.json").read_text()) == {
+        "temperature": 0.7, "eos_token_id": [EOS, IM_END], "bos_token_id": BOS}
+    assert safetensors.numpy.load_file(str(target / "model.safetensors")).keys() >= {"model.embed_tokens.weight"}
+
+
+def test_weights_by_path_and_model_write_the_same_tensors(tmp_path):
+    model = Transformer(CONFIG, rngs=nnx.Rngs(4))
+    from_model = write_hf_checkpoint(tmp_path / "a", model, CONFIG)
+    from_weights = write_hf_checkpoint(tmp_path / "b", _weights(model), CONFIG)
+    a = safetensors.numpy.load_file(str(from_model / "model.safetensors"))
+    b = safetensors.numpy.load_file(str(from_weights / "model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[name], b[name]) for name in a)
+
+
+def test_bad_dtype_is_refused(tmp_path, weights):
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        write_hf_checkpoint(tmp_path / "ckpt", weights, CONFIG, dtype="int8")
