@@ -151,7 +151,8 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
     lengths = np.zeros(size, np.int32)  # real tokens per row (not `tokens != pad_id`: pad may equal eos)
     for row in range(size):
         prompt = np.asarray(task.make_prompt(rng)[0], np.int32)
-        completion = np.asarray(task.noisy_demonstration(prompt, rng, noise), np.int32)[:length - len(prompt)]
+        completion = np.asarray(task.noisy_demonstration(prompt, rng, noise), np.int32)
+        completion = completion[:max(length - len(prompt), 0)]  # cut at the row's end
         tokens[row, :len(prompt) + len(completion)] = np.concatenate([prompt, completion])
         loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0
         lengths[row] = len(prompt) + len(completion)

@@ -46,6 +46,34 @@ def test_groups_become_a_fixed_shape_batch_with_grpo_advantages():
     assert batch.tokens.dtype == np.int32 and batch.policy_version.dtype == np.int32  # the spec's dtypes
 
 
+class _SkipsAnswer7:
+    """The addition task, but its reward fails (NaN: skipped, as the dataset task's on_reward_error = 'skip') on
+    completions "7"."""
+
+    tokenizer = TOKENIZER
+
+    def rewards(self, rows, completions):
+        rewards = TASK.rewards(rows, completions)
+        return np.where([TOKENIZER.decode(c[:-1]) == "7" for c in completions], np.nan, rewards).astype(np.float32)
+
+
+def test_groups_with_a_skipped_reward_are_left_out():
+    records = [TASK.prompts()[i] for i in range(3)]
+    right = [record["answer"] for record in records]
+    groups = [[_sample(records[0], right[0], "a", 0), _sample(records[0], "7", "a", 1)],  # one skipped: left out
+              [_sample(records[1], right[1], "b", 0), _sample(records[1], "x", "b", 1)],  # rewards 1, 0
+              [_sample(records[2], "7", "c", 0), _sample(records[2], "7", "c", 1)]]  # all skipped: left out
+    spec = PayloadSpec(rows=4, length=16, sampling=False, truncation=False)
+    payload, collated = assemble_payload(groups, records, _SkipsAnswer7(), spec, num_samples=2,
+                                         logprob_mode="processed")
+    assert int(payload.real_rows) == 2 and collated.tokens.shape[0] == 2
+    np.testing.assert_array_equal(payload.rewards, [1, 0, 0, 0])
+    np.testing.assert_array_equal(collated.tokens[0, :len(records[1]["prompt_ids"])], records[1]["prompt_ids"])
+    with pytest.raises(RuntimeError, match="no group of this rollout batch could be scored: 0 lost samples "
+                                           r"\(stale or invalid\), 1 had a skipped reward"):
+        assemble_payload(groups[2:], records[2:], _SkipsAnswer7(), spec, 2, "processed")
+
+
 def test_a_batch_whose_groups_were_all_dropped_is_an_error():
     record = TASK.prompts()[0]
     spec = PayloadSpec(rows=4, length=16, sampling=False, truncation=False)
@@ -95,3 +123,9 @@ def test_demonstrations_keep_the_eos_in_attention_and_loss_when_pad_is_eos():
     np.testing.assert_array_equal(batch.tokens[0, :5], [5, 6, 7, 9, 2])
     np.testing.assert_array_equal(batch.attention_mask[0], [1, 1, 1, 1, 1, 0, 0, 0])  # eos attended, padding not
     np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1, 1, 0, 0, 0])  # eos trained on
+
+
+def test_demonstrations_longer_than_the_row_are_cut_there():
+    batch = demonstration_batch(_PadIsEos(), np.random.default_rng(0), size=2, noise=0.0, length=4, row_multiple=2)
+    np.testing.assert_array_equal(batch.tokens[0], [5, 6, 7, 9])  # as a rollout at its length limit: no eos
+    np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1])
