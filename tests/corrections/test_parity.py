@@ -219,3 +219,123 @@ def test_dr_grpo_kept_denominator_counts_rows_that_kept_a_token():
     want = verl.agg_loss(-adv[:, None] * np.ones((2, 3)), np.asarray(kept.mask, np.float64),
                          "seq-mean-token-sum-norm")
     close(kept.loss, want)
+
+
+def test_slime_off_policy_is():
+    # PR #2084 (8e0d556e): PPO vs the recomputed logprobs, times clamp(exp(sg(lp) - roll), 0, 2)
+    rng = np.random.default_rng(20)
+    lp = np.log(rng.uniform(0.2, 0.9, (2, 4)))
+    old = lp + rng.normal(0, 0.1, (2, 4))
+    roll = lp + rng.normal(0, 0.6, (2, 4))
+    m = np.ones((2, 4))
+    adv = np.array([1.0, -1.0])
+    cfg = CorrectionConfig(importance=ImportanceWeights("token", low=0.0, high=2.0, numerator="current"),
+                           reduction="seq-mean-token-mean")
+    want, metrics = slime.policy_loss_function(lp, old, adv[:, None] * m, m, roll, use_tis=True,
+                                               tis_func=slime.off_policy_is_function)
+    out = run(cfg, lp, adv, m, old, roll)
+    close(out.loss * 2, want)  # slime: a sum of sample means over the 2 samples
+    close(out.metrics[P + "tis_clipfrac"], metrics["tis_clipfrac"] / 2)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "low_var_kl"])
+def test_slime_unbiased_kl(estimator):
+    rng = np.random.default_rng(21)
+    lp = np.log(rng.uniform(0.2, 0.9, (2, 3)))
+    old = lp + rng.normal(0, 0.2, (2, 3))
+    ref = lp + rng.normal(0, 0.5, (2, 3))
+    m = np.array([[1, 1, 1], [1, 1, 0.0]])
+    cfg = CorrectionConfig(objective=Objective("cross_entropy"), kl_coef=1.0, kl_estimator=estimator,
+                           kl_importance_weighted=True, reduction="seq-mean-token-mean")
+    out = c.compute(lp, np.zeros(2), m, cfg, proximal_logprobs=old, ref_logprobs=ref)
+    ce = -(lp * m).sum(-1) / m.sum(-1)
+    want = slime.unbiased_kl_loss(lp, old, ref, estimator, m) / 2 + ce.mean()
+    close(out.loss, want)
+
+
+def test_opsm_needs_no_rollout_logprobs_and_matches_slime_clipfrac():
+    rng = np.random.default_rng(22)
+    lp = np.log(rng.uniform(0.2, 0.9, (3, 4)))
+    old = lp + np.array([[0.2], [0.2], [-0.2]])
+    m = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1.0]])
+    adv = np.array([-1.0, 1.0, -1.0])
+    cfg = CorrectionConfig(opsm_delta=1e-4)
+    assert not cfg.needs_rollout_logprobs
+    out = run(cfg, lp, adv, m, old)
+    assert out.mask.sum(-1).tolist() == [0.0, 4.0, 4.0]
+    _, clipfrac = slime.compute_opsm_mask_pr1917(adv[:, None] * m, lp, old, m)
+    close(out.metrics[P + "opsm_clipfrac"], clipfrac / 3)
+    close(out.metrics[P + "opsm_clipfrac"], 1 / 3)
+
+
+def test_training_ppl_without_rollout_logprobs_is_verls():
+    lp = np.log([[0.5, 0.25, 0.9], [0.3, 0.6, 0.7]])
+    m = np.array([[1, 1, 0], [1, 1, 1.0]])
+    out = run(CorrectionConfig(), lp, [1, 1], m, lp)
+    want = verl.compute_offpolicy_metrics(lp, None, m)
+    assert {k for k in out.metrics if "ppl" in k} == {P + "training_ppl", P + "training_log_ppl"}
+    for key, value in want.items():
+        close(out.metrics[P + key], value, key)
+
+
+def test_compute_on_one_sequence():
+    lp, roll = np.log([0.5, 0.25, 0.9]), np.log([0.25, 0.25, 0.5])
+    m = np.array([1, 1, 0.0])
+    cfg = CorrectionConfig(importance=ImportanceWeights("token", high=1.5))
+    one = c.compute(lp, 2.0, m, cfg, proximal_logprobs=lp, rollout_logprobs=roll, policy_lag=1)
+    batch = c.compute(lp[None], np.array([2.0]), m[None], cfg, proximal_logprobs=lp[None],
+                      rollout_logprobs=roll[None], policy_lag=np.array([1]))
+    assert one.weights.shape == one.mask.shape == one.per_token_loss.shape == (3,)
+    close(one.weights, [1.5, 1.0, 0.0])
+    close(one.loss, -2.0 * 2.5 / 2)
+    assert one.metrics.keys() == batch.metrics.keys()
+    for key in batch.metrics:
+        close(one.metrics[key], batch.metrics[key], key)
+
+
+@pytest.mark.parametrize("name", ["outlier", "geometric", "product"])
+def test_skyrl_over_high_under_low_ratios(name):
+    lp, old, roll, m = ratios_batch([[1.0, 250.0, 1.0], [1.0, 1.0, 1.0], [0.3, 0.4, 0.5], [1.5, 1.6, 1.2]])
+    bounds = {"outlier": (1e-4, 100.0), "geometric": (0.99, 1.01), "product": (0.5, 2.0)}[name]
+    opc = {"outlier": {"outlier_token_is_threshold_low": bounds[0], "outlier_token_is_threshold_high": bounds[1]},
+           "geometric": {"sequence_mask_metric": "geometric"},
+           "product": {"sequence_mask_metric": "product"}}[name]
+    out = run(CorrectionConfig(rejection=(RejectionRule(name, *bounds),)), lp, [1] * 4, m, old, roll)
+    _, want, _ = skyrl.compute_off_policy_correction(old, roll, m, opc)
+    prefix = {"outlier": "outlier_seq", "geometric": "geo_sequence_mask", "product": "product_sequence_mask"}[name]
+    for side in ("over_high", "under_low"):
+        close(out.metrics[f"{P}{prefix}_{side}_ratio"], want[f"{prefix}_{side}_ratio"], side)
+
+
+def test_skyrl_cispo_ratio_metrics_and_areal_behave_approx_kl():
+    rng = np.random.default_rng(23)
+    lp = np.log(rng.uniform(0.2, 0.9, (2, 4)))
+    old = lp + rng.normal(0, 0.3, (2, 4))
+    roll = old + rng.normal(0, 0.3, (2, 4))
+    m = np.array([[1, 1, 1, 0], [1, 1, 1, 1.0]])
+    cfg = CorrectionConfig(objective=Objective("cispo", clip_low=0.2, clip_high=0.2),
+                           importance=ImportanceWeights("token", high=None), rejection=(RejectionRule("token", 0.7, 1.4),))
+    out = run(cfg, lp, [1.0, -1.0], m, old, roll)
+    alg = {"cispo": {"cispo_eps_clip_low": 0.2, "cispo_eps_clip_high": 0.2}}
+    _, want = skyrl.compute_policy_loss_cispo(lp, old, np.ones((2, 4)), alg, m)
+    for key in ("cispo/ratio_mean", "cispo/ratio_clamped_mean", "cispo/ratio_max", "cispo/ratio_min"):
+        close(out.metrics["actor/" + key], want[key], key)
+    rs = dict(metric="ratio", level="token", action="mask", upper=1.4, lower=0.7)
+    _, stat = areal.ppo_actor_loss_fn_rs(lp, old, roll, np.ones((2, 4)), 0.2, m, rejection_sampling=rs)
+    close(out.metrics[P + "behave_approx_kl"], stat["behave_approx_kl"][stat["behave_mask"]].mean())
+
+
+def test_verl_sequence_level_is_seq_metrics():
+    rng = np.random.default_rng(24)
+    lr = rng.normal(0, 0.4, (3, 4))
+    m = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0.0]])
+    old = np.log(np.full((3, 4), 0.5))
+    for level, thr in (("token", 2.0), ("sequence", 1.5), ("token", "0.7_1.5")):
+        if isinstance(thr, str):
+            imp = ImportanceWeights(level, low=0.7, high=1.5, overflow="mask")
+        else:
+            imp = ImportanceWeights(level, high=thr)
+        out = run(CorrectionConfig(importance=imp), old, [1, 1, 1], m, old, old - lr)
+        _, want = verl.compute_rollout_correction_weights(lr, m, level, thr)
+        for key, value in want.items():
+            close(out.metrics[P + key], value, f"{level} {thr} {key}")

@@ -1,6 +1,10 @@
 """NumPy float64 port of SkyRL's off-policy correction and PPO-loss code.
 
-Sources read (via the code index):
+Re-checked line by line against NovaSky-AI/SkyRL @ a9564572 (skyrl/backends/skyrl_train/utils/
+off_policy_correction_utils.py and ppo_utils.py): the functions below match it; ``compute_policy_loss_cispo`` gained
+``cispo/ratio_max`` / ``cispo/ratio_min`` (over the loss mask) there.
+
+Sources first read (via the code index):
 - zhudotexe/SkyRL (fork of NovaSky-AI/SkyRL main)
   skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py @ 3ee2adc70ce8b8eeb21c1ebed2239e3d84f1f49d
   (the version with ``off_policy_correction_enabled`` and ``token_mask_is_threshold_low/high``, matching the
@@ -386,6 +390,8 @@ def compute_policy_loss_cispo(log_probs, old_log_probs, advantages, config, loss
     metrics = {"clip_ratio": float(masked_mean(((ratio < lo) | (ratio > hi)) * 1.0, loss_mask)),
                "cispo/ratio_mean": float(masked_mean(ratio, loss_mask)),
                "cispo/ratio_clamped_mean": float(masked_mean(cr, loss_mask))}
+    active = ratio[np.asarray(loss_mask).astype(bool)] if loss_mask is not None and np.any(loss_mask) else ratio
+    metrics.update({"cispo/ratio_max": float(active.max()), "cispo/ratio_min": float(active.min())})
     loss, loss_mask, m = apply_off_policy_correction(loss, old_log_probs, rollout_logprobs, loss_mask,
                                                      c["off_policy_correction"])
     metrics.update(m)
