@@ -3,10 +3,12 @@
 import numpy as np
 import pytest
 
+from learner.model import model_config
 from learner.rl import load_config
-from learner.rl.engines import build_engine, check_identity, requirements
-from rollout_client import (EngineCapabilities, EngineCapabilityError, EngineInfo, LogprobMode, PauseMode,
-                            TetherEngine, VersionReporting, WeightTransport, check_capabilities)
+from learner.rl.engines import ENGINES, build_engine, check_identity, learner_identity, requirements
+from rollout_client import (EngineCapabilities, EngineCapabilityError, EngineInfo, LogprobMode, MlxEngine,
+                            ModelIdentity, ModelMismatchError, PauseMode, TetherEngine, VersionReporting,
+                            WeightTransport, check_capabilities)
 
 # What shared/reference/engines.md says of the MLX servicer: RAW only, its own sampler order, weights by restart,
 # no versions, no n, seed not honoured.
@@ -66,8 +68,36 @@ def test_a_refused_engine_is_refused_before_any_process_starts(tmp_path, monkeyp
     assert not (tmp_path / "server.log").exists()  # nothing was launched
 
 
-def test_an_engine_that_can_sample_ids_the_learner_cannot_embed_is_refused():
+def test_an_engine_with_another_vocabulary_is_refused():
     info = EngineInfo(policy_version=0, vocab_size=5000, eos_token_ids=(2,), max_seq_len=64, model_identity="x")
-    with pytest.raises(ValueError, match="vocabulary of 5000 tokens, the learner's model 128"):
-        check_identity(info, vocab_size=128, address="127.0.0.1:1")
+    # larger: it could sample ids the learner cannot embed; smaller: its softmax is over other rows
+    for learner_vocab in (128, 8192):
+        with pytest.raises(ModelMismatchError, match=f"- vocab_size: engine 5000, learner {learner_vocab}"):
+            check_identity(info, vocab_size=learner_vocab, address="127.0.0.1:1")
     check_identity(info, vocab_size=int(np.int64(5000)), address="127.0.0.1:1")
+
+
+def test_the_mlx_backend_declares_what_the_mlx_servicer_does():
+    assert ENGINES["mlx"] is MlxEngine and MlxEngine.capabilities == MLX_LIKE
+
+
+def test_the_mlx_config_is_honoured_and_the_default_run_is_refused_naming_its_keys():
+    check_capabilities("mlx", MlxEngine.capabilities, requirements(load_config("configs/mlx_engine.toml")))
+    with pytest.raises(EngineCapabilityError) as error:
+        check_capabilities("mlx", MlxEngine.capabilities, requirements(load_config("configs/default.toml")))
+    assert "rollout.logprob_mode='processed'" in str(error.value) and "rollout.max_staleness=1" in str(error.value)
+
+
+def test_the_mlx_engine_is_launched_by_tether_never_reached_at_an_address(tmp_path):
+    config = load_config("configs/mlx_engine.toml", ["server.address='127.0.0.1:50051'"])
+    with pytest.raises(ValueError, match="server.address='127.0.0.1:50051': the mlx engine takes new weights by "
+                                         "restart, so Tether launches it; unset server.address"):
+        build_engine(config, trainer=None, eos_ids=(2,), run_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing was written or launched
+
+
+def test_the_learners_identity_is_the_config_json_it_exports():
+    assert learner_identity(model_config("tiny")) == ModelIdentity(
+        vocab_size=128, model_type="qwen2", architectures=("Qwen2ForCausalLM",),
+        shapes={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False})

@@ -1,0 +1,53 @@
+"""The MLX dialect of the smg data plane on the wire (protocol conformance: no engine runs here).
+
+What the MLX servicer reads (``smg_grpc_servicer.mlx.servicer``): ``temperature`` (optional: unset would be its own
+default), ``top_p``/``top_k``/``min_p``/penalties (zero is off), ``max_tokens`` (optional: unset is the context
+left), ``logprobs`` (optional: unset returns no logprobs), ``stop_token_ids`` with ``ignore_eos``, ``seed`` (calls
+the process-wide ``mx.random.seed``: never sent).
+"""
+
+from smg_grpc_proto import mlx_engine_pb2
+
+from rollout_client.protocol import pb
+from rollout_client.smg import MLX, EngineSampling
+from rollout_client.smg.stub import echoed_sampling, resolve_sampling
+
+SAMPLING = EngineSampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_new_tokens=12, stop_token_ids=(2, 7))
+
+
+def test_every_sampling_field_is_explicit_on_the_wire_protocol_conformance():
+    wire = MLX.generate_request("req/3", [1, 20, 3], SAMPLING).SerializeToString()
+    request = mlx_engine_pb2.GenerateRequest.FromString(wire)
+    params = request.sampling_params
+    assert request.request_id == "req/3" and request.stream and list(request.tokenized.input_ids) == [1, 20, 3]
+    assert params.HasField("temperature") and params.HasField("max_tokens") and params.HasField("logprobs")
+    assert (params.temperature, params.top_k, params.max_tokens, params.logprobs) == (
+        pb.SamplingParams(temperature=0.7).temperature, 5, 12, 1)  # float32 on both wires
+    assert abs(params.top_p - 0.9) < 1e-7 and abs(params.min_p - 0.05) < 1e-7
+    assert list(params.stop_token_ids) == [2, 7] and params.ignore_eos  # exactly the request's stops
+    assert not params.HasField("seed")
+    assert (params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (0.0, 0.0, 0.0)
+    assert [list(m.request_ids) for m in MLX.abort_requests(["a/0", "a/1"])] == [["a/0", "a/1"]]
+
+
+def test_unset_fields_resolve_to_tethers_defaults_and_are_echoed():
+    info = mlx_engine_pb2.GetModelInfoResponse(vocab_size=128, max_context_length=256, eos_token_ids=[2])
+    asked = pb.SamplingParams(top_k=500, seed=9)  # top_k beyond the vocabulary keeps every token
+    sent = resolve_sampling(asked, prompt_tokens=6, model_info=info, n=1)
+    assert sent == EngineSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=250,
+                                  stop_token_ids=(2,), n=1)
+    echo = echoed_sampling(asked, sent)
+    assert (echo.temperature, echo.top_k, echo.top_p, echo.min_p, echo.max_new_tokens, echo.seed) == (
+        1.0, 500, 1.0, 0.0, 250, 9)
+    assert echo.HasField("stop_token_ids") and list(echo.stop_token_ids.token_ids) == [2]
+
+
+def test_a_request_that_never_stops_is_sent_without_stop_ids():
+    info = mlx_engine_pb2.GetModelInfoResponse(vocab_size=128, max_context_length=256, eos_token_ids=[2])
+    asked = pb.SamplingParams(max_new_tokens=4)
+    asked.stop_token_ids.SetInParent()  # stop_token_ids=(): never stop (the engine's eos ids are ignored)
+    sent = resolve_sampling(asked, prompt_tokens=6, model_info=info, n=1)
+    assert sent.stop_token_ids == ()
+    params = MLX.generate_request("r/0", [1], sent).sampling_params
+    assert list(params.stop_token_ids) == [] and params.ignore_eos
+    assert echoed_sampling(asked, sent).HasField("stop_token_ids")
