@@ -228,3 +228,32 @@ def test_config_to_hf_round_trips_every_architecture(model_type):
 def test_config_to_hf_refuses_an_architecture_that_cannot_hold_the_config():
     with pytest.raises(ValueError, match="model_type='llama' cannot represent"):
         config_to_hf(model_config("tiny"), "llama")  # tiny has q/k/v biases: Qwen2
+
+
+# --- run configs for Hugging Face models --------------------------------------------------------------------------
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["gsm8k_qwen2.5.toml", "hf_model_template.toml"])
+def test_hf_run_configs_load_and_their_task_args_fit_the_dataset_task(name):
+    import inspect
+
+    from learner.rl.config import load_config
+    from learner.tasks._dataset_task import DatasetTask
+
+    config = load_config(REPO_ROOT / "configs" / name)
+    assert config.model.hf_path and config.task.name == "dataset" and config.warmup.steps == 0
+    inspect.signature(DatasetTask).bind(**config.task.args)  # every key is an argument of the task
+    validation = config.task.args.get("validation", {})
+    assert set(validation) <= {"path", "format", "split", "fraction", "every", "max_prompts"}
+
+
+def test_gsm8k_recipe_scores_with_the_gsm8k_reward_under_the_chat_template():
+    from learner.rl.config import load_config
+
+    config = load_config(REPO_ROOT / "configs" / "gsm8k_qwen2.5.toml")
+    args = config.task.args
+    assert args["rewards"] == ["gsm8k"] and args["answer_column"] == "answer"
+    assert "####" in args["prompt_format"] and "{question}" in args["prompt_format"]
+    assert config.server.dtype == "bfloat16" and config.corrections.preset == "decoupled_geo_rs_token_tis"

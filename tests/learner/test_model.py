@@ -1,6 +1,8 @@
-"""Model: config validation, named configs, masking, KV-cache decode equals the full forward, dtype casting."""
+"""Model: config validation, named configs, RoPE frequencies, masking, KV-cache decode equals the full forward, dtype
+casting."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.model import Transformer, cast_model, count_params, model_config
+from learner.model import Llama3RopeScaling, Transformer, cast_model, count_params, model_config, rope_frequencies
 
 PROMPT_LENS = np.array([3, 6, 1])  # right-padded rows of different lengths
 TOTAL_LENS = PROMPT_LENS + 4  # each row decodes 4 more tokens
@@ -74,9 +76,33 @@ def test_logits_are_float32_with_vocab_axis(tiny_model):
     assert logits.shape == (1, 4, 128) and logits.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_prefill_then_decode_matches_full_forward(tie):
-    model = Transformer(model_config("tiny", tie_embeddings=tie), rngs=nnx.Rngs(1))
+def test_llama3_rope_frequencies_by_hand():
+    """head_dim 8, theta 1e4: frequencies 1, 0.1, 0.01, 0.001 with wavelengths 2 pi / f = 6.3, 63, 628, 6283.
+    Original context 1000 with low / high frequency factors 1 / 4: wavelengths below 250 are kept, above 1000 divided
+    by the factor 8, and 628 is smoothed with s = (1000 / 628.3 - 1) / (4 - 1): (1 - s) f / 8 + s f."""
+    scaling = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=1000)
+    config = model_config("tiny", head_dim=8, rope_theta=10_000.0, rope_scaling=scaling)
+    smooth = (5 / math.pi - 1) / 3
+    expected = [1.0, 0.1, (1 - smooth) * 0.01 / 8 + smooth * 0.01, 0.001 / 8]
+    np.testing.assert_allclose(rope_frequencies(config), expected, rtol=1e-6)
+    plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
+    np.testing.assert_allclose(plain, [1.0, 0.1, 0.01, 0.001], rtol=1e-6)
+
+
+@pytest.mark.parametrize("invalid", [{"factor": 0.0}, {"low_freq_factor": 4.0}, {"original_max_position_embeddings": 0}])
+def test_invalid_llama3_scaling_is_refused(invalid):
+    fields = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    with pytest.raises(ValueError, match=next(iter(invalid)).split("_max")[0]):
+        Llama3RopeScaling(**(fields | invalid))
+
+
+@pytest.mark.parametrize("variant", [{"tie_embeddings": False}, {"tie_embeddings": True},
+                                     {"qkv_bias": False, "qk_norm": True, "rope_scaling": Llama3RopeScaling(
+                                         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=8)}], ids=["untied", "tied", "qwen3_llama3"])
+def test_prefill_then_decode_matches_full_forward(variant):
+    model = Transformer(model_config("tiny", **variant), rngs=nnx.Rngs(1))
     max_len = int(TOTAL_LENS.max()) + 2
     full_tokens, full_positions, full_mask = _right_padded_batch(TOTAL_LENS, max_len, 128, seed=3)
     expected = _logits(model, full_tokens, full_positions, full_mask)
