@@ -49,10 +49,18 @@ def _error(key: str, message: str) -> ValueError:
 
 
 def decode_completion(tokenizer, ids) -> str:
-    """The text of a completion up to its first stop id (``tokenizer.eos_ids``), special tokens dropped."""
-    ids = np.asarray(ids)
+    """The text of a completion up to its first stop id (``tokenizer.eos_ids``), special tokens dropped.
+
+    An id outside the tokenizer's vocabulary (a model's embedding table is often larger, and a sampler may pick an
+    unused row) decodes to U+FFFD, the replacement character, so a completion holding one matches no answer.
+    """
+    ids = np.asarray(ids, np.int64)
     stops = np.flatnonzero(np.isin(ids, tokenizer.eos_ids))
-    return tokenizer.decode(ids[:stops[0]] if stops.size else ids, skip_special_tokens=True)
+    ids = ids[:stops[0]] if stops.size else ids
+    unknown = np.flatnonzero((ids < 0) | (ids >= tokenizer.vocab_size))
+    pieces = np.split(ids, unknown)  # every piece after the first starts with an unknown id
+    pieces = [pieces[0], *(piece[1:] for piece in pieces[1:])]
+    return "\ufffd".join(tokenizer.decode(piece, skip_special_tokens=True) for piece in pieces)
 
 
 class PromptRecordsView(Sequence):

@@ -132,6 +132,9 @@ def test_decoded_completion_ends_at_the_first_of_several_stop_ids(ours):
     assert decode_completion(ours, answer) == "#### 72"  # truncated at the length limit: no stop id
     assert decode_completion(ours, np.concatenate([answer[:2], [ours.encode("<|im_start|>")[0]], answer[2:]])) == \
         "#### 72"  # other special tokens are dropped
+    beyond = ours.vocab_size + 5  # a model's embedding table is often larger than its tokenizer's vocabulary
+    assert decode_completion(ours, np.concatenate([answer[:1], [beyond], answer[1:], [im_end]])) == \
+        ours.decode(answer[:1]) + "\ufffd" + ours.decode(answer[1:])
 
 
 def test_missing_files_and_tokens_are_named(tmp_path):
