@@ -1,7 +1,8 @@
 """Off-policy corrections for RL on language models: pure, jit-able JAX on [T] / [B, T] arrays.
 
 Importance weights, rejection masks, policy objectives, reductions, advantages, diagnostics, presets, and
-``compute``, the pipeline that composes them. No model, no sharding, no I/O.
+``compute``, the pipeline that composes them. No model, no sharding, no I/O. ``from_verl``, ``from_skyrl``,
+``from_slime`` and ``from_areal`` (and ``config_from_dict``) read those frameworks' own config blocks.
 """
 
 from corrections._advantages import broadcast_to_tokens
@@ -14,13 +15,13 @@ from corrections._config import CorrectionConfig
 from corrections._config import ImportanceWeights
 from corrections._config import Objective
 from corrections._config import RejectionRule
-from corrections._config import config_from_dict
 from corrections._config import config_to_dict
 from corrections._diagnostics import effective_sample_size
 from corrections._diagnostics import mismatch_metrics
 from corrections._diagnostics import rejection_metrics
 from corrections._diagnostics import staleness_metrics
 from corrections._diagnostics import weight_metrics
+from corrections._areal import from_areal
 from corrections._masked import SAFETY
 from corrections._masked import masked_mean
 from corrections._masked import masked_sum
@@ -36,11 +37,13 @@ from corrections._objectives import ppo_clip_loss
 from corrections._objectives import reinforce_loss
 from corrections._objectives import rollout_is_loss
 from corrections._objectives import sapo_loss
+from corrections._migration import config_from_dict
 from corrections._pipeline import Corrected
 from corrections._pipeline import check_batch
 from corrections._pipeline import compute
 from corrections._pipeline import metrics_from_row_stats
 from corrections._presets import PRESETS
+from corrections._presets import VERL_PRESETS
 from corrections._presets import preset
 from corrections._reductions import loss_terms
 from corrections._reductions import reduce_loss
@@ -50,6 +53,8 @@ from corrections._rejection import opsm_mask
 from corrections._rejection import outlier_sequence_mask
 from corrections._rejection import product_sequence_mask
 from corrections._rejection import token_mask
+from corrections._skyrl import from_skyrl
+from corrections._slime import from_slime
 from corrections._weights import batch_normalize_weights
 from corrections._weights import geometric_sequence_weights
 from corrections._weights import icepop_weights
@@ -76,6 +81,9 @@ __all__ = (
     "divergence_mask",
     "dr_grpo_advantages",
     "effective_sample_size",
+    "from_areal",
+    "from_skyrl",
+    "from_slime",
     "from_verl",
     "geometric_sequence_mask",
     "geometric_sequence_weights",
@@ -115,6 +123,7 @@ __all__ = (
     "token_mask",
     "token_tis_weights",
     "unbounded_ratios",
+    "VERL_PRESETS",
     "verl_importance",
     "verl_rejection_rules",
     "weight_metrics",

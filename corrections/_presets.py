@@ -8,9 +8,15 @@ for reproducing verl's inverted k1 bounds on purpose.
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping
 
-from corrections._config import CorrectionConfig, config_from_dict
+from corrections._config import RULE_ALIASES, CorrectionConfig, config_from_dict, config_to_dict
+from corrections._keys import unknown_key
+from corrections._verl import from_verl
+
+CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(CorrectionConfig))
 
 _VERL = {"denominator": "kept", "objective": {"name": "ppo", "dual_clip": 3.0}}
 _VERL_BYPASS_PG = {"mode": "bypass", "denominator": "kept", "objective": {"name": "reinforce"}}
@@ -56,22 +62,14 @@ PRESETS: dict[str, dict] = {
     "bypass_pg_geo_rs_token_tis": _merge(_VERL_BYPASS_PG, {"importance": _TOKEN_IS, "rejection": [_GEO_RS]}),
     "bypass_pg_geo_rs_seq_tis": _merge(_VERL_BYPASS_PG, {"importance": _SEQ_IS, "rejection": [_GEO_RS]}),
     "bypass_pg_token_icepop": _merge(_VERL_BYPASS_PG, {"importance": _ICEPOP}),
-    # SkyRL's off_policy_correction block (original-mask denominator, dual clip 3.0).
-    "skyrl_token_tis": {"objective": {"dual_clip": 3.0}, "importance": {"level": "token", "high": 2.0}},
-    "skyrl_sequence_tis": {"objective": {"dual_clip": 3.0}, "importance": {"level": "sequence", "high": 5.0}},
-    "skyrl_token_mask": {"objective": {"dual_clip": 3.0}, "rejection": [{"name": "token_k1", "low": 0.5, "high": 2.0}]},
-    "skyrl_outlier_mask": {
-        "objective": {"dual_clip": 3.0},
-        "rejection": [{"name": "outlier", "low": 1e-4, "high": 100.0}],
-    },
-    "skyrl_geometric_mask": {
-        "objective": {"dual_clip": 3.0},
-        "rejection": [{"name": "seq_mean_k1", "low": 0.99, "high": 1.01}],
-    },
-    "skyrl_product_mask": {
-        "objective": {"dual_clip": 3.0},
-        "rejection": [{"name": "seq_sum_k1", "low": 0.5, "high": 2.0}],
-    },
+    # SkyRL's off_policy_correction block with SkyRL's default loss (policy_loss_type "regular": PPO clip without dual
+    # clip; token mean over the original mask). SkyRL's KL loss, on by default there, is left out: set kl_coef.
+    "skyrl_token_tis": {"importance": {"level": "token", "high": 2.0}},
+    "skyrl_sequence_tis": {"importance": {"level": "sequence", "high": 5.0}},
+    "skyrl_token_mask": {"rejection": [{"name": "token_k1", "low": 0.5, "high": 2.0}]},
+    "skyrl_outlier_mask": {"rejection": [{"name": "outlier", "low": 1e-4, "high": 100.0}]},
+    "skyrl_geometric_mask": {"rejection": [{"name": "seq_mean_k1", "low": 0.99, "high": 1.01}]},
+    "skyrl_product_mask": {"rejection": [{"name": "seq_sum_k1", "low": 0.5, "high": 2.0}]},
     "skyrl_rollout_is": {"objective": {"name": "rollout_is"}},
     "skyrl_cispo": {"objective": {"name": "cispo", "clip_low": 1.0, "clip_high": 4.0}},
     # slime: --use-tis (vanilla_tis, clamp [0, 2]), icepop, --use-opsm, off_policy_is (PR #2084). Token-mean is
@@ -100,16 +98,114 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> CorrectionConfig:
-    """The config of a named preset, with top-level fields overridden; dict values merge into nested fields.
 
-    >>> preset("decoupled_token_is", importance={"high": 3.0}).importance
-    ImportanceWeights(level='token', high=3.0, low=0.0, overflow='truncate', batch_normalize=False)
+def _geo_rs(rs_threshold="0.999_1.001"):
+    return dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
+
+
+def _k3_rs(rs_threshold=0.01):
+    return dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
+
+
+_BYPASS_PPO, _BYPASS_PG = dict(bypass_mode=True), dict(bypass_mode=True, loss_type="reinforce")
+
+# verl's RolloutCorrectionConfig presets (verl 1dda039b, algorithm.py): each takes verl's own arguments and
+# returns verl's rollout_correction block, which ``from_verl`` reads. ``preset(name, **arguments)`` accepts them.
+VERL_PRESETS: dict[str, Callable[..., dict]] = {
+    "disabled": lambda: {},
+    "decoupled_token_is": lambda threshold=2.0: dict(rollout_is="token", rollout_is_threshold=threshold),
+    "decoupled_seq_is": lambda threshold=2.0: dict(rollout_is="sequence", rollout_is_threshold=threshold),
+    "decoupled_token_icepop": lambda threshold=5.0, threshold_lower=0.5: dict(
+        rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}"),
+    "decoupled_seq_is_rs": lambda is_threshold=2.0, rs_threshold="0.5_2.0": dict(
+        rollout_is="sequence", rollout_is_threshold=is_threshold, rollout_rs="seq_sum_k1",
+        rollout_rs_threshold=rs_threshold),
+    "decoupled_geo_rs": _geo_rs,
+    "decoupled_geo_rs_seq_tis": lambda is_threshold=2.0, rs_threshold="0.999_1.001": dict(
+        _geo_rs(rs_threshold), rollout_is="sequence", rollout_is_threshold=is_threshold),
+    "decoupled_geo_rs_token_tis": lambda is_threshold=2.0, rs_threshold="0.999_1.001": dict(
+        _geo_rs(rs_threshold), rollout_is="token", rollout_is_threshold=is_threshold),
+    "decoupled_k3_rs": _k3_rs,
+    "decoupled_k3_rs_seq_tis": lambda is_threshold=2.0, rs_threshold=0.01: dict(
+        _k3_rs(rs_threshold), rollout_is="sequence", rollout_is_threshold=is_threshold),
+    "decoupled_k3_rs_token_tis": lambda is_threshold=2.0, rs_threshold=0.01: dict(
+        _k3_rs(rs_threshold), rollout_is="token", rollout_is_threshold=is_threshold),
+    "bypass_ppo_clip": lambda: dict(_BYPASS_PPO),
+    "bypass_ppo_clip_geo_rs": lambda rs_threshold="0.999_1.001": dict(_geo_rs(rs_threshold), **_BYPASS_PPO),
+    "bypass_ppo_clip_k3_rs": lambda rs_threshold=0.01: dict(_k3_rs(rs_threshold), **_BYPASS_PPO),
+    "bypass_pg_is": lambda threshold=2.0: dict(rollout_is="sequence", rollout_is_threshold=threshold, **_BYPASS_PG),
+    "bypass_pg_token_icepop": lambda threshold=5.0, threshold_lower=0.5: dict(
+        rollout_is="token", rollout_is_threshold=f"{threshold_lower}_{threshold}", **_BYPASS_PG),
+    "bypass_pg_geo_rs": lambda rs_threshold="0.999_1.001": dict(_geo_rs(rs_threshold), **_BYPASS_PG),
+    "bypass_pg_geo_rs_seq_tis": lambda is_threshold=2.0, rs_threshold="0.999_1.001": dict(
+        _geo_rs(rs_threshold), rollout_is="sequence", rollout_is_threshold=is_threshold, **_BYPASS_PG),
+    "bypass_pg_geo_rs_token_tis": lambda is_threshold=2.0, rs_threshold="0.999_1.001": dict(
+        _geo_rs(rs_threshold), rollout_is="token", rollout_is_threshold=is_threshold, **_BYPASS_PG),
+}
+REJECTION_MODES = ("merge", "replace")
+
+
+def _merge_rules(preset_rules: list, override_rules, mode: str, name: str) -> list:
+    """The preset's rejection rules with the overrides applied: ``"merge"`` updates the fields of a rule of the
+    same name and appends a rule of a new name; ``"replace"`` drops the preset's rules first."""
+    if mode not in REJECTION_MODES:
+        raise ValueError(f"rejection_mode={mode!r} is not an option; use one of {', '.join(REJECTION_MODES)}.")
+    if isinstance(override_rules, Mapping) or not isinstance(override_rules, (list, tuple)):
+        raise ValueError(f"rejection={override_rules!r} must be a list of rules.")
+    if mode == "replace":
+        return [dict(rule) for rule in override_rules]
+    if not override_rules and preset_rules:
+        names = ", ".join(rule["name"] for rule in preset_rules)
+        raise ValueError(f"rejection=[] would keep preset {name!r}'s rules ({names}) under rejection_mode='merge'; "
+                         "pass rejection_mode='replace' to drop them.")
+    rules = [dict(rule) for rule in preset_rules]
+    for rule in override_rules:
+        rule = dict(rule)
+        rule_name = RULE_ALIASES.get(rule.get("name"), rule.get("name"))
+        same = [old for old in rules if RULE_ALIASES.get(old["name"], old["name"]) == rule_name]
+        if same:
+            same[0].update(rule, name=rule_name)
+        else:
+            rules.append(rule)
+    return rules
+
+
+def preset(name: str, rejection_mode: str = "merge", **overrides: Any) -> CorrectionConfig:
+    """The config of a named preset with overrides: top-level fields replace, dict values merge into nested fields.
+
+    A verl preset also takes verl's own preset arguments (``threshold``, ``threshold_lower``, ``is_threshold``,
+    ``rs_threshold``; see ``VERL_PRESETS``). ``rejection=[...]`` merges into the preset's rules by name (a rule
+    of the same name gets the given fields, e.g. new bounds; a new name is added); ``rejection_mode="replace"``
+    drops the preset's rules first.
+
+    >>> preset("decoupled_token_is", importance={"high": 3.0}).importance.high
+    3.0
+    >>> preset("decoupled_geo_rs_token_tis", is_threshold=3.0, rs_threshold="0.99_1.01").rejection
+    (RejectionRule(name='seq_mean_k1', low=0.99, high=1.01),)
+    >>> [r.name for r in preset("decoupled_geo_rs", rejection=[{"name": "seq_max_k2", "high": 0.1}]).rejection]
+    ['seq_mean_k1', 'seq_max_k2']
+    >>> preset("decoupled_geo_rs", rejection=[{"name": "token_k1", "low": 0.5, "high": 2}], rejection_mode="replace").rejection
+    (RejectionRule(name='token_k1', low=0.5, high=2),)
     >>> preset("no_such_preset")
     Traceback (most recent call last):
     ...
     ValueError: preset 'no_such_preset' is unknown; see corrections.PRESETS for the names.
+    >>> preset("decoupled_seq_is_rs", is_treshold=3.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: preset 'decoupled_seq_is_rs': unknown key 'is_treshold'; did you mean 'is_threshold'?
     """
     if name not in PRESETS:
         raise ValueError(f"preset {name!r} is unknown; see corrections.PRESETS for the names.")
-    return config_from_dict(_merge(PRESETS[name], overrides))
+    data = PRESETS[name]
+    verl_arguments = set(inspect.signature(VERL_PRESETS[name]).parameters) if name in VERL_PRESETS else set()
+    given = {key: overrides.pop(key) for key in list(overrides) if key in verl_arguments}
+    for key in overrides:
+        if key not in CONFIG_FIELDS:
+            raise unknown_key(f"preset {name!r}", key, CONFIG_FIELDS | verl_arguments)
+    if given:
+        data = config_to_dict(from_verl(VERL_PRESETS[name](**given)))
+    if "rejection" in overrides:
+        overrides["rejection"] = _merge_rules(list(data.get("rejection", ())), overrides["rejection"],
+                                              rejection_mode, name)
+    return config_from_dict(_merge(data, overrides))

@@ -12,7 +12,11 @@ verl checks k1 bounds on ``-log rho`` and so keeps ``1/up <= rho <= 1/lo``, the 
 
 from __future__ import annotations
 
-from corrections._config import K1_RULES, REJECTION_RULES, CorrectionConfig, ImportanceWeights, Objective, RejectionRule
+from typing import Any, Mapping
+
+from corrections._config import (K1_RULES, REDUCTIONS, REJECTION_RULES, CorrectionConfig, ImportanceWeights, Objective,
+                                 RejectionRule)
+from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown_key, unsupported
 
 
 def _positive(field: str, text) -> float:
@@ -41,8 +45,9 @@ def _bounds(field: str, spec) -> tuple[float | None, float]:
 def verl_importance(rollout_is: str | None, rollout_is_threshold=2.0, batch_normalize: bool = False):
     """``ImportanceWeights`` for verl's ``rollout_is`` / ``rollout_is_threshold`` (None when ``rollout_is`` is None).
 
-    >>> verl_importance("token", "0.5_5.0")
-    ImportanceWeights(level='token', high=5.0, low=0.5, overflow='mask', batch_normalize=False)
+    >>> weights = verl_importance("token", "0.5_5.0")
+    >>> weights.level, weights.low, weights.high, weights.overflow
+    ('token', 0.5, 5.0, 'mask')
     """
     if rollout_is is None or rollout_is_threshold is None:
         return None
@@ -97,39 +102,165 @@ def verl_rejection_rules(rollout_rs: str | None, rollout_rs_threshold=None, *, r
     return tuple(rules)
 
 
-def from_verl(
-    rollout_is: str | None = None,
-    rollout_is_threshold=2.0,
-    rollout_is_batch_normalize: bool = False,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold=None,
-    bypass_mode: bool = False,
-    loss_type: str = "ppo_clip",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    reproduce_inverted_k1: bool = False,
-) -> CorrectionConfig:
-    """A ``CorrectionConfig`` equal to verl's ``algorithm.rollout_correction`` block with these settings.
+# verl's keys at commit 1dda039b, with the defaults of its YAML (what a user's config starts from). The dataclass
+# RolloutCorrectionConfig defaults rollout_is to "sequence", but Hydra fills the block from rollout_correction.yaml.
+ROLLOUT_CORRECTION = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize=False, rollout_rs=None,
+                          rollout_rs_threshold=None, bypass_mode=False, loss_type="ppo_clip")
+ACTOR = dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
+             loss_agg_mode="token-mean", loss_scale_factor=None, entropy_coeff=0.0, use_kl_loss=False,
+             kl_loss_coef=0.001, kl_loss_type="low_var_kl", policy_loss=None)
+POLICY_LOSS = dict(loss_mode="vanilla", clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002,
+                   ppo_kl_coef=0.1, dro_beta=None)
+# Keys verl has that do not change the loss or its metrics: batching, optimizer, engine, checkpoints, profiling,
+# advantages and rewards (compute advantages with corrections.grpo_advantages and friends).
+ACTOR_IGNORED = frozenset((
+    "rollout_n", "strategy", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu",
+    "ppo_infer_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+    "ppo_infer_max_token_len_per_gpu", "freeze_vision_tower", "calculate_entropy", "calculate_sum_pi_squared",
+    "use_prefix_grouper", "use_torch_compile", "ppo_epochs", "shuffle", "data_loader_seed", "checkpoint", "optim",
+    "use_fused_kernels", "profiler", "engine", "model_config", "router_replay", "global_batch_info", "qat",
+    "grad_clip", "ulysses_sequence_parallel_size", "entropy_from_logits_with_chunking",
+    "entropy_from_logits_chunk_size", "entropy_checkpointing", "pad_to_length", "fsdp_config", "use_remove_padding",
+    "use_rollout_log_probs", "megatron", "profile", "veomni", "torchtitan",
+))
+ALGORITHM_IGNORED = frozenset((
+    "gamma", "lam", "adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty", "kl_ctrl",
+    "use_pf_ppo", "pf_ppo", "filter_groups", "gdpo_reward_keys", "gdpo_reward_weights",
+))
+ACTOR_ROLLOUT_REF_IGNORED = frozenset(("model", "rollout", "ref", "hybrid_engine", "nccl_timeout"))
+KL_LOSS_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "low_var_kl", "k3": "low_var_kl"}
+KL_LOSS_TYPES_UNSUPPORTED = {
+    "abs": "Tether has no |lp - ref| estimator.",
+    "full": "the full-vocabulary KL needs the logits; compute takes logprobs of the sampled tokens.",
+    **{f"{k}+": "the '+' (straight-through k2 gradient) variants are not implemented." for k in KL_LOSS_TYPES},
+}
+LOSS_MODES_UNSUPPORTED = {
+    "gpg": "GPG is not implemented.", "geo_mean": "GMPO (geo_mean) is not implemented.",
+    "dro": "DRO is not implemented.", "dppo_tv": "DPPO is not implemented.", "dppo_kl": "DPPO is not implemented.",
+    "bypass_mode": "verl sets it itself; set algorithm.rollout_correction.bypass_mode=True instead.",
+}
 
-    verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip.
+
+def _verl_blocks(data: dict) -> tuple[dict, dict]:
+    """Splits a verl config (full, sections, or flat keys) into its rollout_correction and actor blocks."""
+    where = "verl"
+    rollout_correction, actor = {}, {}
+    sections = {"algorithm", "actor_rollout_ref", "rollout_correction", "actor"}
+    for key, value in data.items():
+        if key == "algorithm":
+            algorithm = section(value, "verl.algorithm")
+            check_keys(algorithm, ALGORITHM_IGNORED | {"rollout_correction"}, "verl.algorithm")
+            part = section(algorithm.get("rollout_correction"), "verl.algorithm.rollout_correction")
+            rollout_correction = merge_disjoint(rollout_correction, part, "verl.algorithm.rollout_correction")
+        elif key == "actor_rollout_ref":
+            block = section(value, "verl.actor_rollout_ref")
+            check_keys(block, ACTOR_ROLLOUT_REF_IGNORED | {"actor"}, "verl.actor_rollout_ref")
+            actor = merge_disjoint(actor, section(block.get("actor"), "verl.actor_rollout_ref.actor"),
+                                   "verl.actor_rollout_ref.actor")
+        elif key == "rollout_correction":
+            rollout_correction = merge_disjoint(rollout_correction, section(value, "verl.rollout_correction"),
+                                                "verl.rollout_correction")
+        elif key == "actor":
+            actor = merge_disjoint(actor, section(value, "verl.actor"), "verl.actor")
+        elif key in ROLLOUT_CORRECTION:
+            rollout_correction = merge_disjoint(rollout_correction, {key: value}, "verl.rollout_correction")
+        elif key in ACTOR or key in ACTOR_IGNORED:
+            actor = merge_disjoint(actor, {key: value}, "verl.actor")
+        else:
+            raise unknown_key(where, key, sections | set(ROLLOUT_CORRECTION) | set(ACTOR) | ACTOR_IGNORED)
+    check_keys(rollout_correction, ROLLOUT_CORRECTION, "verl.algorithm.rollout_correction")
+    check_keys(actor, set(ACTOR) | ACTOR_IGNORED, "verl.actor_rollout_ref.actor")
+    return rollout_correction, actor
+
+
+def _verl_objective(actor: dict, policy_loss: dict, bypass: bool, loss_type: str) -> tuple[Objective, str | None]:
+    """The objective and, for GSPO and SAPO, the reduction verl forces (seq-mean-token-mean)."""
+    where = "verl.actor_rollout_ref.actor"
+    clip = actor["clip_ratio"]
+    low = clip if actor["clip_ratio_low"] is None else actor["clip_ratio_low"]
+    high = clip if actor["clip_ratio_high"] is None else actor["clip_ratio_high"]
+    mode = policy_loss["loss_mode"]
+    if bypass and mode != "vanilla":
+        raise unsupported(f"{where}.policy_loss", "loss_mode", mode,
+                          "verl's bypass mode replaces it by its own loss (loss_type ppo_clip or reinforce), "
+                          "dropping your choice; set loss_mode='vanilla'.")
+    if bypass and loss_type == "reinforce":
+        return Objective("reinforce"), None
+    objectives = {
+        "vanilla": lambda: (Objective("ppo", clip_low=low, clip_high=high, dual_clip=actor["clip_ratio_c"]), None),
+        "gspo": lambda: (Objective("gspo", clip_low=low, clip_high=high), "seq-mean-token-mean"),
+        "sapo": lambda: (Objective("sapo", tau_pos=actor["tau_pos"], tau_neg=actor["tau_neg"]),
+                         "seq-mean-token-mean"),
+        "cispo": lambda: (Objective("cispo", clip_low=low, clip_high=high), None),
+        "clip_cov": lambda: (Objective("clip_cov", clip_low=low, clip_high=high,
+                                       clip_cov_ratio=policy_loss["clip_cov_ratio"],
+                                       clip_cov_low=policy_loss["clip_cov_lb"],
+                                       clip_cov_high=policy_loss["clip_cov_ub"]), None),
+        "kl_cov": lambda: (Objective("kl_cov", kl_cov_ratio=policy_loss["kl_cov_ratio"],
+                                     kl_cov_coef=policy_loss["ppo_kl_coef"]), None),
+    }
+    return choice(f"{where}.policy_loss", "loss_mode", mode, objectives, LOSS_MODES_UNSUPPORTED)()
+
+
+def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_k1: bool = False,
+              **keys) -> CorrectionConfig:
+    """The ``CorrectionConfig`` of a verl config: the same losses and ``rollout_corr/`` metrics as verl 1dda039b.
+
+    Takes verl's own keys, as a nested config (``{"algorithm": {"rollout_correction": {...}},
+    "actor_rollout_ref": {"actor": {...}}}``, e.g. ``yaml.safe_load`` of a verl YAML), as Hydra's dotted keys
+    (``"actor_rollout_ref.actor.loss_agg_mode"``), or flat (the ``rollout_correction`` and actor keys do not
+    share names), in ``config`` or as keyword arguments. Missing keys take verl's YAML defaults. Read:
+    ``algorithm.rollout_correction`` (all keys) and the actor's ``clip_ratio*``, ``policy_loss``, ``tau_*``,
+    ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``,
+    ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
+    estimator) are accepted and ignored. Unknown keys raise, naming the nearest match. docs/migrating.md has the
+    key-by-key table.
+
+    verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl
+    checks k1 bounds inverted (see ``verl_rejection_rules``): ``reproduce_inverted_k1=True`` reproduces that.
 
     >>> config = from_verl(rollout_is="token", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001")
     >>> config.importance.high, config.rejection[0].name, config.denominator
     (2.0, 'seq_mean_k1', 'kept')
+    >>> from_verl({"actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean"}).reduction
+    'seq-mean-token-mean'
+    >>> from_verl({"actor_rollout_ref": {"actor": {"clip_ratio_hgh": 0.28}}})
+    Traceback (most recent call last):
+    ...
+    ValueError: verl.actor_rollout_ref.actor: unknown key 'clip_ratio_hgh'; did you mean 'clip_ratio_high'?
     """
-    if loss_type not in ("ppo_clip", "reinforce"):
-        raise ValueError(f"loss_type={loss_type!r} is not an option; use 'ppo_clip' or 'reinforce'.")
-    if loss_type == "reinforce" and not bypass_mode:
+    data = merge_disjoint(nest(config or {}, "verl"), nest(keys, "verl"), "verl")
+    given_rc, given_actor = _verl_blocks(data)
+    rc = {**ROLLOUT_CORRECTION, **given_rc}
+    actor = {**ACTOR, **{k: v for k, v in given_actor.items() if k in ACTOR}}
+    policy_loss = section(actor["policy_loss"], "verl.actor_rollout_ref.actor.policy_loss")
+    check_keys(policy_loss, POLICY_LOSS, "verl.actor_rollout_ref.actor.policy_loss")
+    policy_loss = {**POLICY_LOSS, **policy_loss}
+    where = "verl.algorithm.rollout_correction"
+    loss_type = choice(where, "loss_type", rc["loss_type"], {"ppo_clip": "ppo_clip", "reinforce": "reinforce"})
+    bypass = bool(rc["bypass_mode"])
+    if loss_type == "reinforce" and not bypass:
         raise ValueError("loss_type='reinforce' needs bypass_mode=True in verl; set both.")
-    if loss_type == "ppo_clip":
-        objective = Objective("ppo", clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=clip_ratio_c)
-    else:
-        objective = Objective("reinforce")
+    objective, forced_reduction = _verl_objective(actor, policy_loss, bypass, loss_type)
+    importance = verl_importance(rc["rollout_is"], rc["rollout_is_threshold"], rc["rollout_is_batch_normalize"])
+    if bypass and loss_type == "ppo_clip":
+        importance = None  # verl's bypass PPO computes the weights for its metrics only and never applies them
+    where = "verl.actor_rollout_ref.actor"
+    if actor["loss_scale_factor"] is not None:
+        raise unsupported(where, "loss_scale_factor", actor["loss_scale_factor"],
+                          "seq-mean-token-sum-norm here divides by the padded length T (verl's default, null).")
+    reduction = forced_reduction or choice(where, "loss_agg_mode", actor["loss_agg_mode"],
+                                           {mode: mode for mode in REDUCTIONS})
+    kl_estimator = choice(where, "kl_loss_type", actor["kl_loss_type"], KL_LOSS_TYPES, KL_LOSS_TYPES_UNSUPPORTED)
     return CorrectionConfig(
-        mode="bypass" if bypass_mode else "decoupled",
+        mode="bypass" if bypass else "decoupled",
         objective=objective,
-        importance=verl_importance(rollout_is, rollout_is_threshold, rollout_is_batch_normalize),
-        rejection=verl_rejection_rules(rollout_rs, rollout_rs_threshold, reproduce_inverted_k1=reproduce_inverted_k1),
+        importance=importance,
+        rejection=verl_rejection_rules(rc["rollout_rs"], rc["rollout_rs_threshold"],
+                                       reproduce_inverted_k1=reproduce_inverted_k1),
+        reduction=reduction,
         denominator="kept",
+        kl_coef=float(actor["kl_loss_coef"]) if actor["use_kl_loss"] else 0.0,
+        kl_estimator=kl_estimator,
+        entropy_coef=float(actor["entropy_coeff"]),
     )

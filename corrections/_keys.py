@@ -1,0 +1,102 @@
+"""Reading another framework's configuration: dotted keys nested, every key checked against that framework's own
+key names, an unknown key named with its nearest match, an unsupported value named with the reason.
+
+Shared by the front doors ``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Mapping
+
+
+def nearest(key: str, known: Iterable[str]) -> str | None:
+    """The known key closest to ``key`` (difflib), or None when nothing is close.
+
+    >>> nearest("clip_ratio_hgh", ["clip_ratio_high", "clip_ratio_low", "loss_agg_mode"])
+    'clip_ratio_high'
+    """
+    matches = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def unknown_key(where: str, key: str, known: Iterable[str]) -> ValueError:
+    """The error for a key that ``where`` does not have, naming the nearest match."""
+    match = nearest(key, known)
+    hint = f"did you mean {match!r}?" if match else f"known keys: {', '.join(sorted(known))}."
+    return ValueError(f"{where}: unknown key {key!r}; {hint}")
+
+
+def unsupported(where: str, key: str, value: Any, why: str) -> ValueError:
+    """The error for a setting that has no Tether equivalent (yet)."""
+    return ValueError(f"{where}.{key}={value!r} is not supported: {why}")
+
+
+def nest(data: Mapping[str, Any], where: str) -> dict:
+    """``data`` with dotted keys (``"algorithm.rollout_correction.rollout_is"``, as on a Hydra command line)
+    expanded into nested dicts; nested mappings are copied, and a key given twice is an error.
+
+    >>> nest({"a.b": 1, "a": {"c": 2}}, "config")
+    {'a': {'b': 1, 'c': 2}}
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping of keys, got {type(data).__name__}.")
+    out: dict = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{where}: keys must be strings, got {key!r}.")
+        *parents, leaf = key.split(".")
+        node, path = out, where
+        for part in parents:
+            path = f"{path}.{part}"
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{path} is given both as a value and as a section.")
+        if isinstance(value, Mapping):
+            value = nest(value, f"{path}.{leaf}")
+            if isinstance(node.get(leaf), dict):
+                value = merge_disjoint(node[leaf], value, f"{path}.{leaf}")
+        elif leaf in node:
+            raise ValueError(f"{path}.{leaf} is given twice.")
+        node[leaf] = value
+    return out
+
+
+def merge_disjoint(first: dict, second: dict, where: str) -> dict:
+    """The union of two nested dicts that must not set the same leaf."""
+    out = dict(first)
+    for key, value in second.items():
+        if key in out and isinstance(out[key], dict) and isinstance(value, dict):
+            out[key] = merge_disjoint(out[key], value, f"{where}.{key}")
+        elif key in out:
+            raise ValueError(f"{where}.{key} is given twice.")
+        else:
+            out[key] = value
+    return out
+
+
+def check_keys(block: Mapping[str, Any], known: Iterable[str], where: str) -> None:
+    """Raises for the first key of ``block`` not in ``known`` (Hydra's ``_target_`` is always allowed)."""
+    known = set(known) | {"_target_"}
+    for key in block:
+        if key not in known:
+            raise unknown_key(where, key, known - {"_target_"})
+
+
+def section(value: Any, where: str) -> dict:
+    """A nested block that must be a mapping (None, as YAML writes an empty block, reads as {})."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be a mapping of keys, got {value!r}.")
+    return dict(value)
+
+
+def choice(where: str, key: str, value: Any, mapping: Mapping[Any, Any], why: Mapping[Any, str] | None = None):
+    """``mapping[value]``; a value with a reason in ``why`` is unsupported, any other value unknown."""
+    if value in mapping:
+        return mapping[value]
+    if why and value in why:
+        raise unsupported(where, key, value, why[value])
+    options = ", ".join(repr(option) for option in mapping)
+    raise ValueError(f"{where}.{key}={value!r} is not an option; use one of {options}.")
