@@ -34,6 +34,11 @@ array([1., 0.], dtype=float32)
 Saved as ``my_tasks.py`` on the Python path, it is the run config's ``task.name = "my_tasks:Copy"`` with
 ``task.args = {n = 5000}``. For question/answer text on the character tokenizer, subclass `TextTask` instead:
 two methods (a random question, its answer) give prompts, exact-match rewards and demonstrations.
+
+For a dataset file, no code is needed: the registered ``dataset`` task (`DatasetTask`) reads jsonl, parquet, arrow
+and ``save_to_disk`` data (`read_rows`), renders prompts with the checkpoint's tokenizer and chat template
+(`HFTokenizer`, `render_chat`) and scores decoded completions with built-in or user rewards (`RewardSet`); see
+docs/data.md.
 """
 
 from learner.tasks._chat_template import ChatTemplateError

@@ -6,8 +6,8 @@ Read from the checkpoint directory:
 - ``tokenizer_config.json`` (and ``special_tokens_map.json``): the special tokens (``bos_token``, ``eos_token``,
   ``pad_token``, ...) and the ``chat_template``; ``chat_template.jinja`` or ``chat_template.json`` take precedence
   for the template, as in transformers.
-- ``generation_config.json`` and ``config.json``: their ``eos_token_id`` (an id or a list) add stop ids. Qwen2.5-Instruct
-  stops on ``<|im_end|>`` (the tokenizer's eos) and on ``<|endoftext|>`` (generation_config.json).
+- ``generation_config.json`` and ``config.json``: their ``eos_token_id`` (an id or a list) add stop ids.
+  Qwen2.5-Instruct stops on ``<|im_end|>`` (the tokenizer's eos) and on ``<|endoftext|>`` (generation_config.json).
 
 Without a pad token, the pad id is the first eos id (the usual Hugging Face setup): the loop never tells padding from
 tokens by id, so pad == eos is safe everywhere.
@@ -71,7 +71,8 @@ class HFTokenizer:
         self.special_tokens = dict(special_tokens)
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        ids = {name: self._token_id(name) for name in self.special_tokens}
+        ids = {name: self._token_id(name) for name in ("bos_token", "eos_token", "pad_token")
+               if name in self.special_tokens}  # the others only reach the chat template, as text
         self.bos_id = ids.get("bos_token")
         self.eos_ids = tuple(dict.fromkeys(
             [i for i in [ids.get("eos_token"), *extra_eos_ids] if i is not None]))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from learner.rl import demonstration_batch
 from learner.rl.prompts import PromptStream
-from learner.tasks import DatasetTask, Demonstrations, Task, load_task, pass_at_k
+from learner.tasks import Demonstrations, Task, load_task, pass_at_k
 from rollout_client import LogprobMode, SamplingParams
 from tests.tasks.hf_files import write_tokenizer
 

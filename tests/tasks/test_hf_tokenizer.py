@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.tasks import ChatTemplateError, HFTokenizer, Tokenizer, decode_completion, render_chat
-from tests.tasks.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
+from tests.tasks.hf_files import ALTERNATING_TEMPLATE, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

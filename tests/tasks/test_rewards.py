@@ -216,8 +216,10 @@ def test_a_hanging_reward_times_out(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("entry, message", [
-    ("nope", "rewards: unknown reward 'nope'; built-in: exact_match, gsm8k, boxed, format, or 'package.module:function'"),
-    ({"name": "gsm8k", "wieght": 2}, r"rewards: unknown keys \['wieght'\]; an entry is a name or a table with the keys"),
+    ("nope", "rewards: unknown reward 'nope'; built-in: exact_match, gsm8k, boxed, format, or "
+             "'package.module:function'"),
+    ({"name": "gsm8k", "wieght": 2}, r"rewards: unknown keys \['wieght'\]; an entry is a name or a table with "
+                                     "the keys"),
     ({"weight": 2}, "rewards: no name"),
     ({"name": "gsm8k", "weight": "2"}, r"rewards.weight='2': a finite number"),
     ({"name": "gsm8k", "args": {"methd": "strict"}}, "rewards.args: gsm8k: got an unexpected keyword argument 'methd'"),
