@@ -11,10 +11,19 @@ Floor: the same concurrency against a bare grpc.aio server process that answers
 every Generate with one precomputed message of the same size, read by a bare stub:
 what gRPC's per-call cost alone allows, measured under the same machine load.
 
+smg transport: the same measurement through an smg engine proto (the MLX one, `rollout_client.smg`): a server
+process that streams precomputed tokens as the MLX servicer does (one message per token, with its logprob), read by
+`AsyncSmgClient` (fan-out, every sample assembled and validated like rollout.v1's).
+
+Engines end to end: the real MLX engine (`rollout_client.MlxEngine`, mlx-lm on the CPU) and Tether's reference server
+(``python -m learner.serving --hf-path``) serving the same tiny checkpoint directory, 8 concurrent requests of 8
+samples of ``--engine-tokens`` tokens each: samples/s and ns/token with the model's compute included.
+
 Decode: the model engine (default model "tiny", float32) in this process, decode
 tokens/s with a full batch.
 
-    python scripts/bench_rollout_transport.py [--tokens 1024] [--rounds 200]
+    python scripts/bench_rollout_transport.py [--tokens 1024] [--rounds 200] [--smg-rounds 10]
+        [--engine-tokens 64] [--engine-rounds 10]
 """
 
 import argparse
@@ -28,9 +37,12 @@ import time
 
 import grpc
 import numpy as np
+from smg_grpc_proto import mlx_engine_pb2
+from smg_grpc_proto import mlx_engine_pb2_grpc
 
 from rollout_client import AsyncRolloutClient
 from rollout_client import ClientConfig
+from rollout_client import LogprobMode
 from rollout_client import RolloutRequest
 from rollout_client import SamplingParams
 from rollout_client.protocol import CLIENT_OPTIONS
@@ -39,10 +51,11 @@ from rollout_client.protocol import pb
 from rollout_client.protocol import pb_grpc
 
 
-def start_server(tokens: int, floor: bool = False) -> tuple[subprocess.Popen, str]:
-    """The reference server (scripted engine), or with `floor` this script's bare server."""
-    if floor:
-        argv = [__file__, "--serve-floor", "--tokens", str(tokens)]
+def start_server(tokens: int, floor: bool = False, smg: bool = False) -> tuple[subprocess.Popen, str]:
+    """The reference server (scripted engine), or with `floor` this script's bare server, or with `smg` its scripted
+    MLX-proto server."""
+    if floor or smg:
+        argv = [__file__, "--serve-floor" if floor else "--serve-smg", "--tokens", str(tokens)]
     else:
         argv = ["-m", "rollout_client.server", "--engine", "scripted", "--vocab-size", "32000",
                 "--tokens-per-step", str(tokens), "--max-seq-len", str(4 * tokens), "--max-batch-size", "64"]
@@ -123,6 +136,114 @@ async def floor_transport(target: str, server_pid: int, tokens: int, rounds: int
         await channel.close()
 
 
+async def serve_smg(tokens: int) -> None:
+    """The MLX proto's Generate as the MLX servicer streams it: one chunk per token (with its logprob), then an empty
+    complete message; precomputed, so only the transport is measured."""
+    chunks = [mlx_engine_pb2.GenerateResponse(chunk=mlx_engine_pb2.GenerateStreamChunk(
+        token_ids=[7], completion_tokens=i + 1, output_logprobs=mlx_engine_pb2.OutputLogProbs(
+            token_logprobs=[-1.0], token_ids=[7], top_logprobs=[mlx_engine_pb2.TopLogProbs(values=[-1.0],
+                                                                                            token_ids=[7])])))
+              for i in range(tokens)]
+    complete = mlx_engine_pb2.GenerateResponse(complete=mlx_engine_pb2.GenerateComplete(
+        finish_reason="length", completion_tokens=tokens))
+
+    class ScriptedMlx(mlx_engine_pb2_grpc.MlxEngineServicer):
+        async def Generate(self, request, context):
+            for chunk in chunks:
+                yield chunk
+            yield complete
+
+        async def HealthCheck(self, request, context):
+            return mlx_engine_pb2.HealthCheckResponse(healthy=True)
+
+        async def GetModelInfo(self, request, context):
+            return mlx_engine_pb2.GetModelInfoResponse(vocab_size=32000, max_context_length=4 * tokens)
+
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(ScriptedMlx(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+async def smg_transport(target: str, server_pid: int, tokens: int, rounds: int, concurrency: int,
+                        samples_per_request: int) -> str:
+    """`AsyncSmgClient` (MLX dialect) against `serve_smg`: fanned out, every sample decoded and validated."""
+    from rollout_client.smg import MLX
+    from rollout_client.smg import AsyncSmgClient
+
+    client = AsyncSmgClient(ClientConfig(target=target), MLX)
+    await client.connect()
+    params = SamplingParams(max_new_tokens=tokens, stop_token_ids=(), seed=0)
+
+    async def one():
+        samples = await client.generate(RolloutRequest([1, 2, 3], params, num_samples=samples_per_request,
+                                                       logprob_mode=LogprobMode.RAW))
+        assert sum(sample.completion_token_ids.size for sample in samples) == tokens * samples_per_request
+
+    try:
+        return await measure(one, server_pid, tokens, rounds, concurrency, samples_per_request)
+    finally:
+        await client.close()
+
+
+def engines_end_to_end(tokens: int, rounds: int, concurrency: int = 8, samples_per_request: int = 8) -> list[str]:
+    """The real MLX engine and the reference server on the same tiny checkpoint: samples/s and ns/token."""
+    import functools
+    import tempfile
+
+    from flax import nnx
+
+    from learner.hf_checkpoint import write_hf_checkpoint
+    from learner.model import Transformer
+    from learner.model import model_config
+    from learner.param_paths import named_leaves
+    from learner.tasks import CharTokenizer
+    from rollout_client import EngineProcess
+    from rollout_client import MlxEngine
+    from rollout_client import RolloutClient
+
+    config = model_config("tiny", max_seq_len=4 * tokens)
+    weights = {path: np.asarray(leaf) for path, leaf in
+               named_leaves(nnx.state(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)).items()}
+    writer = functools.partial(write_hf_checkpoint, config=config, tokenizer=CharTokenizer(), eos_token_ids=(2,),
+                               overwrite=True)
+    params = SamplingParams(max_new_tokens=tokens, stop_token_ids=())
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="bench-engines-") as scratch:
+        scratch = pathlib.Path(scratch)
+        mlx = MlxEngine(ClientConfig("127.0.0.1:0", ready_timeout_s=300), writer, scratch / "weights", 0, weights,
+                        log_path=scratch / "mlx.log")
+        reference = EngineProcess("learner.serving", ["--hf-path", str(mlx.served_dir), "--max-batch-size", "64",
+                                                      "--max-seq-len", str(4 * tokens)], scratch / "reference.log")
+        client = RolloutClient(ClientConfig(reference.address, ready_timeout_s=300))
+        try:
+            for name, submit, mode in (("mlx engine (smg MLX proto)", mlx.submit, LogprobMode.RAW),
+                                       ("reference server (rollout.v1)", client.submit, LogprobMode.PROCESSED)):
+                def round_trip():
+                    futures = [submit(RolloutRequest([1, 2, 3], params, num_samples=samples_per_request,
+                                                     logprob_mode=mode)) for _ in range(concurrency)]
+                    samples = [sample for future in futures for sample in future.result()]
+                    assert sum(s.completion_token_ids.size for s in samples) == tokens * concurrency * (
+                        samples_per_request)
+
+                round_trip()  # warm-up (compiles)
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    round_trip()
+                elapsed = time.perf_counter() - start
+                samples = rounds * concurrency * samples_per_request
+                lines.append(f"{name}, tiny model, {concurrency} concurrent requests of {samples_per_request} samples "
+                             f"of {tokens} tokens: {elapsed / (samples * tokens) * 1e9:.0f} ns/token, "
+                             f"{samples / elapsed:.0f} samples/s")
+        finally:
+            client.close()
+            reference.stop()
+            mlx.close()
+    return lines
+
+
 def decode_tokens_per_second(batch_size: int = 16, steps: int = 8, calls: int = 20) -> float:
     from flax import nnx
 
@@ -149,10 +270,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--smg-rounds", type=int, default=10, help="rounds of the smg transport (per-token messages "
+                        "make a round ~30x slower than rollout.v1's)")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="tokens per sample of the real engines")
+    parser.add_argument("--engine-rounds", type=int, default=10)
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-smg", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_floor:
-        asyncio.run(serve_floor(args.tokens))
+    if args.serve_floor or args.serve_smg:
+        asyncio.run((serve_floor if args.serve_floor else serve_smg)(args.tokens))
         return
     process, target = start_server(args.tokens)
     try:
@@ -161,6 +287,16 @@ def main() -> None:
                                            samples_per_request))
             print(f"transport {args.tokens} tokens/sample, {concurrency} concurrent requests of "
                   f"{samples_per_request} samples: {result}")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    process, target = start_server(args.tokens, smg=True)
+    try:
+        for concurrency, samples_per_request in ((1, 1), (8, 1), (8, 8)):
+            result = asyncio.run(smg_transport(target, process.pid, args.tokens, args.smg_rounds, concurrency,
+                                               samples_per_request))
+            print(f"smg transport (MLX proto, one message per token) {args.tokens} tokens/sample, {concurrency} "
+                  f"concurrent requests of {samples_per_request} samples: {result}")
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -173,6 +309,8 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+    for line in engines_end_to_end(args.engine_tokens, args.engine_rounds):
+        print(line)
     print(f"model decode (tiny, float32, batch 16, CPU): {decode_tokens_per_second():.0f} tokens/s")
 
 

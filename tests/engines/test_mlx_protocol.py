@@ -6,10 +6,16 @@ left), ``logprobs`` (optional: unset returns no logprobs), ``stop_token_ids`` wi
 the process-wide ``mx.random.seed``: never sent).
 """
 
-from smg_grpc_proto import mlx_engine_pb2
+import asyncio
 
+import grpc
+import pytest
+from smg_grpc_proto import mlx_engine_pb2
+from smg_grpc_proto import mlx_engine_pb2_grpc
+
+from rollout_client import ClientConfig, LogprobMode, RolloutRequest, SamplingParams
 from rollout_client.protocol import pb
-from rollout_client.smg import MLX, EngineSampling
+from rollout_client.smg import MLX, AsyncSmgClient, EngineSampling
 from rollout_client.smg.stub import echoed_sampling, resolve_sampling
 
 SAMPLING = EngineSampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_new_tokens=12, stop_token_ids=(2, 7))
@@ -51,3 +57,84 @@ def test_a_request_that_never_stops_is_sent_without_stop_ids():
     params = MLX.generate_request("r/0", [1], sent).sampling_params
     assert list(params.stop_token_ids) == [] and params.ignore_eos
     assert echoed_sampling(asked, sent).HasField("stop_token_ids")
+
+
+class _SlowMlx(mlx_engine_pb2_grpc.MlxEngineServicer):
+    """Streams one token every 10 ms like the MLX servicer (a chunk per token); records the aborts it receives.
+    ``end_early``: the stream ends after 3 tokens without a complete message (what an engine that stops does)."""
+
+    def __init__(self, end_early: bool = False):
+        self.end_early = end_early
+        self.streaming = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def Generate(self, request, context):
+        for i in range(10_000):
+            if i == 3:
+                self.streaming.set()
+                if self.end_early:
+                    return
+            yield mlx_engine_pb2.GenerateResponse(chunk=mlx_engine_pb2.GenerateStreamChunk(
+                token_ids=[5], output_logprobs=mlx_engine_pb2.OutputLogProbs(token_logprobs=[-0.5], token_ids=[5])))
+            await asyncio.sleep(0.01)
+
+    async def Abort(self, request, context):
+        self.aborted.extend(request.request_ids)
+        return mlx_engine_pb2.AbortResponse()
+
+    async def HealthCheck(self, request, context):
+        return mlx_engine_pb2.HealthCheckResponse(healthy=True)
+
+    async def GetModelInfo(self, request, context):
+        return mlx_engine_pb2.GetModelInfoResponse(vocab_size=16, max_context_length=20_000, eos_token_ids=[2])
+
+
+async def _serve(servicer):
+    server = grpc.aio.server()
+    mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = AsyncSmgClient(ClientConfig(f"127.0.0.1:{port}", ready_timeout_s=60), MLX)
+    await client.connect()
+    return server, client
+
+
+def _request(num_samples=1):
+    return RolloutRequest([1, 2], SamplingParams(max_new_tokens=9_000), num_samples=num_samples,
+                          logprob_mode=LogprobMode.RAW, request_id="req")
+
+
+def test_a_cancelled_request_is_aborted_on_the_engine_protocol_conformance():
+    async def scenario():
+        servicer = _SlowMlx()
+        server, client = await _serve(servicer)
+        try:
+            task = asyncio.create_task(client.generate(_request(num_samples=2)))
+            await asyncio.wait_for(servicer.streaming.wait(), 60)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(600):  # both aborts are sent at once; 60 s is only a bound for a loaded machine
+                if len(servicer.aborted) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            return sorted(servicer.aborted)
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    assert asyncio.run(scenario()) == ["req/0", "req/1"]  # each fanned-out engine request
+
+
+def test_a_stream_that_ends_without_its_complete_message_is_an_unrequested_abort_protocol_conformance():
+    async def scenario():
+        server, client = await _serve(_SlowMlx(end_early=True))
+        try:
+            samples = await client.generate(_request(num_samples=2))
+            return samples, client.metrics()
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    samples, metrics = asyncio.run(scenario())
+    assert samples == [] and metrics["samples/dropped/aborted"] == 2  # counted, never trained on
