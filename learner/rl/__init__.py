@@ -19,6 +19,7 @@ from learner.rl.config import load_config
 from learner.rl.config import to_dict
 from learner.rl.hooks import AgreementHook
 from learner.rl.hooks import CheckpointHook
+from learner.rl.hooks import EvalHook
 from learner.rl.hooks import Hook
 from learner.rl.hooks import MetricsHook
 from learner.rl.hooks import PlotHook
@@ -35,6 +36,7 @@ from learner.rl.trainer import Trainer
 __all__ = [
     "AgreementHook",
     "CheckpointHook",
+    "EvalHook",
     "Hook",
     "MetricsHook",
     "NoUsableRolloutsError",

@@ -1,18 +1,22 @@
-"""Side effects of a run, as hooks around `Run.steps`: metrics, rollout log, progress, plot, checkpoints, summary.
+"""Side effects of a run, as hooks around `Run.steps`: evaluation, metrics, rollout log, progress, plot, checkpoints,
+summary.
 
 A hook sees the run start (`Hook.on_start`), every step's `StepRecord` (`Hook.on_step`, after the update and the
 publish, before the record is yielded), the end of a run that reached ``loop.steps`` (`Hook.on_end`), and is
 closed on every exit path, an exception included (`Hook.close`). Hooks run in list order; `default_hooks` gives
 the order the CLI uses::
 
-    MetricsHook -> RolloutLogHook -> ProgressHook -> PlotHook -> CheckpointHook -> AgreementHook -> SummaryHook
+    EvalHook -> MetricsHook -> RolloutLogHook -> ProgressHook -> PlotHook -> CheckpointHook -> AgreementHook
+    -> SummaryHook
 
-so everything a step writes is on disk before its checkpoint starts. Writers run on process 0 only
+so an evaluation's metrics are written with its step, and everything a step writes is on disk before its checkpoint
+starts. Writers run on process 0 only
 (``leader_only``); checkpoints and the agreement record run on every process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -20,9 +24,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rollout_client import LogprobMode, RolloutRequest
+
 from learner.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
-from learner.plots import plot_learning_curves
+from learner.plots import DEFAULT_PANELS, plot_learning_curves
 from learner.progress import ProgressBar, summary_table
+from learner.rl.config import sampling_params
 from learner.rollout_log import LoggedBatch, RolloutLogWriter
 
 if TYPE_CHECKING:
@@ -48,6 +55,53 @@ class Hook:
 
     def close(self) -> None:
         """Releases files and threads; called on every exit path."""
+
+
+class EvalHook(Hook):
+    """Evaluates the task's validation prompts every ``validation_every`` steps and at the last step, with the weights
+    just published: ``eval/greedy/pass@1`` (one greedy completion per prompt: top-k 1) and, from
+    ``rollout.num_samples`` completions sampled as in training, ``eval/reward_mean``, ``eval/pass@1``,
+    ``eval/pass@k`` and per-reward means (the task's `validation_metrics`).
+
+    Active for tasks with ``validation_records``, ``validation_metrics`` and ``validation_every`` (the ``dataset``
+    task with ``validation``); does nothing for others. A sample the client dropped counts as a wrong (empty)
+    completion, and ``eval/dropped_samples`` counts them. The metrics join the step's record, so the metrics hook
+    writes them and the plot shows them.
+    """
+
+    def on_start(self, run: Run) -> None:
+        task = run.task
+        self.every = getattr(task, "validation_every", None)
+        if not (self.every and hasattr(task, "validation_metrics") and len(task.validation_records())):
+            self.every = None
+            return
+        sampling = sampling_params(run.config, run.trainer.max_new_tokens, task.tokenizer.eos_ids)
+        self.modes = {"eval": (sampling, run.config.rollout.num_samples),
+                      "eval/greedy": (dataclasses.replace(sampling, temperature=1.0, top_k=1, top_p=1.0, min_p=0.0),
+                                      1)}
+        self.logprob_mode = LogprobMode[run.config.rollout.logprob_mode.upper()]
+
+    def on_step(self, run: Run, record: StepRecord) -> None:
+        if self.every and (record.step % self.every == 0 or record.step == run.config.loop.steps):
+            record.metrics.update(self.evaluate(run))
+
+    def evaluate(self, run: Run) -> dict[str, float]:
+        """Samples every validation prompt in each mode (all requests in flight at once) and scores them."""
+        records = run.task.validation_records()
+        futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32), sampling,
+                                                             num_samples=n, logprob_mode=self.logprob_mode))
+                            for r in records]
+                   for prefix, (sampling, n) in self.modes.items()}
+        metrics, dropped = {}, 0
+        for prefix, pending in futures.items():
+            n = self.modes[prefix][1]
+            completions = []
+            for future in pending:
+                by_index = {sample.sample_index: sample.completion_token_ids for sample in future.result()}
+                dropped += n - len(by_index)
+                completions += [by_index.get(i, np.zeros(0, np.int32)) for i in range(n)]
+            metrics |= run.task.validation_metrics(records, completions, n, prefix=prefix)
+        return metrics | {"eval/dropped_samples": float(dropped)}
 
 
 class MetricsHook(Hook):
@@ -105,17 +159,19 @@ class ProgressHook(Hook):
 
 
 class PlotHook(Hook):
-    """The learning-curve PNG, every ``every`` steps and at the end."""
+    """The learning-curve PNG, every ``every`` steps and at the end (with a validation panel when evaluated)."""
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, num_samples: int):
         self.every = every
+        self.panels = DEFAULT_PANELS + (
+            ("validation", ("eval/reward_mean", "eval/greedy/pass@1", "eval/pass@1", f"eval/pass@{num_samples}")),)
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         if record.step % self.every == 0:
-            plot_learning_curves(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE)
+            self.on_end(run)
 
     def on_end(self, run: Run) -> None:
-        plot_learning_curves(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE)
+        plot_learning_curves(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE, self.panels)
 
 
 class CheckpointHook(Hook):
@@ -192,5 +248,6 @@ class SummaryHook(Hook):
 
 def default_hooks(config) -> list[Hook]:
     """The CLI's hooks, in order (see the module docstring)."""
-    return [MetricsHook(), RolloutLogHook(), ProgressHook(), PlotHook(config.loop.plot_every),
+    return [EvalHook(), MetricsHook(), RolloutLogHook(), ProgressHook(),
+            PlotHook(config.loop.plot_every, config.rollout.num_samples),
             CheckpointHook(config.checkpoints.every), AgreementHook(), SummaryHook()]

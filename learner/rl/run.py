@@ -240,7 +240,8 @@ class Run:
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
-                "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics()})
+                "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
+                **(self.task.metrics() if hasattr(self.task, "metrics") else {})})
         return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
                           proximal_logprobs=proximal[:samples], policy_version=trainer.policy_version,
                           server_version=server_version)

@@ -67,9 +67,77 @@ def test_summary_and_agreement_at_the_end(tmp_path, capsys):
     assert (record["steps"], record["reward_mean"], record["policy_version"]) == ([1, 2, 3], [0.25, 0.5, 1.0], 7)
 
 
-def test_default_hooks_order_puts_checkpoints_after_the_writers():
+def test_default_hooks_order_puts_evaluation_first_and_checkpoints_after_the_writers():
     names = [type(hook).__name__ for hook in default_hooks(load_config(None))]
-    assert names == ["MetricsHook", "RolloutLogHook", "ProgressHook", "PlotHook", "CheckpointHook", "AgreementHook",
-                     "SummaryHook"]
-    assert [hook.leader_only for hook in default_hooks(load_config(None))] == [True, True, True, True, False, False,
-                                                                              True]
+    assert names == ["EvalHook", "MetricsHook", "RolloutLogHook", "ProgressHook", "PlotHook", "CheckpointHook",
+                     "AgreementHook", "SummaryHook"]
+    assert [hook.leader_only for hook in default_hooks(load_config(None))] == [True, True, True, True, True, False,
+                                                                              False, True]
+
+
+class _AnsweringEngine:
+    """Stands in for an engine: completes each prompt with a scripted answer (by prompt text and sample index)."""
+
+    def __init__(self, tokenizer, answers):
+        self.tokenizer, self.answers, self.requests = tokenizer, answers, []
+
+    def submit(self, request):
+        import concurrent.futures
+        self.requests.append(request)
+        prompt = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
+        samples = [types.SimpleNamespace(sample_index=i, completion_token_ids=self.tokenizer.encode(text))
+                   for i, text in enumerate(self.answers(prompt, request)) if text is not None]
+        future = concurrent.futures.Future()
+        future.set_result(samples)
+        return future
+
+
+def test_eval_hook_scores_greedy_and_sampled_completions_of_the_validation_prompts(tmp_path):
+    from learner.rl import EvalHook
+    from learner.tasks import load_task
+    rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(3) for b in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:2]))  # 0+0, 0+1
+    task = load_task("dataset", {"path": str(tmp_path / "train.jsonl"), "prompt_column": "q", "answer_column": "a",
+                                 "tokenizer": "char", "rewards": ["exact_match"], "max_completion_tokens": 4,
+                                 "validation": {"path": str(tmp_path / "valid.jsonl"), "every": 2}})
+
+    def answers(prompt, request):
+        if request.sampling.top_k == 1:  # greedy: right on 0+0, wrong on 0+1
+            return ["0"] if "0+0" in prompt else ["7"]
+        # sampled, 4 per prompt: 0+0 two right of 4; 0+1 one right, and one sample dropped by the client
+        return ["0", "5", "0", "5"] if "0+0" in prompt else ["1", "2", None, "3"]
+
+    engine = _AnsweringEngine(task.tokenizer, answers)
+    run = _run(tmp_path, steps=3)
+    run.config = load_config(None, ["loop.steps=3", "rollout.num_samples=4"])
+    run.task, run.engine = task, engine
+    run.trainer = types.SimpleNamespace(max_new_tokens=4)
+    hook = EvalHook()
+    hook.on_start(run)
+    records = {step: _record(step, 0.0) for step in (1, 2, 3)}
+    for step, record in records.items():
+        hook.on_step(run, record)
+    assert "eval/pass@1" not in records[1].metrics  # every 2 steps, and at the last step
+    for step in (2, 3):
+        metrics = records[step].metrics
+        assert metrics["eval/greedy/pass@1"] == 0.5
+        assert metrics["eval/reward_mean"] == 3 / 8  # 3 right of 8 (the dropped one counts as wrong)
+        assert metrics["eval/pass@1"] == (2 / 4 + 1 / 4) / 2
+        assert metrics["eval/pass@4"] == 1.0
+        assert metrics["eval/dropped_samples"] == 1
+    assert len(engine.requests) == 2 * 2 * 2  # 2 evaluations x 2 prompts x (greedy, sampled)
+    greedy = [r for r in engine.requests if r.num_samples == 1]
+    assert all(r.sampling.top_k == 1 and r.sampling.temperature == 1.0 for r in greedy)
+
+
+def test_eval_hook_is_inactive_for_tasks_without_validation(tmp_path):
+    from learner.rl import EvalHook
+    from learner.tasks import load_task
+    run = _run(tmp_path)
+    run.task = load_task("addition_1digit", {})
+    hook = EvalHook()
+    hook.on_start(run)
+    record = _record(5, 0.0)
+    hook.on_step(run, record)
+    assert not any(key.startswith("eval/") for key in record.metrics)
