@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import pathlib
 
 import corrections
 import jax
@@ -17,13 +15,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer, restore_target
+from learner.hf_checkpoint import model_config_from_checkpoint
 from learner.model import Transformer, model_config
 from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
 from learner.rl.batches import demonstration_batch
 from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
                                warmup_optimizer_config)
-from learner.safetensors_io import config_from_hf, load_safetensors
+from learner.safetensors_io import load_safetensors
 from learner.sampler_replay import SamplerParams
 from learner.sharding import batch_sharding, make_mesh
 from learner.train_state import create_sharded_train_state, train_state_shardings
@@ -55,8 +54,8 @@ class Trainer:
         self.max_new_tokens = config.rollout.max_new_tokens or task.max_completion_tokens
         self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
         if config.model.hf_path:
-            hf_config = json.loads((pathlib.Path(config.model.hf_path) / "config.json").read_text())
-            self.model_config = config_from_hf(hf_config, param_dtype=config.model.param_dtype)
+            self.model_config = model_config_from_checkpoint(config.model.hf_path,
+                                                             param_dtype=config.model.param_dtype)
         else:
             self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
         self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
