@@ -26,9 +26,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model engine's own arguments."""
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--hf-path", help="Hugging Face checkpoint directory (config.json + *.safetensors) to serve")
-    model.add_argument("--model-config", default="tiny",
-                       help="name for learner.model.model_config (random weights); ignored with --hf-path")
+    model.add_argument("--model-config", help="name for learner.model.model_config, random weights (default: tiny)")
     parser.add_argument("--dtype", default="float32", help="compute dtype of the served model")
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the learner's parameter dtype: the dtype of the weights the server accepts")
     parser.add_argument("--weights", help="initial weights (safetensors file or orbax dir); default: random")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     parser.add_argument("--decode-steps-per-call", type=int, default=8,
@@ -39,11 +40,13 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     """The model engine the arguments describe; without --eos-ids a request without stop tokens runs to its end."""
     if args.hf_path:
         # The served length bounds the sequences: a sliding window at least that long is no window.
-        model = Transformer(model_config_from_checkpoint(args.hf_path, max_seq_len=args.max_seq_len),
-                            rngs=nnx.Rngs(args.seed))
+        config = model_config_from_checkpoint(args.hf_path, max_seq_len=args.max_seq_len,
+                                              param_dtype=args.param_dtype)
+        model = Transformer(config, rngs=nnx.Rngs(args.seed))
         load_safetensors(model, args.hf_path)
     else:
-        model = Transformer(model_config(args.model_config), rngs=nnx.Rngs(args.seed))
+        config = model_config(args.model_config or "tiny", param_dtype=args.param_dtype)
+        model = Transformer(config, rngs=nnx.Rngs(args.seed))
     generator = ModelGenerator(model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                max_seq_len=args.max_seq_len, decode_steps_per_call=args.decode_steps_per_call,
                                eos_token_ids=tuple(args.eos_ids or ()))

@@ -167,3 +167,21 @@ def test_server_from_hf_checkpoint_gives_transformers_logprobs(tmp_path):
     finally:
         client.close()
         server.stop(signal.SIGKILL)
+
+
+def test_model_engine_arguments_build_the_checkpoints_model_in_the_learners_dtype(capsys):
+    """In-process protocol check of the CLI: --hf-path gives the checkpoint's shapes (Qwen3's q/k norms), and the
+    accepted weights have --param-dtype; --hf-path and --model-config exclude each other."""
+    from learner.serving.__main__ import add_model_arguments, model_engine
+    from rollout_client.server.cli import server_parser
+
+    parser = server_parser("python -m learner.serving", "")
+    add_model_arguments(parser)
+    generator = model_engine(parser.parse_args(["--hf-path", str(GOLDEN / "qwen3"), "--param-dtype", "bfloat16",
+                                                "--max-seq-len", "32"]))
+    assert (generator.info.vocab_size, generator.info.max_seq_len) == (96, 32)
+    assert generator.weight_spec["layers/1/attn/k_norm/scale"] == ((16,), np.dtype(jnp.bfloat16))
+    assert {dtype for _, dtype in generator.weight_spec.values()} == {np.dtype(jnp.bfloat16)}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-path", str(GOLDEN / "qwen3"), "--model-config", "tiny"])
+    assert "not allowed with argument" in capsys.readouterr().err
