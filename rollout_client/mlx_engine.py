@@ -76,6 +76,7 @@ class MlxEngine(Engine):
       policy_version, weights: what the engine starts serving.
       keep_weight_versions: version directories kept (>= 1; the served one always).
       log_path: the server's log (appended, across restarts).
+      max_batch_size: sequences the engine decodes together (its ``--completion-batch-size``); None: its default.
 
     Raises:
       EngineExitedError: the server exited while starting (names address, exit code, log).
@@ -87,13 +88,14 @@ class MlxEngine(Engine):
 
     def __init__(self, config: ClientConfig, write_checkpoint: CheckpointWriter, weights_dir: str | os.PathLike,
                  policy_version: int, weights: Mapping[str, np.ndarray], *, keep_weight_versions: int = 2,
-                 log_path: str | os.PathLike):
+                 log_path: str | os.PathLike, max_batch_size: int | None = None):
         if keep_weight_versions < 1:
             raise ValueError(f"keep_weight_versions={keep_weight_versions}: must be >= 1 (the served directory)")
         self._write_checkpoint = write_checkpoint
         self.weights_dir = pathlib.Path(weights_dir)
         self.keep_weight_versions = keep_weight_versions
         self.log_path = pathlib.Path(log_path)
+        self._server_args = [] if max_batch_size is None else ["--completion-batch-size", str(max_batch_size)]
         self.config = dataclasses.replace(config, target=f"127.0.0.1:{free_port()}")
         self.policy_version = policy_version
         self.process = self.client = None
@@ -125,8 +127,8 @@ class MlxEngine(Engine):
 
     def _launch(self, checkpoint: pathlib.Path) -> EngineProcess:
         port = int(self.address.rsplit(":", 1)[1])
-        return EngineProcess(MLX_SERVER_MODULE, ["--model", str(checkpoint)], self.log_path, port=port,
-                             env={"HF_HUB_OFFLINE": "1"})
+        return EngineProcess(MLX_SERVER_MODULE, ["--model", str(checkpoint), *self._server_args], self.log_path,
+                             port=port, env={"HF_HUB_OFFLINE": "1"})
 
     def _write(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> pathlib.Path:
         directory = self.weights_dir / f"v{policy_version:012d}"

@@ -60,10 +60,11 @@ def check_request(request, limits: PromptLimits) -> None:
     """Refuses a `rollout_client.RolloutRequest` the engine would mishandle.
 
     >>> from rollout_client import RolloutRequest, SamplingParams
-    >>> check_request(RolloutRequest([1, 140], SamplingParams(max_new_tokens=8)), PromptLimits(128, 64))
+    >>> check_request(RolloutRequest([1, 140], SamplingParams(max_new_tokens=8), request_id="r1"),
+    ...               PromptLimits(vocab_size=128, max_seq_len=64))
     Traceback (most recent call last):
     ...
-    rollout_client.request_guards.RequestRefusedError: request ...: prompt_token_ids[1]=140 is outside the vocabulary [0, 128) (the learner's and the engine's): the engine would embed garbage or crash; fix the task's tokenizer or the model's vocab_size
+    rollout_client.request_guards.RequestRefusedError: request r1: prompt_token_ids[1]=140 is outside the vocabulary [0, 128) (the learner's and the engine's): the engine would embed garbage or crash; fix the task's tokenizer or the model's vocab_size
 
     Raises:
       RequestRefusedError: an empty prompt, a token id outside [0, vocab_size), or prompt + max_new_tokens beyond

@@ -17,7 +17,9 @@ process that streams precomputed tokens as the MLX servicer does (one message pe
 
 Engines end to end: the real MLX engine (`rollout_client.MlxEngine`, mlx-lm on the CPU) and Tether's reference server
 (``python -m learner.serving --hf-path``) serving the same tiny checkpoint directory, 8 concurrent requests of 8
-samples of ``--engine-tokens`` tokens each: samples/s and ns/token with the model's compute included.
+samples of ``--engine-tokens`` tokens each: samples/s and ns/token with the model's compute included. And the MLX
+engine's publish (write a checkpoint directory, restart the engine on it) for the tiny and small models: seconds per
+MB.
 
 Decode: the model engine (default model "tiny", float32) in this process, decode
 tokens/s with a full batch.
@@ -214,7 +216,7 @@ def engines_end_to_end(tokens: int, rounds: int, concurrency: int = 8, samples_p
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as scratch:
         scratch = pathlib.Path(scratch)
         mlx = MlxEngine(ClientConfig("127.0.0.1:0", ready_timeout_s=300), writer, scratch / "weights", 0, weights,
-                        log_path=scratch / "mlx.log")
+                        log_path=scratch / "mlx.log", max_batch_size=64)
         reference = EngineProcess("learner.serving", ["--hf-path", str(mlx.served_dir), "--max-batch-size", "64",
                                                       "--max-seq-len", str(4 * tokens)], scratch / "reference.log")
         client = RolloutClient(ClientConfig(reference.address, ready_timeout_s=300))
@@ -241,6 +243,47 @@ def engines_end_to_end(tokens: int, rounds: int, concurrency: int = 8, samples_p
             client.close()
             reference.stop()
             mlx.close()
+    return lines
+
+
+def mlx_publish_costs(model_names=("tiny", "small"), publishes: int = 3) -> list[str]:
+    """`MlxEngine.publish` (write a checkpoint directory, restart the engine on it): seconds and seconds per MB."""
+    import functools
+    import tempfile
+
+    from flax import nnx
+
+    from learner.hf_checkpoint import write_hf_checkpoint
+    from learner.model import Transformer
+    from learner.model import model_config
+    from learner.param_paths import named_leaves
+    from learner.tasks import CharTokenizer
+    from rollout_client import MlxEngine
+
+    lines = []
+    for name in model_names:
+        config = model_config(name)
+        weights = {path: np.asarray(leaf) for path, leaf in
+                   named_leaves(nnx.state(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)).items()}
+        writer = functools.partial(write_hf_checkpoint, config=config, tokenizer=CharTokenizer(), eos_token_ids=(2,),
+                                   overwrite=True)
+        with tempfile.TemporaryDirectory(prefix="bench-publish-") as scratch:
+            scratch = pathlib.Path(scratch)
+            engine = MlxEngine(ClientConfig("127.0.0.1:0", ready_timeout_s=300), writer, scratch / "weights", 0,
+                               weights, log_path=scratch / "mlx.log")
+            try:
+                runs = []
+                for version in range(1, publishes + 1):
+                    engine.publish(version, weights)
+                    runs.append(engine.metrics())
+            finally:
+                engine.close()
+        megabytes = runs[0]["publish/megabytes"]
+        write_s = np.median([run["publish/write_s"] for run in runs])
+        restart_s = np.median([run["publish/restart_s"] for run in runs])
+        lines.append(f"mlx publish ({name}, float32, {megabytes:.1f} MB, median of {publishes}): write {write_s:.2f} s "
+                     f"({write_s / megabytes * 1e3:.1f} ms/MB), restart until healthy {restart_s:.2f} s, total "
+                     f"{(write_s + restart_s) / megabytes:.3f} s/MB")
     return lines
 
 
@@ -309,8 +352,8 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
-    for line in engines_end_to_end(args.engine_tokens, args.engine_rounds):
-        print(line)
+    for line in [*engines_end_to_end(args.engine_tokens, args.engine_rounds), *mlx_publish_costs()]:
+        print(line, flush=True)
     print(f"model decode (tiny, float32, batch 16, CPU): {decode_tokens_per_second():.0f} tokens/s")
 
 

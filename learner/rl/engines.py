@@ -90,7 +90,7 @@ def _launch_mlx(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> M
     engine = MlxEngine(dataclasses.replace(client, ready_timeout_s=config.server.start_timeout_s), writer,
                        config.server.weights_dir or run_dir / "engine_weights", trainer.policy_version,
                        trainer.host_weights(), keep_weight_versions=config.server.keep_weight_versions,
-                       log_path=run_dir / "server.log")
+                       log_path=run_dir / "server.log", max_batch_size=config.server.max_batch_size)
     try:
         check_model_identity(engine.model_identity(), learner_identity(trainer.model_config), engine.address)
     except BaseException:

@@ -257,7 +257,8 @@ class _FanOut:
             token_ids=pack(np.asarray(state.token_ids, np.int64), TOKEN_ID_DTYPE),
             logprobs=pack(np.asarray(state.logprobs, np.float32), LOGPROB_DTYPE), version_spans=spans,
             finish_reason=finish, prompt_tokens=prompt_tokens, completion_tokens=count,
-            timings=pb.Timings(queue_s=0.0, generate_s=elapsed), sampling=echoed_sampling(self._request.sampling, sent)))
+            timings=pb.Timings(queue_s=0.0, generate_s=elapsed),
+            sampling=echoed_sampling(self._request.sampling, sent)))
 
 
 class SmgHealth:
