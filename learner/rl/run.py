@@ -117,7 +117,7 @@ class Run:
     def _set_up(self, stack: contextlib.ExitStack) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.task = load_task(config.task.name, config.task.args)
+        self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
@@ -204,12 +204,11 @@ class Run:
             try:
                 payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
                                                      rollout.logprob_mode)
-            except NoUsableRolloutsError:
+            except NoUsableRolloutsError as error:
                 drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
                          if "dropped" in name and count}
-                raise NoUsableRolloutsError(f"step {step}: every group of this rollout batch lost samples (stale or "
-                                            f"invalid: dropped and counted, never trained on); drops so far: "
-                                            f"{drops}") from None
+                raise NoUsableRolloutsError(f"step {step}: {error} (dropped and counted, never trained on); drops so "
+                                            f"far: {drops}") from None
             check_logprob_mode(rollout.logprob_mode, collated.logprob_mode)
         else:
             self.stream.skip_batch()  # the batch process 0 issued; keeps this process's data position in step
