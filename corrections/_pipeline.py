@@ -262,7 +262,6 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         early, late = _phases(config)
         stats["rules"] = tuple(_standalone_rule_stats(rule, log_ratio, valid) for rule in early + late)
         stats["over_under"] = tuple(dict(flags, count=stats["valid"]) for flags in over_under)
-        stats["behave"] = _diagnostics.behave_row_stats(log_ratio, keep & (weights > 0))
     else:
         keep, weights = valid, jnp.where(valid, 1.0, 0.0)
         stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, None, valid)
@@ -270,6 +269,8 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         opsm_keep = _rejection.opsm_mask(lp, old, adv, valid, config.opsm_delta)
         stats["opsm"] = _diagnostics.rejection_row_stats(opsm_keep, valid)
         keep = keep & opsm_keep
+    if roll is not None:
+        stats["behave"] = _diagnostics.behave_row_stats(log_ratio, keep & (weights > 0))
     if roll is not None or config.opsm_delta is not None:
         stats["rejection"] = _diagnostics.rejection_row_stats(keep, valid)
     if "loss" in row:
