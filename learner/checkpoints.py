@@ -27,7 +27,8 @@ Restores take a target tree of ``jax.ShapeDtypeStruct`` with shardings (`restore
 only the slices its devices need, so a state saved on one mesh restores onto any other (8 devices -> 2, another
 fsdp / tensor split). Multi-host: every process makes the same calls; orbax coordinates the writes.
 
-Policy weights for the inference server are exported with `learner.safetensors_io.save_safetensors`, not here.
+Policy weights are exported as Hugging Face checkpoints by `learner.export` /
+`learner.hf_checkpoint.write_hf_checkpoint`, not here.
 
 Example::
 

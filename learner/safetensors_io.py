@@ -187,14 +187,6 @@ def save_safetensors(model: Transformer, path: str | pathlib.Path, dtype: str | 
     safetensors.numpy.save_file(hf_tensors(weights, model.config, dtype), str(path))
 
 
-def save_hf_checkpoint(model: Transformer, directory: str | pathlib.Path) -> pathlib.Path:
-    """Transitional alias of ``learner.hf_checkpoint.write_hf_checkpoint(directory, model, model.config)`` for
-    scripts/mismatch_study.py; to be removed once it calls that."""
-    from learner.hf_checkpoint import write_hf_checkpoint  # noqa: PLC0415 -- hf_checkpoint imports this module
-
-    return write_hf_checkpoint(directory, model, model.config)
-
-
 def _model_type(config: ModelConfig, model_type: str | None) -> str:
     """The HF model_type that represents ``config`` (checked against the one asked for)."""
     if config.qkv_bias and config.qk_norm:

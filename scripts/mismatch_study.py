@@ -109,10 +109,8 @@ def warm_start(config: RunConfig, directory: pathlib.Path) -> pathlib.Path:
     """Runs the config's warm-up once and exports the policy as a Hugging Face checkpoint ``directory``."""
     if (directory / "config.json").exists():
         return directory
-    from flax import nnx
-
+    from learner.hf_checkpoint import write_hf_checkpoint
     from learner.rl import Trainer
-    from learner.safetensors_io import save_hf_checkpoint
     from learner.tasks import load_task
 
     trainer = Trainer(config, load_task(config.task.name, config.task.args))
@@ -120,11 +118,7 @@ def warm_start(config: RunConfig, directory: pathlib.Path) -> pathlib.Path:
     losses = trainer.warm_up()
     print(f"warm start seed {config.loop.seed}: {len(losses)} steps, cross entropy {losses[0]:.3f} -> "
           f"{losses[-1]:.3f}", flush=True)
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    save_hf_checkpoint(nnx.merge(trainer.graphdef, trainer.state.params), partial)
-    partial.rename(directory)
-    return directory
+    return write_hf_checkpoint(directory, trainer.host_weights(), trainer.model_config)  # atomic
 
 
 def finished(run_dir: pathlib.Path) -> bool:

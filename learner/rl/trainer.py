@@ -54,7 +54,7 @@ class Trainer:
         self.max_new_tokens = config.rollout.max_new_tokens or task.max_completion_tokens
         self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
         if config.model.hf_path:
-            self.model_config = model_config_from_checkpoint(config.model.hf_path,
+            self.model_config = model_config_from_checkpoint(config.model.hf_path, max_seq_len=self.length,
                                                              param_dtype=config.model.param_dtype)
         else:
             self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
