@@ -5,6 +5,13 @@ Full float32 logits ``[B, T, V]`` are the largest tensor of an RL step on a lang
 `jax.lax.map` with `jax.checkpoint`, so only ``[B, chunk_size, V]`` logits exist at once, in the forward pass and in
 the backward pass (which recomputes each chunk's logits instead of storing them).
 
+Rematerialisation is chosen from the shape (``remat=None``): it is what keeps the backward pass at one chunk of
+logits when there are several chunks, and buys nothing when the sequence fits in one (``T <= chunk_size``): the
+backward pass starts at the output head, so the stored logits are freed before anything else is allocated, and
+recomputing them would cost one more pass through the output projection (2 B T D V FLOPs). One chunk also runs
+without `jax.lax.map`. ``remat=True`` / ``False`` forces it either way (``False`` with several chunks keeps every
+chunk's logits for the backward pass: the memory of the unchunked computation).
+
 Alignment: outputs are aligned with the scored token. ``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``, the
 probability the model gave (at hidden position ``t - 1``) to the token that sits at ``t``. This lines up with token
 ids, loss masks and the per-token logprobs an inference server returns for the tokens it sampled. Column 0 (no
@@ -26,8 +33,8 @@ from learner.sampler_replay import replayed_token_stats
 
 
 def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array, *,
-                   temperature: float | jax.Array = 1.0, chunk_size: int = 512, return_entropy: bool = False,
-                   sampling: SamplerParams | None = None):
+                   temperature: float | jax.Array = 1.0, chunk_size: int = 512, remat: bool | None = None,
+                   return_entropy: bool = False, sampling: SamplerParams | None = None):
     """Log-probabilities of each token under the model at a sampling temperature, or under the replayed sampler.
 
     Args:
@@ -37,6 +44,8 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
         attention_mask: ``[B, T]``, True / 1 for real tokens.
         temperature: logits are divided by it before the log-softmax (the sampler's temperature).
         chunk_size: tokens per chunk; peak logits memory is ``B * chunk_size * V * 4`` bytes.
+        remat: recompute each chunk's logits in the backward pass instead of storing them; None (default): only
+            when there are several chunks (see the module docstring).
         return_entropy: also return the entropy of each predictive distribution, aligned like the logprobs.
         sampling: per-sequence ``[B]`` sampling parameters to replay (PROCESSED logprobs): temperature, then top-k,
             top-p, min-p as the server applied them (see `learner.sampler_replay`); ``temperature`` must then stay
@@ -57,12 +66,13 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
     """
     hidden = model(tokens, positions, attention_mask)
     return logprobs_from_hidden(hidden, model.output_kernel(), tokens, attention_mask, temperature=temperature,
-                                chunk_size=chunk_size, return_entropy=return_entropy, sampling=sampling)
+                                chunk_size=chunk_size, remat=remat, return_entropy=return_entropy, sampling=sampling)
 
 
 def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: jax.Array,
                          attention_mask: jax.Array | None = None, *, temperature: float | jax.Array = 1.0,
-                         chunk_size: int = 512, return_entropy: bool = False, sampling: SamplerParams | None = None):
+                         chunk_size: int = 512, remat: bool | None = None, return_entropy: bool = False,
+                         sampling: SamplerParams | None = None):
     """`token_logprobs` from final hidden states ``[B, T, D]`` and the ``[D, V]`` output projection.
 
     Example:
@@ -77,7 +87,7 @@ def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: ja
             raise ValueError(f"temperature={temperature}: with `sampling`, the per-sequence sampling.temperature "
                              "is used; leave temperature at 1.0")
         stats = functools.partial(replayed_token_stats, sampling=sampling, with_entropy=return_entropy)
-    out = map_token_chunks(stats, hidden, output_kernel, tokens, attention_mask, chunk_size=chunk_size)
+    out = map_token_chunks(stats, hidden, output_kernel, tokens, attention_mask, chunk_size=chunk_size, remat=remat)
     if not return_entropy:
         return out["logprobs"]
     return out["logprobs"], out["entropy"]
@@ -96,13 +106,13 @@ def _plain_token_stats(logits, targets, *, temperature, with_entropy):
 
 def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax.Array]], hidden: jax.Array,
                      output_kernel: jax.Array, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
-                     chunk_size: int = 512) -> dict[str, jax.Array]:
+                     chunk_size: int = 512, remat: bool | None = None) -> dict[str, jax.Array]:
     """Per-token statistics of the next-token logits, one chunk of the token axis at a time.
 
     Args:
         token_stats: ``(logits [B, C, V] float32, targets [B, C]) -> {name: [B, C]}``, the statistics of the
             distribution at each hidden position and the token that follows it.
-        hidden, output_kernel, tokens, attention_mask, chunk_size: as in `logprobs_from_hidden`.
+        hidden, output_kernel, tokens, attention_mask, chunk_size, remat: as in `logprobs_from_hidden`.
 
     Returns:
         ``{name: [B, T]}`` aligned with the scored token (see the module docstring), 0 where not scored.
@@ -110,6 +120,19 @@ def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax
     batch, seq_len, _ = hidden.shape
     chunk_size = min(chunk_size, seq_len)
     num_chunks = math.ceil(seq_len / chunk_size)
+    if remat is None:
+        remat = num_chunks > 1
+
+    def chunk_stats(chunk):
+        chunk_hidden, chunk_targets = chunk
+        logits = jnp.einsum("bcd,dv->bcv", chunk_hidden, output_kernel, preferred_element_type=jnp.float32)
+        return token_stats(logits, chunk_targets)
+
+    if remat:
+        chunk_stats = jax.checkpoint(chunk_stats)
+    if num_chunks == 1:  # the hidden state at the last position scores nothing
+        stats = chunk_stats((hidden[:, :-1], tokens[:, 1:]))
+        return _scored({name: jnp.pad(value, ((0, 0), (1, 0))) for name, value in stats.items()}, attention_mask)
     padded_len = num_chunks * chunk_size
     next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, padded_len - seq_len + 1)))
     hidden = jnp.pad(hidden, ((0, 0), (0, padded_len - seq_len), (0, 0)))
@@ -121,14 +144,14 @@ def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax
         x = jnp.swapaxes(x, 0, 1).reshape(batch, padded_len)[:, : seq_len - 1]
         return jnp.pad(x, ((0, 0), (1, 0)))
 
-    @jax.checkpoint
-    def chunk_stats(chunk):
-        chunk_hidden, chunk_targets = chunk
-        logits = jnp.einsum("bcd,dv->bcv", chunk_hidden, output_kernel, preferred_element_type=jnp.float32)
-        return token_stats(logits, chunk_targets)
-
     stats = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(next_tokens)))
+    return _scored({name: from_chunks(value) for name, value in stats.items()}, attention_mask)
+
+
+def _scored(stats: dict[str, jax.Array], attention_mask: jax.Array | None) -> dict[str, jax.Array]:
+    """``stats`` ``[B, T]`` (aligned with the scored token), 0 at column 0 and at padding."""
+    seq_len = next(iter(stats.values())).shape[1]
     scored = jnp.arange(seq_len)[None, :] > 0
     if attention_mask is not None:
         scored = scored & attention_mask.astype(bool)
-    return {name: jnp.where(scored, from_chunks(value), 0.0) for name, value in stats.items()}
+    return {name: jnp.where(scored, value, 0.0) for name, value in stats.items()}

@@ -3,14 +3,20 @@
     python -m learner.train --config configs/default.toml [--set section.field=value ...]
 
 The loop itself is the library `learner.rl` (`Run`, its steps and hooks); this module parses the command line, sets
-up JAX (CPU device count, collectives, the distributed system) and runs it. Rerunning the same command resumes from
-the run directory's latest checkpoint; a run that already finished says so and exits 0.
+up JAX (CPU device count, collectives, the distributed system, the persistent compilation cache) and runs it.
+Rerunning the same command resumes from the run directory's latest checkpoint; a run that already finished says so
+and exits 0.
+
+Compiled programs are cached on disk (`enable_compilation_cache`): a rerun, a resumed run or another run of the same
+shapes loads them instead of compiling. ``JAX_COMPILATION_CACHE_DIR`` picks the directory (default
+``~/.cache/tether/jax``, under ``XDG_CACHE_HOME`` when set); ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -39,6 +45,13 @@ def parse_args(argv=None) -> tuple[pathlib.Path | None, list[str]]:
     return args.config, overrides
 
 
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache, in ``JAX_COMPILATION_CACHE_DIR`` or else ``~/.cache/tether/jax``."""
+    if jax.config.jax_compilation_cache_dir is None:  # set from JAX_COMPILATION_CACHE_DIR when that is set
+        cache_home = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+        jax.config.update("jax_compilation_cache_dir", str(cache_home / "tether" / "jax"))
+
+
 def setup_jax(config: RunConfig) -> None:
     """CPU device count, CPU collectives and the distributed system: before any other JAX call."""
     if config.mesh.cpu_devices:
@@ -54,6 +67,7 @@ def main(argv=None) -> None:
         config = load_config(config_path, overrides)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    enable_compilation_cache()
     setup_jax(config)
     try:
         with Run(config) as run:

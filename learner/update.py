@@ -61,6 +61,8 @@ class UpdateConfig:
     shuffle: bool = True  # permute rows before splitting them into mini-batches, every epoch.
     temperature: float = 1.0  # logprobs' temperature when the batch has no sampling params (else must be 1).
     logprob_chunk_size: int = 512  # tokens per chunk of the output projection (see learner.logprobs).
+    logprob_remat: bool | None = None  # recompute each chunk's logits in the backward pass; None: only when the
+    # sequence spans several chunks (one chunk gains no memory from it; see learner.logprobs).
     rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
 
     def __post_init__(self):
@@ -70,6 +72,9 @@ class UpdateConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"UpdateConfig.{name}={value!r} must be an int >= 1.")
+        if self.logprob_remat is not None and not isinstance(self.logprob_remat, bool):
+            raise ValueError(f"UpdateConfig.logprob_remat={self.logprob_remat!r} must be true, false or None "
+                             "(None: only with several chunks).")
         if self.rows_per_chunk is not None and (not isinstance(self.rows_per_chunk, int) or self.rows_per_chunk < 0):
             raise ValueError(f"UpdateConfig.rows_per_chunk={self.rows_per_chunk!r} must be an int >= 0 or None.")
         if not self.temperature > 0:
@@ -110,7 +115,7 @@ def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatc
     at ``config.temperature`` when the batch has none."""
     return token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
                           temperature=config.temperature, chunk_size=config.logprob_chunk_size,
-                          return_entropy=return_entropy, sampling=batch.sampling)
+                          remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling)
 
 
 def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
@@ -166,8 +171,9 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
 
     Returns:
         ``(grads, loss, denominator, metrics)``: the gradient of the global loss ``loss = sum(numerators) /
-        max(sum(denominators), 1)``, the loss, the summed denominator and the corrections' metrics of the whole
-        mini-batch (from every micro-batch's row statistics together).
+        max(sum(denominators), 1)`` (NaN everywhere when the loss is not finite, so the optimizer's guard skips
+        it), the loss, the summed denominator and the corrections' metrics of the whole mini-batch (from every
+        micro-batch's row statistics together).
     """
     n = config.num_microbatches
     micro_rows = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, n), rows), mesh, 1)
@@ -189,9 +195,11 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     (grads_sum, numerator, denominator), row_stats = jax.lax.scan(
         accumulate, init, (micro_rows, jax.random.split(key, n)))
     scale = 1.0 / jnp.maximum(denominator, 1.0)
-    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads_sum, params)
+    loss = numerator * scale
+    grad_scale = jnp.where(jnp.isfinite(loss), scale, jnp.nan)  # one scalar: no extra pass over the gradients
+    grads = jax.tree.map(lambda g, p: (g * grad_scale).astype(p.dtype), grads_sum, params)
     row_stats = jax.tree.map(lambda x: x.reshape(-1), row_stats)  # [micro-batches, rows] -> [rows]
-    return grads, numerator * scale, denominator, corrections.metrics_from_row_stats(row_stats, config.corrections)
+    return grads, loss, denominator, corrections.metrics_from_row_stats(row_stats, config.corrections)
 
 
 def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
@@ -199,19 +207,22 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
                      param_shardings=None, weight_scale=None) -> tuple[TrainState, dict]:
     """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state and metrics.
 
-    A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it.
+    A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it. The gradients'
+    global norm is computed once, logged, and handed to the optimizer as its ``global_norm`` extra argument (the
+    clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it).
     """
     grads, loss, denominator, metrics = minibatch_gradients(
         state.params, rows, state.policy_version, key, graphdef=graphdef, config=config, mesh=mesh,
         param_shardings=param_shardings, weight_scale=weight_scale)
-    grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optax.with_extra_args_support(optimizer).update(grads, state.opt_state, state.params,
+                                                                         global_norm=grad_norm)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics)
     metrics.update({
         "actor/pg_loss": loss,
         "actor/loss_denominator": denominator,
-        "actor/grad_norm": optax.tree.norm(grads),
+        "actor/grad_norm": grad_norm,
         "actor/skipped_updates": skipped_updates(opt_state),
     })
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics

@@ -41,7 +41,8 @@ def test_chunked_equals_unchunked(head_inputs, chunk_size):
     np.testing.assert_allclose(ent, want_ent, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_gradients_equal_unchunked(head_inputs):
+@pytest.mark.parametrize("chunk_size, remat", [(4, None), (4, False), (11, None), (11, True), (64, None)])
+def test_chunked_gradients_equal_unchunked(head_inputs, chunk_size, remat):
     hidden, kernel, tokens, mask = head_inputs
     weights = jnp.linspace(-1.0, 1.0, B * T).reshape(B, T)
 
@@ -49,10 +50,22 @@ def test_chunked_gradients_equal_unchunked(head_inputs):
         return lambda h, k: jnp.sum(weights * fn(h, k))
 
     chunked = jax.jit(jax.grad(loss(lambda h, k: logprobs_from_hidden(h, k, tokens, mask, temperature=1.3,
-                                                                      chunk_size=4)), argnums=(0, 1)))
+                                                                      chunk_size=chunk_size, remat=remat)),
+                               argnums=(0, 1)))
     plain = jax.grad(loss(lambda h, k: _unchunked(h, k, tokens, mask, 1.3)[0]), argnums=(0, 1))
     for got, want in zip(chunked(hidden, kernel), plain(hidden, kernel), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size, remat, rematerialised", [(4, None, True), (4, False, False),
+                                                                (11, None, False), (11, True, True)])
+def test_logits_are_rematerialised_only_with_several_chunks_unless_set(head_inputs, chunk_size, remat,
+                                                                       rematerialised):
+    """One chunk (T <= chunk_size) gains no memory from recomputing its logits in the backward pass."""
+    hidden, kernel, tokens, mask = head_inputs
+    jaxpr = jax.make_jaxpr(lambda h: logprobs_from_hidden(h, kernel, tokens, mask, chunk_size=chunk_size,
+                                                          remat=remat))(hidden)
+    assert ("remat" in str(jaxpr)) == rematerialised  # jax.checkpoint's primitive
 
 
 def test_matches_float64_numpy_reference(head_inputs):

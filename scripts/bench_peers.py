@@ -1,0 +1,411 @@
+"""Benchmark: the same RL update through Tether and through google-tunix's own GRPO loss and train step, alternated.
+
+Each framework runs in its own worker process: Tether in this interpreter's environment, tunix in a virtual
+environment the script creates under ``--cache-dir`` (``google-tunix`` pinned to ``TUNIX_VERSION`` with the same jax
+and flax as Tether). Both build a model of the same shape (tunix's Llama3 for a model without q/k/v bias, its Qwen2
+for one with; the parameter counts are checked equal), the same optimizer (global-norm clip 1.0, then AdamW on a
+warmup + cosine schedule) and the same batch (``B`` rows of ``T`` tokens: a prompt half and a trained completion
+half). One timed call is one whole update of the batch:
+
+* Tether: one `learner.update.make_update_fn` call (the non-finite guard included).
+  With recompute: corrections preset ``decoupled_token_is`` (PPO dual-clip 3.0 against proximal logprobs recomputed
+  inside the call, token TIS capped at 2). Without: ``bypass_ppo_clip`` (the rollout logprobs are the proximal ones).
+* tunix: ``tunix.rl.common.compute_per_token_logps`` (the old-policy pass, plus the TIS weights) when recomputing,
+  then ``PeftTrainer``'s jitted train step (``nnx.value_and_grad`` of ``tunix.rl.algo_core.grpo_loss_fn`` with
+  ``loss_agg_mode="token-mean"``, ``epsilon_c=3.0``, ``beta=0``; global norm; ``nnx.Optimizer.update``) once per
+  mini-batch and epoch. Without recompute the rollout logprobs are passed as ``old_per_token_logps``.
+
+Both workers compile first (the first call, timed: "first call s"), then the parent alternates them, ``--calls``
+calls per turn, which side goes first swapping every round, so that load from other processes on a shared machine
+hits both alike; the table gives the median seconds per call, tokens per second and the ratio. With
+``--cost-analysis`` each worker also compiles its programs through ``lower().compile()`` and reports XLA's FLOP and
+byte counts (summed over the programs of one update).
+
+    python scripts/bench_peers.py [--cases tiny:16:128 100m:4:128] [--recompute on off] [--rounds 5] [--calls 2]
+    python scripts/bench_peers.py --cases 100m:4:128 --recompute on --epochs 2 --minibatches 2   # default RL update
+
+The module imports nothing beyond the standard library at the top: the tunix worker runs this same file in the tunix
+environment, which has no Tether.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+TUNIX_VERSION = "0.1.7"
+PINS = ("jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8")  # Tether's (pyproject.toml)
+LEARNING_RATE = 1e-5
+TOTAL_STEPS = 1000
+MAX_GRAD_NORM = 1.0
+PAD_ID = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmarked update: model config name, rows B, tokens T, recompute on/off, epochs x mini-batches."""
+
+    model: str
+    rows: int
+    length: int
+    recompute: bool
+    epochs: int = 1
+    minibatches: int = 1
+
+    @property
+    def label(self) -> str:
+        loop = f", {self.epochs}x{self.minibatches}" if self.epochs * self.minibatches > 1 else ""
+        return f"{self.model} {self.rows}x{self.length}{loop}, recompute {'on' if self.recompute else 'off'}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shared by both workers (NumPy only).
+
+def synthetic_rollouts(vocab_size: int, rows: int, length: int) -> dict:
+    """The batch both frameworks train on: token ids in ``[1, V)`` (0 is the pad id), a prompt half and a completion
+    half; advantages per row; rollout logprobs on the completion."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    completion = length // 2
+    return dict(tokens=rng.integers(1, vocab_size, (rows, length)).astype(np.int32),
+                prompt_len=length - completion,
+                advantages=rng.normal(size=rows).astype(np.float32),
+                rollout_logprobs=-rng.uniform(5, 12, (rows, completion)).astype(np.float32))
+
+
+def cost_totals(compiled_programs) -> dict:
+    """XLA's FLOPs and bytes accessed, summed over compiled programs."""
+    flops = sum(c.cost_analysis().get("flops", 0.0) for c in compiled_programs)
+    accessed = sum(c.cost_analysis().get("bytes accessed", 0.0) for c in compiled_programs)
+    return {"gflop": flops / 1e9, "gbytes": accessed / 1e9}
+
+
+def serve(build) -> None:
+    """Worker loop: build (and time the first call), then answer ``time N`` / ``cost`` / ``quit`` lines on stdin."""
+    import jax
+
+    run, params, cost = build()
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    _reply({"first_call_s": time.perf_counter() - start, "params": params})
+    for line in sys.stdin:
+        command = line.split()
+        if command[0] == "time":
+            seconds = []
+            for _ in range(int(command[1])):
+                start = time.perf_counter()
+                jax.block_until_ready(run())
+                seconds.append(time.perf_counter() - start)
+            _reply({"seconds": seconds})
+        elif command[0] == "cost":
+            _reply(cost())
+        else:
+            return
+
+
+def _reply(message: dict) -> None:
+    print("@@" + json.dumps(message), flush=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tether worker.
+
+def tether_worker(case: Case) -> None:
+    import corrections
+    import jax
+    import numpy as np
+
+    from learner.batch import TrainBatch
+    from learner.model import count_params, model_config
+    from learner.optimizer import OptimizerConfig, make_optimizer
+    from learner.sharding import make_mesh
+    from learner.train_state import create_sharded_train_state
+    from learner.update import UpdateConfig, make_update_fn
+
+    def build():
+        config = model_config(case.model)
+        mesh = make_mesh(data=-1)
+        optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=LEARNING_RATE, total_steps=TOTAL_STEPS,
+                                                   max_grad_norm=MAX_GRAD_NORM))
+        preset = "decoupled_token_is" if case.recompute else "bypass_ppo_clip"
+        update_config = UpdateConfig(corrections=corrections.preset(preset), num_minibatches=case.minibatches,
+                                     ppo_epochs=case.epochs)
+        graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
+        update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings)
+        data = synthetic_rollouts(config.vocab_size, case.rows, case.length)
+        shape = data["tokens"].shape
+        trained = np.arange(case.length) >= data["prompt_len"]
+        loss_mask = np.broadcast_to(trained, shape).astype(np.float32)
+        rollout = np.zeros(shape, np.float32)
+        rollout[:, trained] = data["rollout_logprobs"]
+        batch = TrainBatch(tokens=data["tokens"], positions=np.broadcast_to(np.arange(case.length, dtype=np.int32),
+                                                                            shape),
+                           attention_mask=np.ones(shape, bool), loss_mask=loss_mask,
+                           advantages=np.broadcast_to(data["advantages"][:, None], shape).astype(np.float32),
+                           rollout_logprobs=rollout, policy_version=np.zeros(shape, np.int32))
+        batch = jax.device_put(batch)
+        holder = {"state": state}
+
+        def run():
+            holder["state"], metrics, proximal = update(holder["state"], batch, None)
+            return holder["state"], metrics, proximal
+
+        def cost():
+            return cost_totals([update.lower(holder["state"], batch, None).compile()])
+
+        return run, count_params(config), cost
+
+    serve(build)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# tunix worker (runs in the tunix environment).
+
+# Tether's named model shapes, as tunix model configs (copied: the tunix environment cannot import Tether).
+TUNIX_SHAPES = {
+    "tiny": dict(vocab_size=128, embed_dim=64, hidden_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, qkv_bias=True, tied=False),
+    "100m": dict(vocab_size=32_000, embed_dim=768, hidden_dim=2048, num_layers=12, num_heads=12, num_kv_heads=4,
+                 head_dim=64, qkv_bias=False, tied=True),
+}
+
+
+def tunix_worker(case: Case) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from tunix.rl import algo_core, common
+    from tunix.rl.grpo import grpo_learner
+    from tunix.sft import peft_trainer
+
+    def make_model():
+        shape = dict(TUNIX_SHAPES[case.model])
+        qkv_bias, tied = shape.pop("qkv_bias"), shape.pop("tied")
+        common_fields = dict(rope_theta=10_000, norm_eps=1e-6, **shape)
+        if qkv_bias:  # Qwen2 has q/k/v biases, Llama3 none
+            from tunix.models.qwen2 import model as qwen2
+            return qwen2.Qwen2(qwen2.ModelConfig(use_tied_embedding=tied, **common_fields), rngs=nnx.Rngs(0))
+        from tunix.models.llama3 import model as llama3
+        return llama3.Llama3(llama3.ModelConfig(weight_tying=tied, **common_fields), rngs=nnx.Rngs(0))
+
+    def build():
+        model = make_model()
+        params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        schedule = optax.warmup_cosine_decay_schedule(0.0, LEARNING_RATE, 0, TOTAL_STEPS)
+        optimizer = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), optax.adamw(schedule))
+        algo = grpo_learner.GRPOConfig(num_generations=2, num_iterations=case.epochs, beta=0.0, epsilon=0.2,
+                                       loss_agg_mode="token-mean")
+        algo.temperature = 1.0  # set by GRPOLearner from the rollout config
+        algo.epsilon_c = 3.0  # dual clip, as Tether's preset
+        trainer = peft_trainer.PeftTrainer(model, optimizer, peft_trainer.TrainingConfig(eval_every_n_steps=10**9))
+        trainer.with_loss_fn(lambda model, train_example, algo_config: algo_core.grpo_loss_fn(
+            model, train_example, algo_config=algo, pad_id=PAD_ID, eos_id=-1), has_aux=True)
+        trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
+        train_step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)
+
+        data = synthetic_rollouts(TUNIX_SHAPES[case.model]["vocab_size"], case.rows, case.length)
+        prompt = jnp.asarray(data["tokens"][:, : data["prompt_len"]])
+        completion = jnp.asarray(data["tokens"][:, data["prompt_len"]:])
+        completion_mask = jnp.ones(completion.shape, jnp.int32)
+        advantages = jnp.asarray(data["advantages"])
+        rollout = jnp.asarray(data["rollout_logprobs"])
+
+        @jax.jit
+        def tis_weights(old, rollout):
+            return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old - rollout), 2.0))
+
+        def old_logprobs():
+            graphdef, state = nnx.split(trainer.model)
+            return common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt, completion_tokens=completion,
+                                                  pad_id=PAD_ID, eos_id=-1, stop_gradient=True,
+                                                  return_logits=False, temperature=1.0)
+
+        def examples():
+            if case.recompute:
+                old = old_logprobs()
+                weights = tis_weights(old, rollout)
+            else:
+                old, weights = rollout, None
+            example = grpo_learner.TrainExample(prompt_ids=prompt, prompt_mask=prompt != PAD_ID,
+                                                completion_ids=completion, completion_mask=completion_mask,
+                                                advantages=advantages, ref_per_token_logps=None,
+                                                old_per_token_logps=old, sampler_is_weights=weights)
+            # mini-batch i holds rows i, i + n, ... (as Tether splits them), unshuffled
+            return [jax.tree.map(lambda x, i=i: x[i:: case.minibatches], example)
+                    for i in range(case.minibatches)]
+
+        def run():
+            minibatches = examples()  # the old-policy pass runs once per rollout batch, before any update
+            outputs = [train_step(minibatch) for _ in range(case.epochs) for minibatch in minibatches]
+            return outputs, nnx.state(trainer.model)
+
+        def cost():
+            example = examples()[0]
+            step = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+            programs = [step.lower(trainer.model, trainer.optimizer, example).compile()]
+            if case.recompute:
+                graphdef, state = nnx.split(trainer.model)
+                programs.append(common.compute_per_token_logps.lower(
+                    graphdef, state, prompt_tokens=prompt, completion_tokens=completion, pad_id=PAD_ID, eos_id=-1,
+                    stop_gradient=True, return_logits=False, temperature=1.0).compile())
+            totals = cost_totals(programs)
+            steps = case.epochs * case.minibatches
+            train = cost_totals(programs[:1])
+            return {"gflop": totals["gflop"] + (steps - 1) * train["gflop"],
+                    "gbytes": totals["gbytes"] + (steps - 1) * train["gbytes"]}
+
+        return run, params, cost
+
+    serve(build)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parent: environments, workers, alternation, table.
+
+def tunix_python(cache_dir: pathlib.Path) -> pathlib.Path:
+    """The tunix environment's interpreter, creating the environment (pinned, checked) on first use."""
+    venv = cache_dir / f"tunix-{TUNIX_VERSION}"
+    python = venv / "bin" / "python"
+    marker = venv / "tether-bench-ok"
+    if not marker.exists():
+        print(f"creating {venv} (google-tunix=={TUNIX_VERSION} with {' '.join(PINS)}) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"google-tunix=={TUNIX_VERSION}", *PINS],
+                       check=True)
+        check = ("import importlib.metadata as m, jax, flax, tunix.rl.algo_core; "
+                 "print(jax.__version__, flax.__version__, m.version('google-tunix'))")
+        found = subprocess.run([str(python), "-c", check], check=True, capture_output=True, text=True).stdout.split()
+        wanted = [PINS[0].split("==")[1], PINS[2].split("==")[1], TUNIX_VERSION]
+        if found != wanted:
+            sys.exit(f"error: {venv} resolved jax, flax, tunix = {found}, not {wanted}; delete it and retry")
+        marker.write_text(" ".join(found))
+    return python
+
+
+class Worker:
+    """One framework's worker process for one case."""
+
+    def __init__(self, name: str, python: pathlib.Path, case: Case, env: dict):
+        self.name = name
+        command = [str(python), __file__, "--worker", name, "--case", json.dumps(dataclasses.asdict(case))]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                        cwd=pathlib.Path(__file__).resolve().parents[1])
+        self.ready = self.read()
+
+    def read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise RuntimeError(f"{self.name} worker exited with status {self.process.wait()} (its stderr is above)")
+
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.process.stdin.write("quit\n")
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def worker_env() -> dict:
+    """Both workers: the same threads, no persistent compilation cache (first calls compile from scratch)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("JAX_COMPILATION_CACHE")}
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1])
+    return env
+
+
+def bench_case(case: Case, tunix: pathlib.Path, rounds: int, calls: int, cost: bool) -> dict:
+    """Both workers for one case: compile one after the other, then alternate timed turns."""
+    env = worker_env()
+    workers = {}
+    try:
+        for name, python in (("tether", pathlib.Path(sys.executable)), ("tunix", tunix)):
+            workers[name] = Worker(name, python, case, env)
+        if workers["tether"].ready["params"] != workers["tunix"].ready["params"]:
+            raise RuntimeError(f"parameter counts differ: tether {workers['tether'].ready['params']}, "
+                               f"tunix {workers['tunix'].ready['params']}")
+        seconds = {name: [] for name in workers}
+        for round_index in range(rounds):
+            order = ("tether", "tunix") if round_index % 2 == 0 else ("tunix", "tether")
+            for name in order:
+                seconds[name] += workers[name].ask(f"time {calls}")["seconds"]
+        costs = {name: worker.ask("cost") for name, worker in workers.items()} if cost else {}
+    finally:
+        for worker in workers.values():
+            worker.close()
+    tokens = case.rows * case.length
+    row = {"case": case.label, "params": workers["tether"].ready["params"]}
+    for name in workers:
+        row[name] = {"first_call_s": workers[name].ready["first_call_s"], "median_s": statistics.median(seconds[name]),
+                     "tokens_per_s": tokens / statistics.median(seconds[name]), "seconds": seconds[name],
+                     **costs.get(name, {})}
+    row["ratio"] = row["tether"]["tokens_per_s"] / row["tunix"]["tokens_per_s"]
+    row["first_call_ratio"] = row["tether"]["first_call_s"] / row["tunix"]["first_call_s"]
+    return row
+
+
+def parse_case(text: str, recompute: bool, epochs: int, minibatches: int) -> Case:
+    model, rows, length = text.split(":")
+    if model not in TUNIX_SHAPES:
+        raise argparse.ArgumentTypeError(f"--cases {text}: model must be one of {sorted(TUNIX_SHAPES)}")
+    return Case(model, int(rows), int(length), recompute, epochs, minibatches)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["tiny:16:128", "100m:4:128"], help="MODEL:ROWS:TOKENS")
+    parser.add_argument("--recompute", nargs="+", choices=["on", "off"], default=["on", "off"])
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--minibatches", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5, help="alternated turns per framework")
+    parser.add_argument("--calls", type=int, default=2, help="timed updates per turn")
+    parser.add_argument("--cost-analysis", action="store_true", help="also report XLA's FLOPs and bytes")
+    parser.add_argument("--cache-dir", type=pathlib.Path,
+                        default=pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+                        / "tether" / "bench_peers", help="where the tunix environment is created")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
+    parser.add_argument("--worker", choices=["tether", "tunix"], help=argparse.SUPPRESS)
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        case = Case(**json.loads(args.case))
+        return tether_worker(case) if args.worker == "tether" else tunix_worker(case)
+    cases = [parse_case(text, flag == "on", args.epochs, args.minibatches)
+             for text in args.cases for flag in args.recompute]
+    tunix = tunix_python(args.cache_dir)
+    print(f"alternated: {args.rounds} rounds x {args.calls} calls per framework; median seconds per update")
+    header = ("case", "params", "Tether tokens/s", "tunix tokens/s", "ratio", "Tether first call s",
+              "tunix first call s", "first-call ratio")
+    if args.cost_analysis:
+        header += ("Tether GFLOP", "tunix GFLOP", "Tether GB accessed", "tunix GB accessed")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+    rows = []
+    for case in cases:
+        row = bench_case(case, tunix, args.rounds, args.calls, args.cost_analysis)
+        rows.append(row)
+        t, u = row["tether"], row["tunix"]
+        cells = [row["case"], f"{row['params']:,}", f"{t['tokens_per_s']:,.0f}", f"{u['tokens_per_s']:,.0f}",
+                 f"**{row['ratio']:.2f}x**", f"{t['first_call_s']:.1f}", f"{u['first_call_s']:.1f}",
+                 f"{row['first_call_ratio']:.2f}"]
+        if args.cost_analysis:
+            cells += [f"{t['gflop']:.1f}", f"{u['gflop']:.1f}", f"{t['gbytes']:.2f}", f"{u['gbytes']:.2f}"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
