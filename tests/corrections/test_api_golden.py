@@ -119,11 +119,12 @@ def test_verl_rejection_rules_inverted_and_errors():
 
 
 def test_from_verl_builds_the_whole_config():
-    """from_verl sets the mode, verl's PPO with dual clip 3, the kept-count denominator, weights and rules."""
+    """from_verl sets the mode, verl's PPO with dual clip 3, the kept-count denominator, weights and rules (bypass
+    PPO-clip applies no weights, as verl's ``compute_policy_loss_bypass_mode``)."""
     got = corrections.from_verl(rollout_is="sequence", rollout_is_threshold="3.0", rollout_rs="seq_mean_k1",
                                 rollout_rs_threshold="0.99_1.01", bypass_mode=True, clip_ratio_high=0.28)
     ppo = Objective("ppo", clip_low=0.2, clip_high=0.28, dual_clip=3.0)
-    assert got == CorrectionConfig(mode="bypass", objective=ppo, importance=ImportanceWeights("sequence", high=3.0),
+    assert got == CorrectionConfig(mode="bypass", objective=ppo, importance=None,
                                    rejection=(RejectionRule("seq_mean_k1", 0.99, 1.01),), denominator="kept")
     assert corrections.from_verl(rollout_is="token", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001") \
         == corrections.preset("decoupled_geo_rs_token_tis")
