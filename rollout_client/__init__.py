@@ -2,9 +2,11 @@
 validation of rollouts.
 
 `Engine` is what the learner talks to; each backend declares its `EngineCapabilities` and `check_capabilities`
-refuses a run it cannot honour. Backends: `TetherEngine` (rollout.v1) and `MlxEngine` (the MLX servicer over its smg
-proto, launched here and restarted to publish). `rollout_client.smg` is the data plane of the smg engines;
-`rollout_client.request_guards` checks requests and the engine's model before anything reaches an engine.
+refuses a run it cannot honour. Backends: `TetherEngine` (rollout.v1), `MlxEngine` (the MLX servicer over its smg
+proto, launched here and restarted to publish), `SGLangEngine` and `VllmEngine` (their smg protos, weights loaded from
+disk through their HTTP control planes, `HttpControl`). `EnginePool` spreads requests over several engines and
+survives engines that die. `rollout_client.smg` is the data plane of the smg engines; `rollout_client.request_guards`
+checks requests and the engine's model before anything reaches an engine.
 
 The reference inference server's shell lives in `rollout_client.server` (``python -m rollout_client.server`` serves
 the scripted engine; ``python -m learner.serving`` the learner's model). `EngineProcess` runs an engine's server as a
@@ -25,6 +27,10 @@ from rollout_client.engine import EngineRequirements
 from rollout_client.engine import VersionReporting
 from rollout_client.engine import WeightTransport
 from rollout_client.engine import check_capabilities
+from rollout_client.engine_pool import EnginePool
+from rollout_client.engine_pool import EnginesDownError
+from rollout_client.engine_pool import Member
+from rollout_client.engine_pool import PoolConfig
 from rollout_client.engine_process import EngineExitedError
 from rollout_client.engine_process import EngineProcess
 from rollout_client.errors import InvalidRolloutError
@@ -33,6 +39,9 @@ from rollout_client.errors import RolloutDeadlineError
 from rollout_client.errors import RolloutError
 from rollout_client.errors import RolloutUnavailableError
 from rollout_client.errors import ServerNotReadyError
+from rollout_client.http_control import ControlPlaneError
+from rollout_client.http_control import ControlPlaneUnavailableError
+from rollout_client.http_control import HttpControl
 from rollout_client.mlx_engine import MlxEngine
 from rollout_client.request_guards import ModelIdentity
 from rollout_client.request_guards import ModelMismatchError
@@ -43,27 +52,36 @@ from rollout_client.sampling_params import LogprobMode
 from rollout_client.sampling_params import PauseMode
 from rollout_client.sampling_params import SamplingParams
 from rollout_client.samples import Sample
+from rollout_client.sglang_engine import SGLangEngine
 from rollout_client.sync_client import RolloutClient
 from rollout_client.tether_engine import TetherEngine
 from rollout_client.validation import ValidationConfig
+from rollout_client.vllm_engine import VllmEngine
 
 __all__ = [
     "AsyncRolloutClient",
     "ClientConfig",
+    "ControlPlaneError",
+    "ControlPlaneUnavailableError",
     "Engine",
     "EngineCapabilities",
     "EngineCapabilityError",
-    "EngineInfo",
     "EngineExitedError",
+    "EngineInfo",
+    "EnginePool",
     "EngineProcess",
     "EngineRequirements",
+    "EnginesDownError",
     "FinishReason",
+    "HttpControl",
     "InvalidRolloutError",
     "LogprobMode",
+    "Member",
     "MlxEngine",
     "ModelIdentity",
     "ModelMismatchError",
     "PauseMode",
+    "PoolConfig",
     "PromptLimits",
     "ProtocolError",
     "RequestRefusedError",
@@ -74,12 +92,14 @@ __all__ = [
     "RolloutError",
     "RolloutRequest",
     "RolloutUnavailableError",
+    "SGLangEngine",
     "Sample",
     "SamplingParams",
     "ServerNotReadyError",
     "TetherEngine",
     "ValidationConfig",
     "VersionReporting",
+    "VllmEngine",
     "WeightTransport",
     "check_capabilities",
     "collate",

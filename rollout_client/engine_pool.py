@@ -63,12 +63,13 @@ class Member:
     Args:
         address: where it serves (for messages and metrics).
         engine: the connected engine.
-        relaunch: builds a fresh engine in its place (a launched engine); None for an external one.
+        relaunch: builds a fresh engine in its place (a launched engine), given the pool's current ``(policy_version,
+            weights)`` (None before the first publish); None for an external engine.
     """
 
     address: str
     engine: Engine
-    relaunch: Callable[[], Engine] | None = None
+    relaunch: Callable[[tuple[int, Mapping[str, np.ndarray]] | None], Engine] | None = None
     in_flight: int = 0
     served: int = 0  # requests it completed
     healthy: bool = True
@@ -82,6 +83,12 @@ class Member:
         if process is None:
             return ""
         return f" (exit code {process.returncode}; log {process.log_path})"
+
+
+def engine_address(engine: Engine, default: str) -> str:
+    """Where ``engine`` serves: its own ``address``, its launched process's, or ``default``."""
+    process = getattr(engine, "process", None)
+    return getattr(engine, "address", None) or getattr(process, "address", None) or default
 
 
 def _engine_down(error: BaseException) -> bool:
@@ -225,11 +232,14 @@ class EnginePool(Engine):
                 old.close()
             except Exception:  # noqa: BLE001 - the old engine is dead; closing is best effort
                 pass
+            with self._lock:
+                current = self._current
             try:
-                engine = member.relaunch()
+                engine = member.relaunch(current)
             except Exception as error:  # noqa: BLE001 - counted as a failed relaunch; the message keeps why
                 member.last_failure = f"relaunch {member.relaunches} failed: {error}"
                 return
+            member.address = engine_address(engine, member.address)
         else:
             engine = member.engine
             try:

@@ -21,8 +21,6 @@ import json
 import math
 import os
 import pathlib
-import re
-import shutil
 import time
 import urllib.error
 import urllib.parse
@@ -35,7 +33,6 @@ from rollout_client.client import ClientConfig
 from rollout_client.engine import Engine
 from rollout_client.engine import EngineInfo
 from rollout_client.errors import RolloutError
-from rollout_client.mlx_engine import CheckpointWriter
 from rollout_client.request_guards import PromptLimits
 from rollout_client.request_guards import RequestRefusedError
 from rollout_client.request_guards import check_request
@@ -43,11 +40,13 @@ from rollout_client.sampling_params import LogprobMode
 from rollout_client.sampling_params import PauseMode
 from rollout_client.smg.client import SmgClient
 from rollout_client.smg.dialects import SmgDialect
+from rollout_client.weight_dirs import CheckpointWriter
+from rollout_client.weight_dirs import collect_garbage
+from rollout_client.weight_dirs import version_dir
 
 __all__ = ["ControlPlaneError", "ControlPlaneUnavailableError", "HttpControl", "HttpControlledEngine",
            "final_repeats_last_chunk"]
 
-_VERSION_DIR = re.compile(r"^v\d{12}$")  # weights_dir/v<policy version, 12 digits>: sorts by version
 
 MAX_ERROR_BODY_CHARS = 2000  # an error page is quoted up to this length in the exception
 
@@ -180,7 +179,7 @@ class HttpControlledEngine(Engine):
       config: how to reach the engine's gRPC server (``config.target``) and how patient to be.
       control: its HTTP control endpoint.
       write_checkpoint: (directory, weights) -> writes a Hugging Face checkpoint there atomically
-        (`rollout_client.mlx_engine.CheckpointWriter`).
+        (`rollout_client.weight_dirs.CheckpointWriter`).
       weights_dir: where the version directories go; the engine must read the same path (a shared filesystem).
       logprob_mode: which logprobs the server returns (a server setting; see the subclass).
       pause_mode: how `publish` pauses the engine.
@@ -268,7 +267,7 @@ class HttpControlledEngine(Engine):
             raise ValueError(f"policy_version={policy_version}: the engine serves {self.policy_version} already "
                              "(versions must increase)")
         started = time.monotonic()
-        directory = self.weights_dir / f"v{policy_version:012d}"
+        directory = version_dir(self.weights_dir, policy_version)
         self._write_checkpoint(directory, weights)
         written = time.monotonic()
         self.client.hold()
@@ -285,19 +284,12 @@ class HttpControlledEngine(Engine):
             if confirmed or self.policy_version is not None:
                 self.client.release(policy_version if confirmed else self.policy_version)
         self.policy_version, self.served_dir = policy_version, directory
-        self._collect_garbage()
+        collect_garbage(self.weights_dir, self.served_dir, self.keep_weight_versions)
         megabytes = sum(np.asarray(array).nbytes for array in weights.values()) / 1e6
         total = time.monotonic() - started
         self._publish_metrics = {"publish/write_s": written - started, "publish/load_s": total - (written - started),
                                  "publish/megabytes": megabytes, "publish/s_per_megabyte": total / max(megabytes, 1e-9)}
         return policy_version
-
-    def _collect_garbage(self) -> None:
-        """Deletes version directories but the served one and the newest older ones (``keep_weight_versions``)."""
-        versions = sorted(path for path in self.weights_dir.iterdir()
-                          if _VERSION_DIR.match(path.name) and path.is_dir() and path < self.served_dir)
-        for path in versions[:max(len(versions) - (self.keep_weight_versions - 1), 0)]:
-            shutil.rmtree(path, ignore_errors=True)
 
     def metrics(self) -> dict[str, float]:
         return {**self.client.metrics(), **self._publish_metrics}

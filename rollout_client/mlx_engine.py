@@ -22,10 +22,8 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
-import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -44,6 +42,9 @@ from rollout_client.request_guards import check_request
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.smg.client import SmgClient
 from rollout_client.smg.dialects import MLX
+from rollout_client.weight_dirs import CheckpointWriter
+from rollout_client.weight_dirs import collect_garbage
+from rollout_client.weight_dirs import version_dir
 
 __all__ = ["MLX_CAPABILITIES", "MLX_SERVER_MODULE", "MlxEngine"]
 
@@ -57,11 +58,6 @@ MLX_CAPABILITIES = EngineCapabilities(
     native_n=False,
     honours_seed=False,
 )
-_VERSION_DIR = re.compile(r"^v(\d+)$")
-
-# (directory, weights): writes a Hugging Face checkpoint directory (config.json, safetensors, tokenizer files) at
-# `directory` atomically, replacing one there (e.g. `learner.hf_checkpoint.write_hf_checkpoint` with overwrite).
-CheckpointWriter = Callable[[pathlib.Path, Mapping[str, np.ndarray]], object]
 
 
 class MlxEngine(Engine):
@@ -109,7 +105,7 @@ class MlxEngine(Engine):
         except BaseException:
             self.close()
             raise
-        self._collect_garbage()
+        collect_garbage(self.weights_dir, self.served_dir, self.keep_weight_versions)
 
     @property
     def address(self) -> str:
@@ -131,20 +127,9 @@ class MlxEngine(Engine):
                              port=port, env={"HF_HUB_OFFLINE": "1"})
 
     def _write(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> pathlib.Path:
-        directory = self.weights_dir / f"v{policy_version:012d}"
+        directory = version_dir(self.weights_dir, policy_version)
         self._write_checkpoint(directory, weights)
         return directory
-
-    def _collect_garbage(self) -> None:
-        """Deletes version directories but the served one and the newest older ones (``keep_weight_versions``)."""
-        served = int(_VERSION_DIR.match(self.served_dir.name).group(1))
-        versions = sorted((int(match.group(1)), path) for path in self.weights_dir.iterdir()
-                          if (match := _VERSION_DIR.match(path.name)) and path.is_dir())
-        older = [path for version, path in reversed(versions) if version < served]  # newest first
-        kept = {self.served_dir, *older[:self.keep_weight_versions - 1]}
-        for _, path in versions:
-            if path not in kept:
-                shutil.rmtree(path, ignore_errors=True)
 
     def model_identity(self) -> ModelIdentity:
         """The served model: vocabulary, model_type and architectures as the engine reports them, and the shapes
@@ -197,7 +182,7 @@ class MlxEngine(Engine):
             self.client.release(served)
         self.policy_version = served
         check_model_identity(self.model_identity(), self._identity, self.address)
-        self._collect_garbage()
+        collect_garbage(self.weights_dir, self.served_dir, self.keep_weight_versions)
         megabytes = sum(np.asarray(array).nbytes for array in weights.values()) / 1e6
         total = time.monotonic() - started
         self._publish_metrics = {"publish/write_s": written - started, "publish/restart_s": total - (written - started),

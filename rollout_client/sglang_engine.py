@@ -37,7 +37,7 @@ from rollout_client.http_control import ControlPlaneError
 from rollout_client.http_control import HttpControl
 from rollout_client.http_control import HttpControlledEngine
 from rollout_client.http_control import final_repeats_last_chunk
-from rollout_client.mlx_engine import CheckpointWriter
+from rollout_client.weight_dirs import CheckpointWriter
 from rollout_client.request_guards import RequestRefusedError
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.sampling_params import PauseMode

@@ -14,6 +14,8 @@ from rollout_client.engine import EngineCapabilities
 from rollout_client.engine import EngineInfo
 from rollout_client.engine import VersionReporting
 from rollout_client.engine import WeightTransport
+from rollout_client.request_guards import PromptLimits
+from rollout_client.request_guards import check_request
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.sampling_params import PauseMode
 from rollout_client.sync_client import RolloutClient
@@ -43,6 +45,7 @@ class TetherEngine(Engine):
 
     def __init__(self, config: ClientConfig, process=None):
         self.process = process
+        self.config = config
         try:
             self.client = RolloutClient(config)
         except BaseException:
@@ -57,6 +60,11 @@ class TetherEngine(Engine):
                           model_identity=reply.model_config_hash)
 
     def submit(self, request) -> concurrent.futures.Future:
+        """Refuses a prompt the learner could not train on or the server could not serve (`check_request`:
+        empty, an id beyond either vocabulary, longer than the context with ``max_new_tokens``), then sends it."""
+        info = self.client.info
+        check_request(request, PromptLimits(min(self.config.validation.vocab_size or info.vocab_size,
+                                                info.vocab_size), info.max_seq_len))
         return self.client.submit(request)
 
     def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:

@@ -6,6 +6,11 @@
   ``server.address`` names one.
 - ``"mlx"``: the MLX servicer, always launched here (weights are published by restarting it on a new checkpoint
   directory under ``server.weights_dir``, written by `learner.hf_checkpoint.write_hf_checkpoint`).
+- ``"sglang"``, ``"vllm"``: an external engine's smg gRPC data plane at ``server.address`` and its HTTP control plane
+  at ``server.control_url`` (weights loaded from ``server.weights_dir``).
+
+Whatever the backend, the run sees one `rollout_client.EnginePool`: several addresses share the requests, and an
+engine that dies is taken out, relaunched (if launched here) or probed, and given the current weights on its return.
 """
 
 from __future__ import annotations
@@ -15,17 +20,23 @@ import functools
 import os
 import pathlib
 import secrets
+from collections.abc import Mapping
+
+import numpy as np
 
 from rollout_client import (Engine, EngineInfo, EngineProcess, EngineRequirements, LogprobMode, MlxEngine,
                             ModelIdentity, PauseMode, TetherEngine, check_capabilities)
+from rollout_client.engine_pool import EnginePool, Member, PoolConfig
 from rollout_client.request_guards import check_model_identity
+from rollout_client.sglang_engine import SGLangEngine
+from rollout_client.vllm_engine import VllmEngine
 from rollout_client.server.cli import AUTH_TOKEN_ENV
 
 from learner.hf_checkpoint import write_hf_checkpoint
-from learner.rl.config import RunConfig, client_config
+from learner.rl.config import RunConfig, client_config, engine_addresses
 from learner.safetensors_io import config_to_hf
 
-ENGINES = {"tether": TetherEngine, "mlx": MlxEngine}  # server.engine -> backend
+ENGINES = {"tether": TetherEngine, "mlx": MlxEngine, "sglang": SGLangEngine, "vllm": VllmEngine}  # server.engine
 
 
 def requirements(config: RunConfig) -> EngineRequirements:
@@ -39,45 +50,84 @@ def requirements(config: RunConfig) -> EngineRequirements:
 
 
 def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
-    """The command line of the embedded reference server (``python -m learner.serving``) for this run."""
-    return ["--model-config", config.model.name, "--dtype", config.server.dtype,
+    """The command line of the embedded reference server (``python -m learner.serving``) for this run: the model of
+    ``model.hf_path``'s config.json, else the named synthetic config."""
+    model = ["--hf-path", config.model.hf_path] if config.model.hf_path else ["--model-config", config.model.name]
+    return [*model, "--param-dtype", config.model.param_dtype, "--dtype", config.server.dtype,
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
             "--seed", str(config.loop.seed)]
 
 
-def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> Engine:
-    """The run's engine, connected: ``server.address``, or one launched here (log: ``run_dir/server.log``).
+def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]
+                 ) -> EnginePool:
+    """The run's engines, connected, as one `rollout_client.EnginePool`: those at ``server.address``, or one launched
+    here (log: ``run_dir/server.log``), which the pool relaunches with the current weights if it dies.
 
-    The launched reference server requires a random token of this run, handed over in its environment. The MLX
-    engine starts on the learner's current weights; its model is checked against the learner's
-    (`rollout_client.request_guards.check_model_identity`).
+    ``weights`` are the learner's current ones (`Trainer.host_weights`): the MLX engine starts on them. The launched
+    reference server requires a random token of this run, handed over in its environment. An engine's model is
+    checked against the learner's (`rollout_client.request_guards.check_model_identity`).
 
     Refuses an engine that cannot honour the run (`rollout_client.check_capabilities`) before launching anything.
     """
     name = config.server.engine
     if name not in ENGINES:
         raise ValueError(f"server.engine={name!r}: no backend yet; available: {', '.join(ENGINES)}")
-    backend = ENGINES[name]
-    check_capabilities(name, backend.capabilities, requirements(config))
+    check_capabilities(name, ENGINES[name].capabilities, requirements(config))
     if name == "mlx":
-        return _launch_mlx(config, trainer, eos_ids, run_dir)
-    token = os.environ.get(config.server.auth_token_env) if config.server.auth_token_env else None
-    process = None
-    if config.server.address is None:
-        token = secrets.token_urlsafe(32)  # Per run: no other local user can drive the embedded server.
+        if config.server.address is not None:
+            raise ValueError(f"server.address={config.server.address!r}: the mlx engine takes new weights by "
+                             "restart, so Tether launches it; unset server.address")
+        initial = (trainer.policy_version, weights)
+        launch = functools.partial(_launch_mlx, config, trainer, eos_ids, run_dir)
+        engine = launch(initial)
+        members = [Member(engine.address, engine, relaunch=lambda current: launch(current or initial))]
+    elif name in ("sglang", "vllm"):
+        engine = _connect_http_controlled(ENGINES[name], config, trainer, eos_ids)
+        members = [Member(config.server.address, engine)]
+    else:
+        members = _tether_members(config, trainer, eos_ids, run_dir)
+    server = config.server
+    try:
+        return EnginePool(members, PoolConfig(max_relaunches=server.max_relaunches,
+                                              probe_interval_s=server.probe_interval_s,
+                                              give_up_after_s=server.give_up_after_s))
+    except BaseException:
+        for member in members:
+            member.engine.close()
+        raise
+
+
+def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> list[Member]:
+    """rollout.v1 servers at ``server.address``, or the reference server launched here (relaunchable)."""
+    vocab_size = trainer.model_config.vocab_size
+    addresses = engine_addresses(config)
+    if addresses:
+        token = os.environ.get(config.server.auth_token_env) if config.server.auth_token_env else None
+        members = []
+        try:
+            for address in addresses:
+                members.append(Member(address, TetherEngine(client_config(config, address, auth_token=token,
+                                                                          vocab_size=vocab_size))))
+        except BaseException:
+            for member in members:
+                member.engine.close()
+            raise
+        return members
+    token = secrets.token_urlsafe(32)  # Per run: no other local user can drive the embedded server.
+
+    def launch(current=None) -> TetherEngine:  # the pool publishes the current weights to it before use
         process = EngineProcess("learner.serving", reference_server_args(config, trainer, eos_ids),
                                 run_dir / "server.log", config.server.start_timeout_s, env={AUTH_TOKEN_ENV: token})
-    target = config.server.address or process.address
-    return backend(client_config(config, target, auth_token=token, vocab_size=trainer.model_config.vocab_size),
-                   process=process)
+        return TetherEngine(client_config(config, process.address, auth_token=token, vocab_size=vocab_size),
+                            process=process)
+
+    engine = launch()
+    return [Member(engine.process.address, engine, relaunch=launch)]
 
 
-def _launch_mlx(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> MlxEngine:
-    """Starts the MLX engine on a checkpoint of the learner's current weights, with the task's tokenizer."""
-    if config.server.address is not None:
-        raise ValueError(f"server.address={config.server.address!r}: the mlx engine takes new weights by restart, "
-                         "so Tether launches it; unset server.address")
+def _launch_mlx(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, current) -> MlxEngine:
+    """Starts the MLX engine on a checkpoint of ``current = (policy_version, weights)``, with the task's tokenizer."""
     tokenizer = trainer.task.tokenizer
     if not hasattr(tokenizer, "save_pretrained"):
         tokenizer = config.model.hf_path  # its tokenizer files
@@ -88,11 +138,40 @@ def _launch_mlx(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> M
                                eos_token_ids=tuple(eos_ids), overwrite=True)
     client = client_config(config, "127.0.0.1:0", auth_token=None, vocab_size=trainer.model_config.vocab_size)
     engine = MlxEngine(dataclasses.replace(client, ready_timeout_s=config.server.start_timeout_s), writer,
-                       config.server.weights_dir or run_dir / "engine_weights", trainer.policy_version,
-                       trainer.host_weights(), keep_weight_versions=config.server.keep_weight_versions,
+                       config.server.weights_dir or run_dir / "engine_weights", *current,
+                       keep_weight_versions=config.server.keep_weight_versions,
                        log_path=run_dir / "server.log", max_batch_size=config.server.max_batch_size)
     try:
         check_model_identity(engine.model_identity(), learner_identity(trainer.model_config), engine.address)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> Engine:
+    """An external SGLang / vLLM engine: gRPC at ``server.address``, HTTP control at ``server.control_url``;
+    checkpoints are written under ``server.weights_dir``, which the engine must read (a shared filesystem)."""
+    server = config.server
+    if not isinstance(server.address, str) or server.control_url is None or server.weights_dir is None:
+        raise ValueError(f"server.engine={server.engine!r}: set server.address (one gRPC host:port, or a gateway), "
+                         "server.control_url (http://host:port of its HTTP API) and server.weights_dir (a directory "
+                         "the engine reads); Tether does not launch it")
+    tokenizer = trainer.task.tokenizer if hasattr(trainer.task.tokenizer, "save_pretrained") else config.model.hf_path
+    writer = functools.partial(write_hf_checkpoint, config=trainer.model_config, tokenizer=tokenizer,
+                               eos_token_ids=tuple(eos_ids), overwrite=True)
+    token = os.environ.get(server.auth_token_env) if server.auth_token_env else None
+    client = client_config(config, server.address, auth_token=None, vocab_size=trainer.model_config.vocab_size)
+    engine = backend(client, server.control_url, writer, server.weights_dir,
+                     logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
+                     keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
+                     auth_token=token)
+    try:
+        check_capabilities(server.engine, engine.capabilities, requirements(config))
+        info = engine.client.model_info
+        check_model_identity(ModelIdentity(vocab_size=info.vocab_size, model_type=info.model_type,
+                                           architectures=tuple(info.architectures)),
+                             learner_identity(trainer.model_config), server.address)
     except BaseException:
         engine.close()
         raise

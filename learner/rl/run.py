@@ -138,10 +138,11 @@ class Run:
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
-            self.engine = stack.enter_context(build_engine(config, self.trainer, stop_ids, self.run_dir))
+            weights = self.trainer.host_weights()
+            self.engine = stack.enter_context(build_engine(config, self.trainer, stop_ids, self.run_dir, weights))
             check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                            config.server.address or "the embedded server")
-            self.server_version = self.engine.publish(self.trainer.policy_version, self.trainer.host_weights())
+            self.server_version = self.engine.publish(self.trainer.policy_version, weights)
             rollout = config.rollout
             self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
                                         max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),

@@ -338,7 +338,7 @@ def vllm_servers() -> FakeServers:
 
 
 def write_fake_checkpoint(directory: pathlib.Path, weights) -> None:
-    """The tests' checkpoint writer (a `rollout_client.mlx_engine.CheckpointWriter`): ``{"offset": weights["offset"]}``
+    """The tests' checkpoint writer (a `rollout_client.weight_dirs.CheckpointWriter`): ``{"offset": weights["offset"]}``
     as WEIGHTS_FILE, written to a temporary directory and renamed into place, replacing one there (a retried
     publish writes the same version again), as the learner's writer does."""
     directory = pathlib.Path(directory)

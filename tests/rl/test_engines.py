@@ -1,11 +1,16 @@
 """The engine plug-in point: capabilities, the run's requirements, and refusal before anything starts."""
 
+import types
+
 import numpy as np
 import pytest
 
 from learner.model import model_config
 from learner.rl import load_config
-from learner.rl.engines import ENGINES, build_engine, check_identity, learner_identity, requirements
+from learner.rl.engines import (ENGINES, build_engine, check_identity, learner_identity, reference_server_args,
+                                requirements)
+from rollout_client.sglang_engine import SGLangEngine
+from rollout_client.vllm_engine import VllmEngine
 from rollout_client import (EngineCapabilities, EngineCapabilityError, EngineInfo, LogprobMode, MlxEngine,
                             ModelIdentity, ModelMismatchError, PauseMode, TetherEngine, VersionReporting,
                             WeightTransport, check_capabilities)
@@ -64,7 +69,7 @@ def test_engine_wide_versions_refuse_requests_kept_across_an_update():
 def test_a_refused_engine_is_refused_before_any_process_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(TetherEngine, "capabilities", MLX_LIKE)
     with pytest.raises(EngineCapabilityError):
-        build_engine(load_config(None), trainer=None, eos_ids=(2,), run_dir=tmp_path)
+        build_engine(load_config(None), trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
     assert not (tmp_path / "server.log").exists()  # nothing was launched
 
 
@@ -92,7 +97,7 @@ def test_the_mlx_engine_is_launched_by_tether_never_reached_at_an_address(tmp_pa
     config = load_config("configs/mlx_engine.toml", ["server.address='127.0.0.1:50051'"])
     with pytest.raises(ValueError, match="server.address='127.0.0.1:50051': the mlx engine takes new weights by "
                                          "restart, so Tether launches it; unset server.address"):
-        build_engine(config, trainer=None, eos_ids=(2,), run_dir=tmp_path)
+        build_engine(config, trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
     assert not any(tmp_path.iterdir())  # nothing was written or launched
 
 
@@ -101,3 +106,27 @@ def test_the_learners_identity_is_the_config_json_it_exports():
         vocab_size=128, model_type="qwen2", architectures=("Qwen2ForCausalLM",),
         shapes={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": False})
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_sglang_and_vllm_need_an_address_a_control_url_and_a_shared_weights_dir(tmp_path, engine):
+    for missing in (["server.address='127.0.0.1:30000'", "server.control_url='http://127.0.0.1:30010'"],
+                    ["server.control_url='http://127.0.0.1:30010'", f"server.weights_dir='{tmp_path}'"],
+                    ["server.address=['a:1', 'b:2']", "server.control_url='http://127.0.0.1:30010'",
+                     f"server.weights_dir='{tmp_path}'"]):
+        config = load_config(None, [f"server.engine='{engine}'", "rollout.max_staleness=0", *missing])
+        with pytest.raises(ValueError, match=f"server.engine='{engine}': set server.address \\(one gRPC host:port, "
+                                             "or a gateway\\), server.control_url"):
+            build_engine(config, trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
+    assert ENGINES["sglang"] is SGLangEngine and ENGINES["vllm"] is VllmEngine
+
+
+def test_reference_server_is_built_from_the_hf_checkpoint_when_there_is_one():
+    trainer = types.SimpleNamespace(length=96)
+    named = reference_server_args(load_config(None), trainer, (2,))
+    assert named[:2] == ["--model-config", "tiny"] and "--hf-path" not in named
+    from_checkpoint = reference_server_args(load_config(None, ["model.hf_path='/ckpt'",
+                                                               "model.param_dtype='bfloat16'"]), trainer, (2, 7))
+    assert from_checkpoint[:4] == ["--hf-path", "/ckpt", "--param-dtype", "bfloat16"]
+    assert "--model-config" not in from_checkpoint and from_checkpoint[from_checkpoint.index("--eos-ids") + 1:][:2] == [
+        "2", "7"]

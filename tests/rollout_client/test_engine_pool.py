@@ -36,7 +36,7 @@ def launch(tmp_path, name: str, vocab_size: int = 1000) -> TetherEngine:
 def launched_member(tmp_path, name: str) -> Member:
     engine = launch(tmp_path, name)
     relaunches = iter(range(1, 100))
-    return Member(engine.process.address, engine, relaunch=lambda: launch(tmp_path, f"{name}-{next(relaunches)}"))
+    return Member(engine.process.address, engine, relaunch=lambda current: launch(tmp_path, f"{name}-{next(relaunches)}"))
 
 
 def external_member(tmp_path, name: str, vocab_size: int = 1000) -> Member:
