@@ -101,7 +101,7 @@ class ServerSection:
     # least loaded; a dead one is taken out and probed); None launches the engine (tether: the reference server).
     address: str | list[str] | None = None
     dtype: str = _bounded("float32", choices=("float32", "bfloat16", "float16"))  # embedded server's compute dtype.
-    max_batch_size: int = _positive(64)  # embedded server's KV-cache rows.
+    max_batch_size: int = _positive(64)  # embedded server's KV-cache rows; mlx: the servicer's --completion-batch-size.
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
     start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
