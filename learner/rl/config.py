@@ -96,18 +96,18 @@ class RolloutSection:
 class ServerSection:
     """The inference engine: the embedded reference server (started here) unless ``address`` is set."""
 
-    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # engine backend (rollout_client.Engine).
+    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # backend (learner.rl.engines).
     # "host:port" of an external engine (or a gateway: smg, sglang-router), or a list of them (requests go to the
     # least loaded; a dead one is taken out and probed); None launches the engine (tether: the reference server).
     address: str | list[str] | None = None
     dtype: str = _bounded("float32", choices=("float32", "bfloat16", "float16"))  # embedded server's compute dtype.
-    max_batch_size: int = _positive(64)  # embedded server's KV-cache rows; mlx: the servicer's --completion-batch-size.
+    max_batch_size: int = _positive(64)  # embedded server's KV-cache rows; mlx: its --completion-batch-size.
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
     start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
     control_url: str | None = None  # http://host:port of the engine's HTTP control API (sglang, vllm).
     control_timeout_s: float = _positive(600.0)  # one control call (pause, load weights, resume).
-    weights_dir: str | None = None  # HF checkpoints for disk-loading engines (mlx, sglang, vllm); None: run_dir/engine_weights.
+    weights_dir: str | None = None  # HF checkpoints for mlx, sglang, vllm; None: run_dir/engine_weights.
     keep_weight_versions: int = _positive(2)  # published checkpoint directories kept there (older ones are deleted).
     generate_deadline_s: float = 30.0  # one Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts.
     max_relaunches: int = _non_negative(3)  # a launched engine that dies is relaunched (current weights) this often.
