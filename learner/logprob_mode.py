@@ -1,13 +1,29 @@
-"""RAW or PROCESSED logprobs: the learner and the server must agree, or every importance ratio is biased.
+"""RAW or PROCESSED logprobs: the learner and the engine must agree, and the ratios must be of the sampling
+distribution, or every importance ratio is biased.
 
-RAW: ``log_softmax`` of the untouched model logits on both sides. PROCESSED: of the sampling distribution
-(temperature, top-k, top-p, min-p, renormalised); the learner replays the transform from the sampling parameters
-each rollout batch echoes.
+The learner's logprobs are of the distribution the engine sampled from: it replays the engine's transform
+(temperature, top-k, top-p, min-p in the engine's order) from the parameters each rollout batch echoes. The rollout
+logprobs must be of the same distribution:
+
+- PROCESSED: the engine reports them.
+- RAW (``log_softmax`` of the untouched logits; MLX always): with a sampler that changes the distribution they are
+  rebuilt (`rebuilt_rollout_logprobs`). The sampled token's processed logprob is
+  ``raw / T - logsumexp over the kept set of (raw logprobs / T)``; the normaliser needs every token's logprob,
+  which the engine does not return, so the learner's replay at the weights that sampled supplies it, and the
+  engine's own RAW logprob supplies the token's: ``processed = learner_processed + (raw - learner_raw) / T``. Exact
+  when the learner's logits are the engine's; otherwise off by the kept-set average of the logit mismatch (/ T),
+  the size of the mismatch itself. The weights that sampled are the learner's only at staleness 0, so RAW with a
+  transform is synchronous (`rollout_client.check_capabilities` refuses the rest).
 """
 
-from rollout_client.sampling_params import LogprobMode
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from rollout_client.sampling_params import LogprobMode, SamplerOrder
 
-from learner.sampler_replay import SamplerParams, transforms
+from learner.batch import TrainBatch
+from learner.logprobs import map_token_chunks
+from learner.sampler_replay import SamplerParams, replayed_token_stats, transforms
 
 
 def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode | str) -> LogprobMode:
@@ -28,19 +44,48 @@ def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode
     return learner
 
 
-def replay_params(learner_mode: LogprobMode | str, batch) -> SamplerParams | None:
-    """What to pass as ``sampling=`` to `learner.logprobs.token_logprobs` for a collated `rollout_client.RolloutBatch`.
+def replay_params(learner_mode: LogprobMode | str, batch, order: SamplerOrder = SamplerOrder.TEMPERATURE_FIRST
+                  ) -> SamplerParams | None:
+    """What to pass as ``sampling=`` to `learner.logprobs.token_logprobs` for a collated `rollout_client.RolloutBatch`
+    sampled in ``order`` (the engine's `rollout_client.EngineCapabilities.replayed_order`).
 
-    The batch's mode is checked against the learner's; PROCESSED gives the batch's sampling parameters, RAW gives
-    None (plain ``log_softmax`` at temperature 1, as the server's RAW logprobs are). So does a PROCESSED batch
-    sampled at temperature 1 without truncation: its processed distribution is the plain one, and replaying it
-    would only cost the threshold search.
+    The batch's mode is checked against the learner's. A batch whose sampler changes the distribution gives its
+    sampling parameters, in either mode: a RAW batch's logprobs must then be rebuilt
+    (`rebuilt_rollout_logprobs`) before any ratio uses them. A batch sampled at temperature 1 without truncation
+    gives None: its sampling distribution is the plain one, and replaying it would only cost the threshold search.
     """
-    mode = check_logprob_mode(learner_mode, batch.logprob_mode)
-    if mode == LogprobMode.RAW:
-        return None
+    check_logprob_mode(learner_mode, batch.logprob_mode)
     transformed = transforms(batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-    return SamplerParams.from_batch(batch) if transformed else None
+    return SamplerParams.from_batch(batch, order) if transformed else None
+
+
+def rebuilt_rollout_logprobs(hidden: jax.Array, output_kernel: jax.Array, batch: TrainBatch, *,
+                             chunk_size: int = 512) -> dict[str, jax.Array]:
+    """The sampling distribution's logprobs of a batch whose ``rollout_logprobs`` are RAW (no gradient).
+
+    ``hidden`` ``[B, T, D]`` must come from the weights that sampled the batch (staleness 0), ``batch.sampling``
+    holds its replayed sampler.
+
+    Returns:
+      ``rollout_logprobs`` ``[B, T]``: ``learner_processed + (raw - learner_raw) / T`` where ``loss_mask`` is 1,
+      the batch's values elsewhere; ``log_kept_mass`` ``[B, T]``: the log of the mass the sampler kept (<= 0), for
+      `learner.truncation_bias.truncation_bias_metrics`.
+    """
+    sampling = batch.sampling
+    stats = map_token_chunks(lambda logits, targets: replayed_token_stats(logits, targets, sampling, with_raw=True),
+                             hidden, output_kernel, batch.tokens, batch.attention_mask, chunk_size=chunk_size)
+    stats = jax.lax.stop_gradient(stats)
+    mismatch = (batch.rollout_logprobs - stats["raw_logprobs"]) / sampling.temperature[:, None]
+    rebuilt = jnp.where(batch.loss_mask > 0, stats["logprobs"] + mismatch, batch.rollout_logprobs)
+    return {"rollout_logprobs": rebuilt, "log_kept_mass": stats["log_kept_mass"]}
+
+
+def rebuild_batch_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, *,
+                           chunk_size: int = 512) -> dict[str, jax.Array]:
+    """`rebuilt_rollout_logprobs` of a RAW ``batch`` at ``params`` (one forward of the model)."""
+    model = nnx.merge(graphdef, params)
+    hidden = model(batch.tokens, batch.positions, batch.attention_mask)
+    return rebuilt_rollout_logprobs(hidden, model.output_kernel(), batch, chunk_size=chunk_size)
 
 
 def _mode(side: str, mode: LogprobMode | str) -> LogprobMode:

@@ -16,6 +16,10 @@ tokens at or above a value, so the kept set is ``scaled >= threshold`` for one t
 depends only on the first ``r + 1`` logits, so a correct prefix of the sorted vocabulary gives the same threshold,
 bit for bit, as all of it.
 
+mlx-lm's order (the learner replays it for the MLX engine, `learner.sampler_replay`) cuts the temperature-1 logits
+with the same thresholds, top-p over the whole vocabulary (``top_p_after_top_k=False``), then applies the
+temperature to the kept set; it breaks ties at a cut by token id, which `kept_by_rank` reproduces.
+
 XLA:CPU's sort calls a comparator per comparison and costs ~10x the output projection, so neither side uses it:
 `descending` sorts with a bitonic network of elementwise max / min (the server, and the learner's fallback), and
 the learner takes the candidates of `top_candidates`: up to `NETWORK_MAX_VOCAB` tokens the same network stopped at
@@ -26,32 +30,47 @@ compare-exchange and prefix-sum step is then an elementwise operation on contigu
 them (a vocabulary-last `kept_threshold` after the network cost more than the network itself).
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 NETWORK_MAX_VOCAB = 1024  # Up to this vocabulary size the bitonic network beats jax.lax.top_k(64) on XLA:CPU.
 
 
+class Cut(NamedTuple):
+    """Where a sampler cuts one position's descending logits (``[...]`` arrays, from `kept_threshold`)."""
+
+    threshold: jax.Array  # float32: the kept set with ties at the cut kept together is ``logits >= threshold``
+    determined: jax.Array  # bool: False when the cut may lie beyond the finite entries of desc (then meaningless)
+    last: jax.Array  # float32: the value of the last kept token when ties are broken by rank (`kept_by_rank`)
+    ties_from: jax.Array  # int32: of the tokens equal to ``last`` in id order, those ranked in
+    ties_to: jax.Array  # [ties_from, ties_to) are kept when ties are broken by rank
+
+
 def kept_threshold(desc: jax.Array, log_normalizer: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   min_p: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The threshold of the kept set ``scaled >= threshold``, from descending scaled logits.
+                   min_p: jax.Array, top_p_after_top_k: jax.Array | bool = True) -> Cut:
+    """The kept set of one sampler's top-k, top-p and min-p, from descending logits on the scale they see.
 
     Args:
-      desc: ``[K, ...]`` the largest scaled logits in descending order along the first axis (vocabulary-major);
+      desc: ``[K, ...]`` the largest logits in descending order along the first axis (vocabulary-major);
         -inf marks unknown entries (every token not listed is < the last finite entry). ``K = V`` with no -inf
         entry is the full vocabulary.
-      log_normalizer: ``[...]`` logsumexp of all V scaled logits.
+      log_normalizer: ``[...]`` logsumexp of all V logits.
       top_k: ``[...]`` int, 0 disables.
       top_p: ``[...]`` in (0, 1]; 1 disables.
       min_p: ``[...]`` in [0, 1); 0 disables.
+      top_p_after_top_k: ``[...]`` bool: top-p cuts the mass of the top-k set (Tether's order) rather than of the
+        whole vocabulary (mlx-lm's).
 
     Returns:
-      ``(threshold, determined)``: float32 ``[...]`` and bool ``[...]``; ``determined`` is False when the kept
-      set may reach beyond the finite entries of ``desc`` (the threshold is then meaningless).
+      A `Cut`: the threshold with ties at the cut kept together, and the cut within the tied group when ties
+      are broken by rank (top-k keeps the first k tokens in descending order, top-p the prefix whose mass before
+      each token is < p, min-p whole groups).
 
     >>> desc = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
-    >>> threshold, determined = kept_threshold(desc, 0.0, 0, 0.7, 0.0)
-    >>> round(float(jnp.exp(threshold)), 3), bool(determined)
+    >>> cut = kept_threshold(desc, 0.0, 0, 0.7, 0.0)
+    >>> round(float(jnp.exp(cut.threshold)), 3), bool(cut.determined)
     (0.3, True)
     """
     top_k, top_p, min_p, log_normalizer = (jnp.asarray(x) for x in (top_k, top_p, min_p, log_normalizer))
@@ -63,18 +82,48 @@ def kept_threshold(desc: jax.Array, log_normalizer: jax.Array, top_k: jax.Array,
     largest = desc[0]
     weights = jnp.exp(desc - largest)  # probabilities times exp(largest - log_normalizer)
     cumulative = prefix_sums(weights)
-    top_k_mass = jnp.where(top_k_on, at_row(cumulative, jnp.sum(in_top_k, axis=0) - 1),
+    top_p_mass = jnp.where(top_k_on & top_p_after_top_k, at_row(cumulative, jnp.sum(in_top_k, axis=0) - 1),
                            jnp.exp(log_normalizer - largest))
     mass_above = jnp.concatenate([jnp.zeros_like(cumulative[:1]), cumulative[:-1]], axis=0)
-    num_top_p = jnp.sum(in_top_k & (mass_above < top_p * top_k_mass), axis=0)
-    top_p_threshold = jnp.where(top_p < 1.0, at_row(desc, jnp.maximum(num_top_p, 1) - 1), -jnp.inf)
+    num_top_p = jnp.sum(in_top_k & (mass_above < top_p * top_p_mass), axis=0)
+    top_p_on = top_p < 1.0
+    top_p_threshold = jnp.where(top_p_on, at_row(desc, jnp.maximum(num_top_p, 1) - 1), -jnp.inf)
     min_p_threshold = jnp.where(min_p > 0, largest + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf)
     threshold = jnp.maximum(jnp.maximum(top_k_threshold, top_p_threshold), min_p_threshold)
     num_kept = jnp.sum(desc >= threshold, axis=0)
     complete = num_finite == size
     top_k_known = ~top_k_on | (top_k <= num_finite)
     cut_known = (num_kept < num_finite) | (top_k_on & (top_k <= num_finite))
-    return threshold, complete | (top_k_known & cut_known)
+    # Ties broken by rank: top-k keeps k, top-p its prefix, min-p whole groups; the last kept token's group.
+    top_p_count = jnp.where(top_p_on, jnp.maximum(num_top_p, 1), size)
+    count = jnp.minimum(jnp.minimum(jnp.where(top_k_on, top_k, size), top_p_count), num_kept)
+    last = at_row(desc, count - 1)
+    group_start, group_end = jnp.sum(desc > last, axis=0), jnp.sum(desc >= last, axis=0)
+    ties_from = jnp.maximum(group_end - top_p_count, 0)  # top-p keeps the highest ids of the group
+    return Cut(threshold, complete | (top_k_known & cut_known), last, ties_from, ties_from + count - group_start)
+
+
+def kept_by_rank(logits: jax.Array, cut: Cut) -> jax.Array:
+    """The kept set ``[..., V]`` with ties at the cut broken by token id as mlx-lm breaks them: its sorts order
+    equal values by id, so top-p (ascending cumulative sum) keeps the highest ids of a tied group and top-k
+    (``argpartition`` of the negated logprobs) the lowest of what is left.
+
+    ``logits`` ``[..., V]`` on the scale of the ``cut`` ``[...]`` (`kept_threshold` of their descending values).
+    Costs a cumulative count over the vocabulary: call it where `splits_ties`.
+
+    >>> logits = jnp.log(jnp.array([0.2, 0.2, 0.2, 0.2, 0.2]))
+    >>> kept_by_rank(logits, kept_threshold(descending(logits), 0.0, 0, 0.5, 0.0)).tolist()
+    [False, False, True, True, True]
+    """
+    tied = logits == cut.last[..., None]
+    rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32) - tied
+    in_range = (rank >= cut.ties_from[..., None]) & (rank < cut.ties_to[..., None])
+    return (logits > cut.last[..., None]) | (tied & in_range)
+
+
+def splits_ties(desc: jax.Array, cut: Cut) -> jax.Array:
+    """``[...]`` bool: breaking ties by rank keeps fewer tokens than ``desc >= cut.threshold``."""
+    return cut.ties_to - cut.ties_from < jnp.sum(desc == cut.last, axis=0)
 
 
 def at_row(x: jax.Array, row: jax.Array) -> jax.Array:
@@ -202,5 +251,5 @@ def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
     [0.625, 0.375, 0.0, 0.0]
     """
     scaled = logits.astype(jnp.float32) / temperature
-    threshold, _ = kept_threshold(descending(scaled), jax.nn.logsumexp(scaled), top_k, top_p, min_p)
+    threshold = kept_threshold(descending(scaled), jax.nn.logsumexp(scaled), top_k, top_p, min_p).threshold
     return jax.nn.log_softmax(jnp.where(scaled >= threshold, scaled, -jnp.inf))

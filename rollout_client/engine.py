@@ -5,7 +5,8 @@ version, read the engine's identity, close. Engines differ in what they can hono
 ``shared/reference/engines.md``: MLX returns only RAW logprobs and takes weights by restart, SGLang reports
 per-token versions and loads weights from disk, vLLM has engine-wide versions, ...), so each declares its
 `EngineCapabilities`, and the loop states its `EngineRequirements`: `check_capabilities` refuses, before anything
-runs, a run the engine cannot honour, naming every missing capability and the config key that asks for it.
+runs, a run the engine cannot honour, naming every missing capability and the config key that asks for it. The
+engine's sampler order decides how the learner replays it (`EngineCapabilities.replayed_order`).
 
 The rollout.v1 client with the reference server (`rollout_client.TetherEngine`) is the first implementation.
 """
@@ -20,9 +21,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rollout_client.sampling_params import LogprobMode, PauseMode
+from rollout_client.sampling_params import LogprobMode, PauseMode, SamplerOrder
 
-SAMPLER_STEPS = ("temperature", "top_k", "top_p", "min_p")  # the transforms a sampler may apply, in Tether's order
+SAMPLER_STEPS = SamplerOrder.TEMPERATURE_FIRST.steps  # the transforms a sampler may apply, in Tether's order
+STEP_OFF = {"temperature": "1", "top_k": "0", "top_p": "1", "min_p": "0"}  # the value that turns each step off
+
+# What makes two orders of the steps differ: (a, b) with both used, is a applied before b? top-k keeps the k largest
+# on any scale and in any position, min-p is relative to the largest probability (which every step keeps), so only
+# these change the result: the scale top-p and min-p see, and the set whose mass top-p cuts.
+ORDER_FACTS = (("temperature", "top_p"), ("temperature", "min_p"), ("top_k", "top_p"), ("min_p", "top_p"))
 
 
 class WeightTransport(enum.Enum):
@@ -46,12 +53,24 @@ class EngineCapabilities:
     """What an engine can honour; declared by each backend."""
 
     logprob_modes: frozenset[LogprobMode]  # which distributions its logprobs can be of
-    sampler_order: tuple[str, ...]  # the order it applies SAMPLER_STEPS (the learner replays this order)
+    sampler_order: tuple[str, ...]  # the SAMPLER_STEPS it applies, in its order (the learner replays this order)
     pause_modes: frozenset[PauseMode]  # how it can pause for a weight update
     weight_transport: WeightTransport
     version_reporting: VersionReporting
     native_n: bool  # several samples per request; False: the client fans out one request per sample
     honours_seed: bool  # the same seed gives the same samples (a retried request redraws the same tokens)
+
+    def replayed_order(self, steps) -> SamplerOrder | None:
+        """The order the learner replays that acts like this engine's on ``steps`` (the SAMPLER_STEPS a run uses),
+        or None if neither does. Temperature-first is preferred where both act alike (it is the cheaper replay).
+
+        >>> caps = EngineCapabilities(frozenset(), ("top_p", "min_p", "top_k", "temperature"), frozenset(),
+        ...                           WeightTransport.RESTART, VersionReporting.NONE, False, False)
+        >>> caps.replayed_order(("temperature", "top_k")).name, caps.replayed_order(("temperature", "top_p")).name
+        ('TEMPERATURE_FIRST', 'TEMPERATURE_LAST')
+        """
+        facts = _order_facts(self.sampler_order, steps)
+        return next((order for order in SamplerOrder if _order_facts(order.steps, steps) == facts), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +90,21 @@ class EngineCapabilityError(ValueError):
 def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs: EngineRequirements) -> None:
     """Raises `EngineCapabilityError` listing every requirement ``capabilities`` cannot honour.
 
+    The learner replays the engine's sampler on its own logits in both logprob modes (PROCESSED: the engine's
+    logprobs are of the sampling distribution; RAW: the learner rebuilds those from the RAW ones), so the steps a
+    run uses must be applied in an order it replays (`EngineCapabilities.replayed_order`). The rebuilt logprobs use
+    the learner's weights, the weights that sampled only when nothing is stale: RAW with any step is synchronous.
+
     >>> caps = EngineCapabilities(frozenset({LogprobMode.RAW}), ("top_p", "min_p", "top_k", "temperature"),
     ...                           frozenset(), WeightTransport.RESTART, VersionReporting.NONE, False, False)
-    >>> check_capabilities("mlx", caps, EngineRequirements(LogprobMode.PROCESSED, ("temperature", "top_p"),
-    ...                                                     PauseMode.KEEP, max_staleness=1))
+    >>> check_capabilities("mlx", caps, EngineRequirements(LogprobMode.RAW, ("temperature", "top_p"),
+    ...                                                     max_staleness=0))
+    >>> check_capabilities("mlx", caps, EngineRequirements(LogprobMode.RAW, ("temperature", "top_p", "top_k"),
+    ...                                                     max_staleness=1))
     Traceback (most recent call last):
     ...
     rollout_client.engine.EngineCapabilityError: engine 'mlx' cannot honour this run:
-    - rollout.logprob_mode='processed': it returns only raw logprobs
-    - rollout.temperature with rollout.top_p: it applies them in the order top_p, temperature, and the learner replays temperature, top_k, top_p, min_p
+    - rollout.logprob_mode='raw' with rollout.temperature, rollout.top_p, rollout.top_k at rollout.max_staleness=1: the learner rebuilds the sampling distribution's logprobs from the raw ones with its own weights, which are the weights that sampled only when nothing is stale (set rollout.max_staleness=0, or rollout.logprob_mode='processed' where the engine offers it)
     - rollout.max_staleness=1: requests kept running across a weight update need per-token versions; this engine reports none (set rollout.max_staleness=0)
     """
     missing = []
@@ -87,11 +112,7 @@ def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs
         offered = " or ".join(sorted(mode.name.lower() for mode in capabilities.logprob_modes))
         missing.append(f"rollout.logprob_mode={needs.logprob_mode.name.lower()!r}: it returns only {offered} "
                        "logprobs")
-    replayed = needs.logprob_mode == LogprobMode.PROCESSED and len(needs.sampler_steps) > 1
-    engine_order = [step for step in capabilities.sampler_order if step in needs.sampler_steps]
-    if replayed and engine_order != [step for step in SAMPLER_STEPS if step in needs.sampler_steps]:
-        missing.append(f"{' with '.join(f'rollout.{step}' for step in needs.sampler_steps)}: it applies them in "
-                       f"the order {', '.join(engine_order)}, and the learner replays {', '.join(SAMPLER_STEPS)}")
+    missing += _sampler_refusals(capabilities, needs)
     keeps_running = needs.max_staleness > 0
     if keeps_running and capabilities.version_reporting != VersionReporting.PER_TOKEN:
         missing.append(f"rollout.max_staleness={needs.max_staleness}: requests kept running across a weight "
@@ -105,6 +126,36 @@ def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs
     if missing:
         raise EngineCapabilityError(f"engine {engine_name!r} cannot honour this run:\n"
                                     + "\n".join(f"- {item}" for item in missing))
+
+
+def _sampler_refusals(capabilities: EngineCapabilities, needs: EngineRequirements) -> list[str]:
+    """What of the run's sampler the learner cannot replay (or the engine cannot apply), one line per reason."""
+    steps = needs.sampler_steps
+    keys = ", ".join(f"rollout.{step}" for step in steps)
+    refusals = [f"rollout.{step}: it does not apply {step} (its sampler: {', '.join(capabilities.sampler_order)}; "
+                f"set rollout.{step}={STEP_OFF[step]})" for step in steps if step not in capabilities.sampler_order]
+    if not refusals and capabilities.replayed_order(steps) is None:
+        facts = _order_facts(capabilities.sampler_order, steps)
+        conflicts = min(({pair for pair, fact in facts.items() if _order_facts(order.steps, steps)[pair] != fact}
+                         for order in SamplerOrder), key=len)
+        fixes = " or ".join(sorted({f"rollout.{step}={STEP_OFF[step]}" for pair in conflicts for step in pair}))
+        engine_order = ", ".join(step for step in capabilities.sampler_order if step in steps)
+        replayed = " or ".join(f"({', '.join(order.steps)})" for order in SamplerOrder)
+        together = " with ".join(f"rollout.{step}" for step in steps)
+        refusals.append(f"{together}: it applies them in the order {engine_order}, and the learner replays "
+                        f"{replayed} (set {fixes})")
+    if needs.logprob_mode == LogprobMode.RAW and steps and needs.max_staleness > 0:
+        refusals.append(f"rollout.logprob_mode='raw' with {keys} at rollout.max_staleness={needs.max_staleness}: "
+                        "the learner rebuilds the sampling distribution's logprobs from the raw ones with its own "
+                        "weights, which are the weights that sampled only when nothing is stale (set "
+                        "rollout.max_staleness=0, or rollout.logprob_mode='processed' where the engine offers it)")
+    return refusals
+
+
+def _order_facts(order: tuple[str, ...], steps) -> dict[tuple[str, str], bool]:
+    """For each pair of ORDER_FACTS with both steps used: is the first applied before the second in ``order``?"""
+    return {(a, b): order.index(a) < order.index(b) for a, b in ORDER_FACTS
+            if a in steps and b in steps and a in order and b in order}
 
 
 @dataclasses.dataclass(frozen=True)

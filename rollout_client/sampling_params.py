@@ -18,6 +18,28 @@ class LogprobMode(enum.IntEnum):
     PROCESSED = pb.LOGPROB_MODE_PROCESSED  # Of the sampling distribution.
 
 
+class SamplerOrder(enum.IntEnum):
+    """The orders of the sampler's steps that the learner replays exactly (the values are its per-row order codes).
+
+    Ties at a cut: TEMPERATURE_FIRST keeps or drops tied tokens together; TEMPERATURE_LAST breaks them by token id
+    as mlx-lm does on its CPU backend (its sorts order equal values by index).
+    """
+
+    TEMPERATURE_FIRST = 0  # temperature, then top-k, top-p, min-p, each on the renormalised result (Tether, SGLang)
+    TEMPERATURE_LAST = 1  # top-p (whole vocabulary), min-p, top-k on the temperature-1 logprobs, then temperature
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """The steps in the order applied.
+
+        >>> SamplerOrder.TEMPERATURE_LAST.steps
+        ('top_p', 'min_p', 'top_k', 'temperature')
+        """
+        if self == SamplerOrder.TEMPERATURE_FIRST:
+            return ("temperature", "top_k", "top_p", "min_p")
+        return ("top_p", "min_p", "top_k", "temperature")
+
+
 class FinishReason(enum.IntEnum):
     """Why a sample ended (values equal the wire enum)."""
 
@@ -36,7 +58,8 @@ class PauseMode(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Sampling parameters; the server applies temperature, top-k, top-p, min-p in order.
+    """Sampling parameters; Tether's server applies temperature, top-k, top-p, min-p in this order (other engines:
+    `rollout_client.EngineCapabilities.sampler_order`).
 
     Attributes:
       temperature: divides the logits; > 0.

@@ -1,5 +1,5 @@
 """Sampler replay: the learner's PROCESSED logprobs equal the server's, in `token_logprobs` and inside the update
-step; the sampled token stays in the support."""
+step; RAW logprobs rebuilt equal the server's PROCESSED ones; the sampled token stays in the support."""
 
 import signal
 import sys
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 
 from corrections import CorrectionConfig, ImportanceWeights, mismatch_metrics
 from learner.batch import TrainBatch
-from learner.logprob_mode import check_logprob_mode, replay_params
+from learner.logprob_mode import check_logprob_mode, rebuild_batch_logprobs, replay_params
 from learner.logprobs import logprobs_from_hidden, token_logprobs
 from learner.model import Transformer, model_config
 from learner.param_paths import parameter_names
@@ -42,7 +42,7 @@ def sampler(temperature, top_k, top_p, min_p) -> SamplerParams:
 def reference_stats(logits, targets, sampling):
     """Unchunked: the server's `processed_logprobs` at every position, gathered at the targets."""
     per_row = jax.vmap(jax.vmap(processed_logprobs, (0, None, None, None, None)))
-    logp = per_row(logits, *sampling)
+    logp = per_row(logits, *sampling[:4])
     target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0), axis=-1)
     return target_logp, entropy
@@ -102,9 +102,9 @@ def test_candidate_thresholds_equal_full_sort(top_k, top_p, min_p):
     params = sampler([1.0, 1.0], [top_k] * 2, [top_p] * 2, [min_p] * 2)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)
     got = jax.jit(replayed_thresholds)(logits, log_normalizer, params)
-    want, determined = kept_threshold(descending(logits), log_normalizer, *(x[:, None] for x in params[1:]))
-    np.testing.assert_array_equal(got, want)
-    assert bool(determined.all())
+    cut = kept_threshold(descending(logits), log_normalizer, *(x[:, None] for x in params[1:4]))
+    np.testing.assert_array_equal(got, cut.threshold)
+    assert bool(cut.determined.all())
 
 
 server_transform = jax.jit(jax.vmap(jax.vmap(processed_logprobs, (0, None, None, None, None))))
@@ -128,7 +128,7 @@ def test_sampled_token_never_gets_minus_inf(seed, levels, vocab, temperature, to
                                  jnp.float32)
     server_logits = learner_logits.astype(jnp.bfloat16).astype(jnp.float32) if jitter else learner_logits
     params = sampler([temperature], [top_k], [top_p], [min_p])
-    server = server_transform(server_logits, *params)
+    server = server_transform(server_logits, *params[:4])
     np.testing.assert_allclose(jnp.exp(server).sum(-1), 1.0, atol=1e-5)
     sampled = jax.random.categorical(jax.random.key(seed), server)  # [1, 4], drawn like the server draws.
     every_token = replayed_logprobs_of_every_token(learner_logits, params)  # Includes tokens it could not draw.
@@ -157,7 +157,6 @@ def test_logprob_modes_must_agree():
     assert params.top_k.tolist() == [5] and params.top_p.dtype == jnp.float32
     with pytest.raises(ValueError, match="learner computes RAW"):
         replay_params("RAW", batch)
-    assert replay_params("RAW", types.SimpleNamespace(logprob_mode=LogprobMode.RAW)) is None
     plain = types.SimpleNamespace(logprob_mode=LogprobMode.PROCESSED, temperature=np.array([1.0, 1.0]),
                                   top_k=np.array([0, 0]), top_p=np.array([1.0, 1.0]), min_p=np.array([0.0, 0.0]))
     assert replay_params("PROCESSED", plain) is None
@@ -228,20 +227,31 @@ def test_processed_logprobs_equal_server_and_unreplayed_ones_do_not(server_clien
     np.testing.assert_allclose(np.where(mask, unreplayed - replayed, 0), np.where(mask, log_mass, 0), atol=1e-5)
 
 
-def test_raw_logprobs_and_truncation_bias_diagnostic(server_client, model):
-    batch = rollouts(server_client, LogprobMode.RAW, temperatures=(1.0, 1.0))
-    mask = batch.loss_mask
-    raw = learner_pass(model, batch, replay_params("RAW", batch))
-    np.testing.assert_allclose(np.where(mask, raw, 0), batch.rollout_logprobs, atol=1e-5)
-    processed = learner_pass(model, batch, SamplerParams.from_batch(batch))
-    hidden = model(jnp.asarray(batch.tokens), jnp.broadcast_to(jnp.arange(batch.tokens.shape[1]), batch.tokens.shape),
-                   jnp.ones(batch.tokens.shape, bool))
-    log_mass = log_kept_mass(hidden, model.output_kernel(), jnp.asarray(batch.tokens), jnp.ones(mask.shape, bool),
-                             sampling=SamplerParams.from_batch(batch), chunk_size=8)
-    # At temperature 1 the RAW server logprob is the processed one times the kept mass, token by token.
-    np.testing.assert_allclose(np.where(mask, batch.rollout_logprobs - processed, 0), np.where(mask, log_mass, 0),
-                               atol=1e-5)
-    metrics = truncation_bias_metrics(log_mass, mask)
+def train_batch(collated, sampling) -> TrainBatch:
+    shape = collated.tokens.shape
+    lengths = collated.prompt_lengths + collated.completion_lengths
+    return TrainBatch(tokens=collated.tokens, positions=np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape),
+                      attention_mask=np.arange(shape[1]) < lengths[:, None], loss_mask=collated.loss_mask,
+                      advantages=collated.loss_mask * np.array([[1.0], [-1.0], [0.5], [-0.5]], np.float32),
+                      rollout_logprobs=collated.rollout_logprobs, policy_version=collated.policy_versions,
+                      sampling=sampling)
+
+
+def test_raw_logprobs_are_rebuilt_as_the_servers_processed_ones(server_client, model):
+    """The same seeded requests in both modes draw the same tokens; the RAW logprobs rebuilt with the weights that
+    sampled equal the server's PROCESSED ones, and at temperature 1 differ from them by the log kept mass."""
+    raw = rollouts(server_client, LogprobMode.RAW, temperatures=(0.8, 1.0))
+    processed = rollouts(server_client, LogprobMode.PROCESSED, temperatures=(0.8, 1.0))
+    np.testing.assert_array_equal(raw.tokens, processed.tokens)
+    mask = raw.loss_mask
+    batch = jax.tree.map(jnp.asarray, train_batch(raw, replay_params("RAW", raw)))
+    rebuilt = jax.jit(rebuild_batch_logprobs, static_argnums=0, static_argnames="chunk_size")(
+        *nnx.split(model), batch, chunk_size=8)
+    np.testing.assert_allclose(rebuilt["rollout_logprobs"], processed.rollout_logprobs, atol=1e-5)
+    temperature_1 = mask * (raw.temperature[:, None] == 1.0)
+    np.testing.assert_allclose(np.where(temperature_1, raw.rollout_logprobs - processed.rollout_logprobs, 0),
+                               np.where(temperature_1, rebuilt["log_kept_mass"], 0), atol=1e-5)
+    metrics = truncation_bias_metrics(rebuilt["log_kept_mass"], mask)
     assert float(metrics["sampler/log_kept_mass_mean"]) < -0.5
     assert float(metrics["sampler/log_kept_mass_min"]) <= float(metrics["sampler/log_kept_mass_mean"])
 
@@ -249,13 +259,7 @@ def test_raw_logprobs_and_truncation_bias_diagnostic(server_client, model):
 def test_update_step_replays_the_servers_processed_logprobs(server_client):
     """Inside the update (proximal recompute, decoupled mode), the train/rollout mismatch is ~0 with the replay."""
     collated = rollouts(server_client, LogprobMode.PROCESSED, temperatures=(0.8, 1.0))
-    shape = collated.tokens.shape
-    lengths = collated.prompt_lengths + collated.completion_lengths
-    batch = TrainBatch(tokens=collated.tokens, positions=np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape),
-                         attention_mask=np.arange(shape[1]) < lengths[:, None], loss_mask=collated.loss_mask,
-                         advantages=collated.loss_mask * np.array([[1.0], [-1.0], [0.5], [-0.5]], np.float32),
-                         rollout_logprobs=collated.rollout_logprobs, policy_version=collated.policy_versions,
-                         sampling=replay_params("PROCESSED", collated))
+    batch = train_batch(collated, replay_params("PROCESSED", collated))
     mesh = make_mesh(2, 1, 1, devices=jax.devices()[:2])
     optimizer = optax.sgd(0.0)
     graphdef, _, shardings = create_sharded_train_state(model_config("tiny"), optimizer, mesh, seed=MODEL_SEED)

@@ -86,7 +86,7 @@ def test_replayed_threshold_keeps_the_full_sort_set(seed, vocab, levels, scale, 
     params = SamplerParams(*(jnp.full(2, x, dtype) for x, dtype in
                              ((1.0, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32), (min_p, jnp.float32))))
     threshold = jax.jit(replayed_thresholds)(scaled, log_normalizer, params)
-    full, _ = kept_threshold(descending(scaled), log_normalizer, *(x[:, None] for x in params[1:]))
+    full = kept_threshold(descending(scaled), log_normalizer, *(x[:, None] for x in params[1:4])).threshold
     np.testing.assert_array_equal(threshold, full)
     for position in np.ndindex(*shape[:2]):
         want, margin = reference_kept(np.asarray(scaled[position]), top_k, top_p, min_p)
@@ -99,7 +99,7 @@ def test_top_candidates_drop_the_last_tied_group(vocab):
     """The count largest may cut a tie; the tied value becomes -inf so every token not listed is below the list."""
     scaled = jnp.concatenate([jnp.array([9.0, 8.0, 7.0, 7.0, 7.0]), jnp.zeros(vocab - 5)])
     assert top_candidates(scaled, count=4).tolist() == [9.0, 8.0, -jnp.inf, -jnp.inf]
-    _, determined = kept_threshold(top_candidates(scaled, count=4), jax.nn.logsumexp(scaled), 3, 1.0, 0.0)
+    determined = kept_threshold(top_candidates(scaled, count=4), jax.nn.logsumexp(scaled), 3, 1.0, 0.0).determined
     assert not bool(determined)  # top-3 reaches the tie that was cut: needs the full sort
 
 
