@@ -77,13 +77,9 @@ PRESETS: dict[str, dict] = {
     "slime_tis": {"importance": {"level": "token", "low": 0.0, "high": 2.0}},
     "slime_icepop": {"importance": _ICEPOP},
     "slime_opsm": {"opsm_delta": 1e-4},
-    # off_policy_is clamps to [1 - eps_clip, 1 + eps_clip_high]: slime's default 0.2 gives [0.8, 1.2]; its CISPO
-    # recipe (--eps-clip 1.0) is importance={"low": 0.0, "high": 2.0}.
-    "slime_off_policy_is": {
-        "mode": "bypass",
-        "objective": {"name": "reinforce"},
-        "importance": {"level": "token", "low": 0.8, "high": 1.2},
-    },
+    # slime PR #2084 (8e0d556e) off_policy_is: clamp(exp(sg(lp) - roll), tis_clip_low=0, tis_clip=2) times the
+    # normal PPO loss (ratio against the recomputed logprobs).
+    "slime_off_policy_is": {"importance": {"level": "token", "low": 0.0, "high": 2.0, "numerator": "current"}},
     # AReaL decoupled PPO: behaviour weight exp(old - roll) masked (not clamped) above behav_imp_weight_cap = 5.
     "areal_decoupled_ppo": {"importance": {"level": "token", "high": 5.0, "overflow": "mask"}},
     # TRL GRPOTrainer vllm_importance_sampling_correction, by TRL's mode names: ratio exp(old - roll) with one cap C

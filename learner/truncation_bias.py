@@ -7,9 +7,7 @@ log kept mass over valid tokens says how large the uncorrected truncation bias i
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from learner.batch import TrainBatch
 from learner.logprobs import map_token_chunks
 from learner.sampler_replay import SamplerParams
 from learner.sampler_replay import replayed_token_stats
@@ -39,12 +37,3 @@ def truncation_bias_metrics(log_mass: jax.Array, loss_mask: jax.Array) -> dict[s
     return {"sampler/log_kept_mass_mean": jnp.sum(jnp.where(valid, log_mass, 0.0)) / count,
             "sampler/log_kept_mass_min": jnp.min(jnp.where(valid, log_mass, 0.0))}
 
-
-def batch_truncation_bias(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, *,
-                          chunk_size: int = 512) -> dict[str, jax.Array]:
-    """`truncation_bias_metrics` of a rollout batch sampled with ``batch.sampling`` and scored RAW (one forward)."""
-    model = nnx.merge(graphdef, params)
-    hidden = model(batch.tokens, batch.positions, batch.attention_mask)
-    log_mass = log_kept_mass(hidden, model.output_kernel(), batch.tokens, batch.attention_mask,
-                             sampling=batch.sampling, chunk_size=chunk_size)
-    return truncation_bias_metrics(log_mass, batch.loss_mask)

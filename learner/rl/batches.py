@@ -19,12 +19,12 @@ import numpy as np
 from learner.batch import TrainBatch
 from learner.bucketing import BucketConfig, pad_batch
 from learner.logprob_mode import replay_params
-from learner.sampler_replay import SamplerParams, transforms, truncates
+from learner.sampler_replay import SamplerParams, transforms
 from rollout_client import RolloutBatch, collate
+from rollout_client.sampling_params import SamplerOrder
 
 TRAIN_BATCH_DTYPES = TrainBatch(tokens=np.int32, positions=np.int32, attention_mask=np.bool_, loss_mask=np.float32,
                                 advantages=np.float32, rollout_logprobs=np.float32, policy_version=np.int32)
-SAMPLER_DTYPES = SamplerParams(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32)
 
 
 class NoUsableRolloutsError(RuntimeError):
@@ -37,16 +37,15 @@ class Payload(NamedTuple):
     batch: TrainBatch  # [rows, length]; rows past real_rows are fully masked padding
     rewards: np.ndarray  # float32 [rows]
     real_rows: np.ndarray  # int32 scalar: rows holding samples
-    truncation: SamplerParams | None  # RAW logprobs of a truncating sampler: its [rows] params for the diagnostic
 
 
 @dataclasses.dataclass(frozen=True)
 class PayloadSpec:
     """The shape and dtypes of every step's `Payload`, the same on every process.
 
-    >>> spec = PayloadSpec(rows=4, length=8, sampling=True, truncation=False)
+    >>> spec = PayloadSpec(rows=4, length=8, sampling=True, raw=False)
     >>> zeros = spec.zeros()
-    >>> zeros.batch.tokens.shape, zeros.batch.sampling.top_k.dtype, zeros.truncation is None
+    >>> zeros.batch.tokens.shape, zeros.batch.sampling.top_k.dtype, zeros.batch.sampling.order is None
     ((4, 8), dtype('int32'), True)
     >>> spec.check(zeros._replace(rewards=np.zeros(3, np.float32)))
     Traceback (most recent call last):
@@ -56,25 +55,31 @@ class PayloadSpec:
 
     rows: int
     length: int
-    sampling: bool  # the batch carries [rows] sampling params to replay (PROCESSED logprobs of a transform)
-    truncation: bool  # the payload carries the truncation-bias diagnostic's params
+    sampling: bool  # the batch carries [rows] sampling params to replay (the sampler changes the distribution)
+    raw: bool  # its rollout logprobs are RAW: rebuilt as the sampling distribution's before the update
+    order: SamplerOrder = SamplerOrder.TEMPERATURE_FIRST  # the engine's sampler order, as the learner replays it
 
     @classmethod
-    def of_run(cls, rollout, rows: int, length: int) -> PayloadSpec:
-        """The spec a run's ``rollout`` section implies."""
-        processed, raw = rollout.logprob_mode == "processed", rollout.logprob_mode == "raw"
-        return cls(rows, length,
-                   sampling=processed and transforms(rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p),
-                   truncation=raw and truncates(rollout.top_k, rollout.top_p, rollout.min_p))
+    def of_run(cls, rollout, rows: int, length: int,
+               order: SamplerOrder = SamplerOrder.TEMPERATURE_FIRST) -> PayloadSpec:
+        """The spec a run's ``rollout`` section implies, for an engine whose order replays as ``order``."""
+        transformed = transforms(rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p)
+        return cls(rows, length, sampling=transformed, raw=rollout.logprob_mode == "raw" and transformed,
+                   order=order)
+
+    @property
+    def sampler_dtypes(self) -> SamplerParams:
+        """The dtypes of ``batch.sampling``; order codes only for a temperature-last engine."""
+        order = np.int32 if self.order != SamplerOrder.TEMPERATURE_FIRST else None
+        return SamplerParams(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32, order=order)
 
     def structs(self) -> Payload:
         """The payload as a tree of ``jax.ShapeDtypeStruct``."""
         table, row = (self.rows, self.length), (self.rows,)
-        sampler = SamplerParams(*(jax.ShapeDtypeStruct(row, dtype) for dtype in SAMPLER_DTYPES))
+        sampler = jax.tree.map(lambda dtype: jax.ShapeDtypeStruct(row, dtype), self.sampler_dtypes)
         batch = jax.tree.map(lambda dtype: jax.ShapeDtypeStruct(table, dtype), TRAIN_BATCH_DTYPES)
         return Payload(batch.replace(sampling=sampler if self.sampling else None),
-                       jax.ShapeDtypeStruct(row, np.float32), jax.ShapeDtypeStruct((), np.int32),
-                       sampler if self.truncation else None)
+                       jax.ShapeDtypeStruct(row, np.float32), jax.ShapeDtypeStruct((), np.int32))
 
     def zeros(self) -> Payload:
         return jax.tree.map(lambda struct: np.zeros(struct.shape, struct.dtype), self.structs())
@@ -126,13 +131,11 @@ def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[M
         tokens=collated.tokens, positions=np.broadcast_to(np.arange(width, dtype=np.int32), collated.tokens.shape),
         attention_mask=np.arange(width) < lengths[:, None], loss_mask=collated.loss_mask,
         advantages=advantages[:, None] * collated.loss_mask, rollout_logprobs=collated.rollout_logprobs,
-        policy_version=collated.policy_versions, sampling=replay_params(logprob_mode, collated))
+        policy_version=collated.policy_versions, sampling=replay_params(logprob_mode, collated, spec.order))
     batch = pad_batch(batch, BucketConfig(min_length=spec.length, max_length=spec.length), row_multiple=spec.rows)
     batch = _cast(batch.replace(sampling=None), TRAIN_BATCH_DTYPES).replace(
-        sampling=None if batch.sampling is None else _cast(batch.sampling, SAMPLER_DTYPES))
-    truncation = _cast(SamplerParams.from_batch(collated).pad_rows(spec.rows), SAMPLER_DTYPES) if spec.truncation \
-        else None
-    payload = Payload(batch, np.pad(rewards, (0, spec.rows - len(samples))), np.int32(len(samples)), truncation)
+        sampling=None if batch.sampling is None else _cast(batch.sampling, spec.sampler_dtypes))
+    payload = Payload(batch, np.pad(rewards, (0, spec.rows - len(samples))), np.int32(len(samples)))
     spec.check(payload)
     return payload, collated
 

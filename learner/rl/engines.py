@@ -28,6 +28,7 @@ from rollout_client import (Engine, EngineInfo, EngineProcess, EngineRequirement
                             ModelIdentity, PauseMode, TetherEngine, check_capabilities)
 from rollout_client.engine_pool import EnginePool, Member, PoolConfig
 from rollout_client.request_guards import check_model_identity
+from rollout_client.sampling_params import SamplerOrder
 from rollout_client.sglang_engine import SGLangEngine
 from rollout_client.vllm_engine import VllmEngine
 from rollout_client.server.cli import AUTH_TOKEN_ENV
@@ -47,6 +48,13 @@ def requirements(config: RunConfig) -> EngineRequirements:
     return EngineRequirements(logprob_mode=LogprobMode[rollout.logprob_mode.upper()],
                               sampler_steps=tuple(step for step, on in used.items() if on),
                               pause_mode=PauseMode.KEEP, max_staleness=rollout.max_staleness)
+
+
+def sampler_order(config: RunConfig) -> SamplerOrder:
+    """The order in which the learner replays the run's engine's sampler (temperature-first where the engine's is
+    not replayable: `build_engine` refuses that run)."""
+    capabilities = ENGINES[config.server.engine].capabilities
+    return capabilities.replayed_order(requirements(config).sampler_steps) or SamplerOrder.TEMPERATURE_FIRST
 
 
 def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:

@@ -42,7 +42,7 @@ from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer
 from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity
+from learner.rl.engines import build_engine, check_identity, sampler_order
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.trainer import Trainer
@@ -128,7 +128,7 @@ class Run:
         self.stream = PromptStream(self.task.prompts(), config.rollout.prompts_per_step, config.task.seed,
                                    sampling_params(config, self.trainer.max_new_tokens, stop_ids),
                                    config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()])
-        self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length)
+        self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config))
         if self.checkpointer.latest_step() is not None:
             self.start_step = self.step = self._restore()
             if self.finished:
@@ -217,7 +217,7 @@ class Run:
         payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
-        metrics, proximal = trainer.train(payload.batch, payload.truncation)
+        metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
         limit = self.config.optimizer.max_consecutive_skips
         if trainer.skipped_steps >= limit:
             raise NonFiniteUpdateError(

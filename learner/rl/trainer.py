@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer, restore_target
 from learner.hf_checkpoint import model_config_from_checkpoint
+from learner.logprob_mode import rebuild_batch_logprobs
 from learner.model import Transformer, model_config
 from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
@@ -23,10 +24,9 @@ from learner.rl.batches import demonstration_batch
 from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
                                warmup_optimizer_config)
 from learner.safetensors_io import load_safetensors
-from learner.sampler_replay import SamplerParams
 from learner.sharding import batch_sharding, make_mesh
 from learner.train_state import create_sharded_train_state, train_state_shardings
-from learner.truncation_bias import batch_truncation_bias
+from learner.truncation_bias import truncation_bias_metrics
 from learner.update import make_update_fn, recompute_logprobs
 
 
@@ -76,9 +76,8 @@ class Trainer:
         self.proximal_fn = jax.jit(
             lambda params, batch: recompute_logprobs(self.graphdef, params, batch, self.update_config, self.mesh),
             out_shardings=replicated, compiler_options=self.compiler_options)
-        self.truncation_fn = jax.jit(
-            functools.partial(batch_truncation_bias, self.graphdef, chunk_size=self.update_config.logprob_chunk_size),
-            out_shardings=replicated, compiler_options=self.compiler_options)
+        self.rebuild_fn = jax.jit(self._rebuild, out_shardings=(batch_sharding(self.mesh), replicated),
+                                  compiler_options=self.compiler_options)
 
     @property
     def policy_version(self) -> int:
@@ -94,23 +93,30 @@ class Trainer:
         return jax.tree.map(
             lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]), batch)
 
-    def train(self, batch: TrainBatch, truncation: SamplerParams | None = None
-              ) -> tuple[dict[str, float], np.ndarray]:
+    def train(self, batch: TrainBatch, raw_logprobs: bool = False) -> tuple[dict[str, float], np.ndarray]:
         """One RL update on a host batch; returns the mean metrics and the proximal logprobs (for the log).
 
-        ``truncation``: the sampler of a RAW batch, whose truncation bias (``sampler/log_kept_mass_*``) is measured
-        under the pre-update weights and added to the metrics.
+        ``raw_logprobs``: the batch's rollout logprobs are RAW of the sampler in ``batch.sampling``; they are rebuilt
+        as the sampling distribution's under the pre-update weights (the weights that sampled: staleness 0), and
+        the kept mass (``sampler/log_kept_mass_*``) is added to the metrics.
         """
         device_batch = self.device_batch(batch)
+        bias = {}
+        if raw_logprobs:
+            rollout_logprobs, bias = self.rebuild_fn(self.state.params, device_batch)
+            device_batch = device_batch.replace(rollout_logprobs=rollout_logprobs)
         # The update recomputes the proximal logprobs in decoupled mode and returns them; bypass mode needs a pass.
         proximal = (self.proximal_fn(self.state.params, device_batch)
                     if self.update_config.corrections.mode == "bypass" else None)
-        bias = {} if truncation is None else self.truncation_fn(
-            self.state.params, self.device_batch(batch.replace(sampling=truncation)))
         skipped = int(skipped_updates(self.state.opt_state))
         self.state, metrics, recomputed = self.update_fn(self.state, device_batch, self.reference)
         self.skipped_steps = self.skipped_steps + 1 if int(skipped_updates(self.state.opt_state)) > skipped else 0
         return mean_metrics(metrics) | mean_metrics(bias), np.asarray(recomputed if proximal is None else proximal)
+
+    def _rebuild(self, params: nnx.State, batch: TrainBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """RAW rollout logprobs -> the sampling distribution's at ``params``, and the kept-mass metrics."""
+        rebuilt = rebuild_batch_logprobs(self.graphdef, params, batch, chunk_size=self.update_config.logprob_chunk_size)
+        return rebuilt["rollout_logprobs"], truncation_bias_metrics(rebuilt["log_kept_mass"], batch.loss_mask)
 
     def all_finite(self) -> bool:
         """Whether every float of the checkpoint tree (parameters, optimizer state, reference) is finite: one

@@ -24,11 +24,11 @@ def _nan_advantages_from(step_of_first_nan):
     """A `Trainer.train` whose batches' advantages are NaN from the given call on (1-based)."""
     original, calls = Trainer.train, []
 
-    def train(self, batch, truncation=None):
+    def train(self, batch, raw_logprobs=False):
         calls.append(1)
         if len(calls) >= step_of_first_nan:
             batch = batch.replace(advantages=np.full_like(batch.advantages, np.nan))
-        return original(self, batch, truncation)
+        return original(self, batch, raw_logprobs)
 
     return train
 

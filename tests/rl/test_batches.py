@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from rollout_client.sampling_params import SamplerOrder
 
 from learner.rl import PayloadSpec, assemble_payload, demonstration_batch, load_config
 from learner.tasks import load_task
@@ -28,7 +29,7 @@ def test_groups_become_a_fixed_shape_batch_with_grpo_advantages():
         [_sample(records[1], right[1], "b", 0)],  # one sample of two was dropped: the group is left out
         [_sample(records[2], "y", "c", 0), _sample(records[2], "z", "c", 1)],  # rewards 0, 0: advantage 0
     ]
-    spec = PayloadSpec(rows=8, length=16, sampling=False, truncation=False)
+    spec = PayloadSpec(rows=8, length=16, sampling=False, raw=False)
     payload, collated = assemble_payload(groups, records, TASK, spec, num_samples=2, logprob_mode="processed")
     assert int(payload.real_rows) == 4
     np.testing.assert_array_equal(payload.rewards, [1, 0, 0, 0, 0, 0, 0, 0])
@@ -63,7 +64,7 @@ def test_groups_with_a_skipped_reward_are_left_out():
     groups = [[_sample(records[0], right[0], "a", 0), _sample(records[0], "7", "a", 1)],  # one skipped: left out
               [_sample(records[1], right[1], "b", 0), _sample(records[1], "x", "b", 1)],  # rewards 1, 0
               [_sample(records[2], "7", "c", 0), _sample(records[2], "7", "c", 1)]]  # all skipped: left out
-    spec = PayloadSpec(rows=4, length=16, sampling=False, truncation=False)
+    spec = PayloadSpec(rows=4, length=16, sampling=False, raw=False)
     payload, collated = assemble_payload(groups, records, _SkipsAnswer7(), spec, num_samples=2,
                                          logprob_mode="processed")
     assert int(payload.real_rows) == 2 and collated.tokens.shape[0] == 2
@@ -76,33 +77,37 @@ def test_groups_with_a_skipped_reward_are_left_out():
 
 def test_a_batch_whose_groups_were_all_dropped_is_an_error():
     record = TASK.prompts()[0]
-    spec = PayloadSpec(rows=4, length=16, sampling=False, truncation=False)
+    spec = PayloadSpec(rows=4, length=16, sampling=False, raw=False)
     with pytest.raises(RuntimeError, match="every group of this rollout batch was dropped"):
         assemble_payload([[_sample(record, "1", "a", 0)]], [record], TASK, spec, 2, "processed")
 
 
-@pytest.mark.parametrize("overrides, sampling, truncation", [
+@pytest.mark.parametrize("overrides, sampling, raw", [
     ([], False, False),  # temperature 1, nothing truncated: the processed distribution is the plain one
     (["rollout.temperature=0.7"], True, False),
-    (["rollout.top_p=0.9", "rollout.logprob_mode='raw'"], False, True),
+    (["rollout.top_p=0.9", "rollout.logprob_mode='raw'"], True, True),  # RAW logprobs rebuilt: the sampler replayed
+    (["rollout.logprob_mode='raw'"], False, False),
     (["rollout.top_k=5"], True, False),
 ])
-def test_payload_spec_follows_the_rollout_section(overrides, sampling, truncation):
+@pytest.mark.parametrize("order", list(SamplerOrder))
+def test_payload_spec_follows_the_rollout_section(overrides, sampling, raw, order):
     config = load_config(None, overrides)
-    spec = PayloadSpec.of_run(config.rollout, rows=8, length=32)
-    assert (spec.sampling, spec.truncation) == (sampling, truncation)
+    spec = PayloadSpec.of_run(config.rollout, rows=8, length=32, order=order)
+    assert (spec.sampling, spec.raw) == (sampling, raw)
     zeros = spec.zeros()
-    assert (zeros.batch.sampling is not None, zeros.truncation is not None) == (sampling, truncation)
+    assert zeros.batch.sampling is not None if sampling else zeros.batch.sampling is None
+    if sampling:  # order codes only for a temperature-last engine (else the program without them)
+        assert (zeros.batch.sampling.order is None) == (order == SamplerOrder.TEMPERATURE_FIRST)
     spec.check(zeros)
 
 
 def test_payload_check_names_the_wrong_leaf():
-    spec = PayloadSpec(rows=4, length=8, sampling=False, truncation=False)
+    spec = PayloadSpec(rows=4, length=8, sampling=False, raw=False)
     zeros = spec.zeros()
     with pytest.raises(ValueError, match=r"batch.policy_version is int64 \(4, 8\), the spec says int32 \(4, 8\)"):
         spec.check(zeros._replace(batch=zeros.batch.replace(policy_version=np.zeros((4, 8), np.int64))))
     with pytest.raises(ValueError, match="structure"):
-        PayloadSpec(rows=4, length=8, sampling=True, truncation=False).check(zeros)
+        PayloadSpec(rows=4, length=8, sampling=True, raw=False).check(zeros)
 
 
 class _PadIsEos:

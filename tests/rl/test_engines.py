@@ -38,7 +38,7 @@ def test_requirements_follow_the_rollout_section(overrides, steps):
 
 @pytest.mark.parametrize("overrides", [
     [], ["rollout.temperature=0.6", "rollout.top_k=3", "rollout.top_p=0.8", "rollout.min_p=0.1"],
-    ["rollout.logprob_mode='raw'", "rollout.top_p=0.9"], ["rollout.max_staleness=4"],
+    ["rollout.logprob_mode='raw'", "rollout.top_p=0.9", "rollout.max_staleness=0"], ["rollout.max_staleness=4"],
 ])
 def test_the_reference_server_honours_every_run(overrides):
     check_capabilities("tether", TetherEngine.capabilities, requirements(load_config(None, overrides)))
@@ -51,13 +51,13 @@ def test_an_engine_is_refused_naming_every_missing_capability_and_its_key():
     lines = str(error.value).splitlines()
     assert lines[0] == "engine 'mlx' cannot honour this run:"
     assert lines[1].startswith("- rollout.logprob_mode='processed': it returns only raw logprobs")
-    assert lines[2].startswith("- rollout.temperature with rollout.top_p: it applies them in the order top_p, "
-                               "temperature")
-    assert lines[3].startswith("- rollout.max_staleness=1: requests kept running across a weight update need "
+    assert lines[2].startswith("- rollout.max_staleness=1: requests kept running across a weight update need "
                                "per-token versions; this engine reports none")
-    # What MLX can do: RAW logprobs, temperature alone (the order of one step does not matter), synchronous.
+    # What MLX can do: RAW logprobs, any sampler (replayed in its order, tests/learner/test_sampler_order.py),
+    # synchronous.
     check_capabilities("mlx", MLX_LIKE, requirements(load_config(
-        None, ["rollout.logprob_mode='raw'", "rollout.temperature=0.7", "rollout.max_staleness=0"])))
+        None, ["rollout.logprob_mode='raw'", "rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5",
+               "rollout.max_staleness=0"])))
 
 
 def test_engine_wide_versions_refuse_requests_kept_across_an_update():
