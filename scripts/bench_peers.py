@@ -15,9 +15,12 @@ half). One timed call is one whole update of the batch:
   ``loss_agg_mode="token-mean"``, ``epsilon_c=3.0``, ``beta=0``; global norm; ``nnx.Optimizer.update``) once per
   mini-batch and epoch. Without recompute the rollout logprobs are passed as ``old_per_token_logps``.
 
-Both workers compile first (the first call, timed: "first call s"), then the parent alternates them, ``--calls``
-calls per turn, which side goes first swapping every round, so that load from other processes on a shared machine
-hits both alike; the table gives the median seconds per call, tokens per second and the ratio. With
+Both workers build and compile (the first call) one after the other, then the parent alternates them, ``--calls``
+updates per turn, which side goes first swapping every round, so that load from other processes on a shared machine
+hits both alike; the table gives the median seconds per update, tokens per second and the ratio. First calls (trace,
+compile and run, JAX's persistent compilation cache off in both) are timed the same way: the first one and
+``--compiles`` more after `jax.clear_caches`, alternated; the median. "Warm" is Tether's first call in a new process
+whose persistent cache (on by default in ``python -m learner.train``) an earlier process filled. With
 ``--cost-analysis`` each worker also compiles its programs through ``lower().compile()`` and reports XLA's FLOP and
 byte counts (summed over the programs of one update).
 
@@ -89,22 +92,27 @@ def cost_totals(compiled_programs) -> dict:
 
 
 def serve(build) -> None:
-    """Worker loop: build (and time the first call), then answer ``time N`` / ``cost`` / ``quit`` lines on stdin."""
+    """Worker loop: build, time the first call, then answer lines on stdin: ``time N`` (N calls), ``first`` (one
+    call after `jax.clear_caches`: trace and compile again), ``cost`` and ``quit``."""
     import jax
 
+    def timed_calls(count):
+        seconds = []
+        for _ in range(count):
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
     run, params, cost = build()
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    _reply({"first_call_s": time.perf_counter() - start, "params": params})
+    _reply({"first_call_s": timed_calls(1)[0], "params": params})
     for line in sys.stdin:
         command = line.split()
         if command[0] == "time":
-            seconds = []
-            for _ in range(int(command[1])):
-                start = time.perf_counter()
-                jax.block_until_ready(run())
-                seconds.append(time.perf_counter() - start)
-            _reply({"seconds": seconds})
+            _reply({"seconds": timed_calls(int(command[1]))})
+        elif command[0] == "first":
+            jax.clear_caches()
+            _reply({"seconds": timed_calls(1)})
         elif command[0] == "cost":
             _reply(cost())
         else:
@@ -319,16 +327,46 @@ class Worker:
         self.process.wait()
 
 
-def worker_env() -> dict:
-    """Both workers: the same threads, no persistent compilation cache (first calls compile from scratch)."""
+def worker_env(cache_dir: pathlib.Path | None = None) -> dict:
+    """The workers' environment: the same threads; JAX's persistent compilation cache in ``cache_dir``, or off
+    (first calls compile from scratch)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("JAX_COMPILATION_CACHE")}
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false" if cache_dir is None else "true"
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1])
     return env
 
 
-def bench_case(case: Case, tunix: pathlib.Path, rounds: int, calls: int, cost: bool) -> dict:
-    """Both workers for one case: compile one after the other, then alternate timed turns."""
+def alternate(workers: dict, command: str, rounds: int) -> dict:
+    """``command``'s seconds from every worker, ``rounds`` turns each, the first to go swapping every round."""
+    seconds = {name: [] for name in workers}
+    for round_index in range(rounds):
+        names = list(workers) if round_index % 2 == 0 else list(reversed(workers))
+        for name in names:
+            seconds[name] += workers[name].ask(command)["seconds"]
+    return seconds
+
+
+def warm_first_call(case: Case, repeats: int = 2) -> float:
+    """Tether's first call with a warm persistent compilation cache: one process fills a fresh cache, a second
+    process's first call (and calls after `jax.clear_caches`) load from it; the median."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tether-bench-cache-") as cache_dir:
+        env = worker_env(pathlib.Path(cache_dir))
+        Worker("tether", pathlib.Path(sys.executable), case, env).close()
+        worker = Worker("tether", pathlib.Path(sys.executable), case, env)
+        try:
+            seconds = [worker.ready["first_call_s"]] + [worker.ask("first")["seconds"][0] for _ in range(repeats)]
+        finally:
+            worker.close()
+    return statistics.median(seconds)
+
+
+def bench_case(case: Case, tunix: pathlib.Path, rounds: int, calls: int, compiles: int, cost: bool) -> dict:
+    """Both workers for one case: build and compile one after the other, then alternate timed turns (updates, then
+    compiles again after `jax.clear_caches`); then Tether's first call with a warm persistent cache."""
     env = worker_env()
     workers = {}
     try:
@@ -337,11 +375,8 @@ def bench_case(case: Case, tunix: pathlib.Path, rounds: int, calls: int, cost: b
         if workers["tether"].ready["params"] != workers["tunix"].ready["params"]:
             raise RuntimeError(f"parameter counts differ: tether {workers['tether'].ready['params']}, "
                                f"tunix {workers['tunix'].ready['params']}")
-        seconds = {name: [] for name in workers}
-        for round_index in range(rounds):
-            order = ("tether", "tunix") if round_index % 2 == 0 else ("tunix", "tether")
-            for name in order:
-                seconds[name] += workers[name].ask(f"time {calls}")["seconds"]
+        seconds = alternate(workers, f"time {calls}", rounds)
+        first_calls = alternate(workers, "first", compiles)
         costs = {name: worker.ask("cost") for name, worker in workers.items()} if cost else {}
     finally:
         for worker in workers.values():
@@ -349,11 +384,14 @@ def bench_case(case: Case, tunix: pathlib.Path, rounds: int, calls: int, cost: b
     tokens = case.rows * case.length
     row = {"case": case.label, "params": workers["tether"].ready["params"]}
     for name in workers:
-        row[name] = {"first_call_s": workers[name].ready["first_call_s"], "median_s": statistics.median(seconds[name]),
+        first = [workers[name].ready["first_call_s"]] + first_calls[name]
+        row[name] = {"first_call_s": statistics.median(first), "first_calls": first,
+                     "median_s": statistics.median(seconds[name]),
                      "tokens_per_s": tokens / statistics.median(seconds[name]), "seconds": seconds[name],
                      **costs.get(name, {})}
     row["ratio"] = row["tether"]["tokens_per_s"] / row["tunix"]["tokens_per_s"]
     row["first_call_ratio"] = row["tether"]["first_call_s"] / row["tunix"]["first_call_s"]
+    row["tether"]["warm_first_call_s"] = warm_first_call(case)
     return row
 
 
@@ -372,6 +410,7 @@ def main() -> None:
     parser.add_argument("--minibatches", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5, help="alternated turns per framework")
     parser.add_argument("--calls", type=int, default=2, help="timed updates per turn")
+    parser.add_argument("--compiles", type=int, default=2, help="alternated first calls after clearing caches")
     parser.add_argument("--cost-analysis", action="store_true", help="also report XLA's FLOPs and bytes")
     parser.add_argument("--cache-dir", type=pathlib.Path,
                         default=pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
@@ -386,20 +425,22 @@ def main() -> None:
     cases = [parse_case(text, flag == "on", args.epochs, args.minibatches)
              for text in args.cases for flag in args.recompute]
     tunix = tunix_python(args.cache_dir)
-    print(f"alternated: {args.rounds} rounds x {args.calls} calls per framework; median seconds per update")
+    print(f"alternated: {args.rounds} rounds x {args.calls} calls per framework, median seconds per update; first "
+          f"call (trace + compile + run, no persistent cache): median of {1 + args.compiles}, alternated; warm: "
+          "Tether's first call in a new process with its persistent compilation cache filled")
     header = ("case", "params", "Tether tokens/s", "tunix tokens/s", "ratio", "Tether first call s",
-              "tunix first call s", "first-call ratio")
+              "tunix first call s", "first-call ratio", "Tether warm first call s")
     if args.cost_analysis:
         header += ("Tether GFLOP", "tunix GFLOP", "Tether GB accessed", "tunix GB accessed")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
     rows = []
     for case in cases:
-        row = bench_case(case, tunix, args.rounds, args.calls, args.cost_analysis)
+        row = bench_case(case, tunix, args.rounds, args.calls, args.compiles, args.cost_analysis)
         rows.append(row)
         t, u = row["tether"], row["tunix"]
         cells = [row["case"], f"{row['params']:,}", f"{t['tokens_per_s']:,.0f}", f"{u['tokens_per_s']:,.0f}",
                  f"**{row['ratio']:.2f}x**", f"{t['first_call_s']:.1f}", f"{u['first_call_s']:.1f}",
-                 f"{row['first_call_ratio']:.2f}"]
+                 f"{row['first_call_ratio']:.2f}", f"{t['warm_first_call_s']:.1f}"]
         if args.cost_analysis:
             cells += [f"{t['gflop']:.1f}", f"{u['gflop']:.1f}", f"{t['gbytes']:.2f}", f"{u['gbytes']:.2f}"]
         print("| " + " | ".join(cells) + " |", flush=True)

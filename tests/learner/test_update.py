@@ -205,11 +205,24 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(bandit):
     assert int(state.step) == 4
 
 
+def test_update_makes_no_host_transfer_and_consumes_the_donated_state(bandit):
+    """No host sync inside the call (a transfer to or from the host would raise), and every leaf of the state is
+    donated: its buffers are reused by the new state, not copied."""
+    update, fresh_state, batch, _ = bandit
+    state, device_batch = fresh_state(), jax.device_put(batch)
+    with jax.transfer_guard_host_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
+        new_state, metrics, proximal = update(state, device_batch, None)
+        jax.block_until_ready((new_state, metrics, proximal))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+    assert int(new_state.step) == 4
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(num_minibatches=0), "num_minibatches"),
     (dict(ppo_epochs=1.0), "ppo_epochs"),
     (dict(temperature=0.0), "temperature"),
     (dict(rows_per_chunk=-1), "rows_per_chunk"),
+    (dict(logprob_remat="auto"), "logprob_remat"),
 ])
 def test_invalid_update_configs_are_rejected(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -283,7 +296,8 @@ def test_update_replays_the_sampling_params_in_every_logprob_pass(replayed):
 def test_padded_rows_get_neutral_sampling_params_and_change_nothing(replayed):
     padded = pad_batch(_sampled_batch(), BucketConfig(min_length=update_problem.LENGTH), row_multiple=2 * ROWS)
     assert padded.tokens.shape == (2 * ROWS, update_problem.LENGTH)
-    for got, want, neutral in zip(padded.sampling, SAMPLING, NEUTRAL, strict=True):
+    assert padded.sampling.order is None  # temperature-first rows: no order codes
+    for got, want, neutral in zip(padded.sampling[:4], SAMPLING[:4], NEUTRAL[:4], strict=True):
         np.testing.assert_array_equal(got, np.concatenate([want, np.full(ROWS, neutral, want.dtype)]))
     want_grads, want_loss = _grads_and_loss(replayed)
     grads, loss = _grads_and_loss(run_update(make_mesh(2, 2, 2), num_microbatches=2, batch=padded))
