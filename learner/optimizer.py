@@ -8,9 +8,9 @@ when the loss is, so a non-finite loss is skipped too; the caller stops after ``
 
 The state is exactly that of ``optax.chain(optax.clip_by_global_norm(c), optax.adamw(...))`` (wrapped in
 ``optax.ApplyIfFiniteState`` when skipping), so checkpoints keep their layout, and the update is optax's arithmetic
-written as one pass over each tensor: on the CPU backend the optax chain wrapped in a guard read and wrote the
-gradients and moments 21 times per parameter where this reads and writes them 11 times (9 in theory). Three choices
-make that so:
+arranged so that XLA fuses it: per parameter and step (XLA's cost analysis on the CPU backend, the global norm
+included) it moves 11 float32 values, where optax's chain moves 15, the same chain under a ``lax.cond`` guard 19.5
+and ``optax.apply_if_finite`` 20.5. Three choices make that so:
 
 * The gradients' global norm is computed once and shared: the finite check is ``isfinite(global_norm)`` (NaN and
   inf propagate through the sum of squares, so it needs no pass of its own), the clip scales by
