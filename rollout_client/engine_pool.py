@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,10 @@ import numpy as np
 from rollout_client import errors
 from rollout_client.engine import Engine
 from rollout_client.engine import EngineInfo
+
+logger = logging.getLogger(__name__)
+
+_RESENDS_TO_A_LIVE_ENGINE = 3  # a request failing this often on a launched engine whose process runs: taken out
 
 
 class EnginesDownError(errors.RolloutError):
@@ -72,6 +77,8 @@ class Member:
     relaunch: Callable[[tuple[int, Mapping[str, np.ndarray]] | None], Engine] | None = None
     in_flight: int = 0
     served: int = 0  # requests it completed
+    publishes: int = 0  # publishes started on it: a request that fails across one was cut by the update, not a death
+    publishing: bool = False
     healthy: bool = True
     relaunches: int = 0
     down_since: float | None = None
@@ -121,11 +128,14 @@ class EnginePool(Engine):
         self.members = list(members)
         self._lock = threading.Condition()
         self._current: tuple[int, Mapping[str, np.ndarray]] | None = None
-        self._waiting: list[tuple[object, concurrent.futures.Future]] = []
+        self._waiting: list[tuple[object, concurrent.futures.Future, int]] = []  # (request, future, resends)
         self._fatal: str | None = None
         self._closed = False
         self._counts = {"engines/redispatched": 0, "engines/relaunches": 0, "engines/taken_out": 0,
                         "engines/taken_back": 0}
+        # Publishes run on threads that live as long as the pool: an engine restarted by its publish (MLX) is a
+        # child process that dies with the thread that started it (PR_SET_PDEATHSIG, rollout_client.engine_child).
+        self._publisher = concurrent.futures.ThreadPoolExecutor(len(self.members), "engine-publish")
         self._check_same_model()
         self._supervisor = threading.Thread(target=self._supervise, name="engine-pool", daemon=True)
         self._supervisor.start()
@@ -147,39 +157,46 @@ class EnginePool(Engine):
         self._dispatch(request, outer)
         return outer
 
-    def _dispatch(self, request, outer: concurrent.futures.Future) -> None:
+    def _dispatch(self, request, outer: concurrent.futures.Future, resends: int = 0) -> None:
         with self._lock:
             if self._fatal is not None:
                 outer.set_exception(EnginesDownError(self._fatal))
                 return
             healthy = [member for member in self.members if member.healthy]
             if not healthy:
-                self._waiting.append((request, outer))
+                self._waiting.append((request, outer, resends))
                 self._lock.notify_all()
                 return
             member = min(healthy, key=lambda m: m.in_flight)
             member.in_flight += 1
-            engine = member.engine
+            # A request sent during a publish belongs to the weights before it: if the update cuts it, it is resent.
+            engine, publishes = member.engine, member.publishes - member.publishing
         try:
             inner = engine.submit(request)
         except Exception as error:  # noqa: BLE001 - the client refused before sending (e.g. a closed channel)
-            self._finished(member, engine, request, outer, error=error)
+            self._finished(member, engine, publishes, (request, outer, resends), error=error)
             return
-        inner.add_done_callback(lambda done: self._finished(member, engine, request, outer, done=done))
+        inner.add_done_callback(
+            lambda done: self._finished(member, engine, publishes, (request, outer, resends), done=done))
 
-    def _finished(self, member: Member, engine: Engine, request, outer, done=None, error=None) -> None:
+    def _finished(self, member: Member, engine: Engine, publishes: int, pending, done=None, error=None) -> None:
+        request, outer, resends = pending
         if done is not None:
             error = done.exception()
         with self._lock:
             member.in_flight -= 1
             member.served += error is None
+            cut_by_update = member.publishing or member.publishes != publishes  # e.g. a restart to publish (MLX)
         if error is None:
             outer.set_result(done.result())
         elif _engine_down(error) or self._dead(engine):
-            self._take_out(member, engine, f"{type(error).__name__}: {error}")
+            # A launched engine whose process runs was restarting (or was briefly unreachable): resend, a few times.
+            alive = getattr(engine, "process", None) is not None and not self._dead(engine)
+            if not cut_by_update and not (alive and resends < _RESENDS_TO_A_LIVE_ENGINE):
+                self._take_out(member, engine, f"{type(error).__name__}: {error}")
             with self._lock:
                 self._counts["engines/redispatched"] += 1
-            self._dispatch(request, outer)
+            self._dispatch(request, outer, resends + 1)
         else:
             outer.set_exception(error)
 
@@ -198,6 +215,7 @@ class EnginePool(Engine):
             member.down_since = time.monotonic()
             member.last_failure = why
             self._counts["engines/taken_out"] += 1
+            logger.warning("engine at %s taken out: %s", member.address, why)
             self._lock.notify_all()
 
     def _supervise(self) -> None:
@@ -214,8 +232,8 @@ class EnginePool(Engine):
             with self._lock:
                 waiting, self._waiting = self._waiting, []
                 self._fatal = self._fatal or self._hopeless()
-            for request, outer in waiting:
-                self._dispatch(request, outer)
+            for request, outer, resends in waiting:
+                self._dispatch(request, outer, resends)
             with self._lock:
                 if self._fatal is None and not self._closed and any(not m.healthy for m in self.members):
                     self._lock.wait(self.config.probe_interval_s)
@@ -259,6 +277,8 @@ class EnginePool(Engine):
         with self._lock:
             member.engine, member.healthy, member.down_since = engine, True, None
             self._counts["engines/taken_back"] += 1
+        logger.warning("engine at %s back in service%s", member.address,
+                       f" (relaunch {member.relaunches})" if member.relaunch is not None else "")
 
     def _hopeless(self) -> str | None:
         """The end-of-run message when no member is serving and none can come back; else None."""
@@ -293,9 +313,16 @@ class EnginePool(Engine):
         with self._lock:
             self._current = (policy_version, weights)
             healthy = [(member, member.engine) for member in self.members if member.healthy]
-        with concurrent.futures.ThreadPoolExecutor(max(len(healthy), 1)) as pool:
-            futures = {pool.submit(engine.publish, policy_version, weights): (member, engine)
+            for member, _ in healthy:
+                member.publishes, member.publishing = member.publishes + 1, True
+        try:
+            futures = {self._publisher.submit(engine.publish, policy_version, weights): (member, engine)
                        for member, engine in healthy}
+            concurrent.futures.wait(futures)
+        finally:
+            with self._lock:
+                for member, _ in healthy:
+                    member.publishing = False
         confirmed = []
         for future, (member, engine) in futures.items():
             error = future.exception()
@@ -339,9 +366,10 @@ class EnginePool(Engine):
             self._closed = True
             waiting, self._waiting = self._waiting, []
             self._lock.notify_all()
-        for _, outer in waiting:
+        for _, outer, _ in waiting:
             outer.set_exception(EnginesDownError("the engine pool was closed"))
         self._supervisor.join(timeout=30)
+        self._publisher.shutdown(wait=True)
         for member in self.members:
             try:
                 member.engine.close()
