@@ -135,6 +135,7 @@ class UpdateSection:
     num_microbatches: int = 1  # gradient-accumulation steps per mini-batch.
     ppo_epochs: int = 1  # passes over the batch.
     logprob_chunk_size: int = 512  # tokens per chunk of the output projection.
+    logprob_remat: bool | None = None  # recompute chunk logits in the backward pass; None: only with several chunks.
     fast_compile: bool = False  # XLA backend optimisation level 0: faster compiles, slower steps (tests).
 
 
@@ -233,7 +234,7 @@ def update_config(config: RunConfig, correction: corrections.CorrectionConfig, l
     chunk = section.logprob_chunk_size if length is None else min(section.logprob_chunk_size, length)
     return _library("update", UpdateConfig, corrections=correction, num_minibatches=section.num_minibatches,
                     num_microbatches=section.num_microbatches, ppo_epochs=section.ppo_epochs,
-                    logprob_chunk_size=chunk)
+                    logprob_chunk_size=chunk, logprob_remat=section.logprob_remat)
 
 
 def optimizer_updates(config: RunConfig, update: UpdateConfig) -> int:
