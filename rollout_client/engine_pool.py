@@ -79,6 +79,7 @@ class Member:
     served: int = 0  # requests it completed
     publishes: int = 0  # publishes started on it: a request that fails across one was cut by the update, not a death
     publishing: bool = False
+    requests: set = dataclasses.field(default_factory=set)  # the futures of its requests in flight
     healthy: bool = True
     relaunches: int = 0
     down_since: float | None = None
@@ -176,16 +177,20 @@ class EnginePool(Engine):
         except Exception as error:  # noqa: BLE001 - the client refused before sending (e.g. a closed channel)
             self._finished(member, engine, publishes, (request, outer, resends), error=error)
             return
+        with self._lock:
+            member.requests.add(inner)
         inner.add_done_callback(
             lambda done: self._finished(member, engine, publishes, (request, outer, resends), done=done))
 
     def _finished(self, member: Member, engine: Engine, publishes: int, pending, done=None, error=None) -> None:
         request, outer, resends = pending
         if done is not None:
-            error = done.exception()
+            error = (errors.RolloutUnavailableError("the engine was replaced while the request ran") if done.cancelled()
+                     else done.exception())
         with self._lock:
             member.in_flight -= 1
             member.served += error is None
+            member.requests.discard(done)
             cut_by_update = member.publishing or member.publishes != publishes  # e.g. a restart to publish (MLX)
         if error is None:
             outer.set_result(done.result())
@@ -246,6 +251,10 @@ class EnginePool(Engine):
             with self._lock:
                 self._counts["engines/relaunches"] += 1
             old = member.engine
+            with self._lock:
+                orphans = list(member.requests)
+            for request in orphans:  # cancelled, so they are resent: closing their client would leave them unresolved
+                request.cancel()
             try:
                 old.close()
             except Exception:  # noqa: BLE001 - the old engine is dead; closing is best effort

@@ -1,6 +1,8 @@
 """`Run` driven in process as a notebook would, against the real embedded server (a child process on 127.0.0.1)."""
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -34,6 +36,19 @@ class Recorder(Hook):
 
     def close(self):
         self.calls.append(("close",))
+
+
+class KillEngineAt(Hook):
+    """SIGKILLs the launched engine's server after a step (a crash, an OOM kill)."""
+
+    def __init__(self, step):
+        self.step, self.killed = step, None
+
+    def on_step(self, run, record):
+        if record.step == self.step:
+            (member,) = run.engine.members
+            self.killed = member.engine.process
+            os.kill(self.killed.pid, signal.SIGKILL)
 
 
 class RaiseAt(Hook):
@@ -79,7 +94,8 @@ def test_three_steps_from_a_notebook_then_a_finished_rerun_then_a_refused_resume
             pass
 
 
-def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoint(tmp_path):
+def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoint_and_a_killed_engine_is_relaunched(
+        tmp_path):
     config = short_config(tmp_path / "run", "loop.steps=5")
     recorder = Recorder()
     with pytest.raises(KeyboardInterrupt, match="stop at 2"):
@@ -92,11 +108,16 @@ def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoin
     with Checkpointer(CheckpointConfig(str(directory))) as checkpointer:
         assert checkpointer.read_metadata(2)["policy_version"] == 2 + 2
 
-    resumed = Recorder()
-    with Run(config, hooks=[resumed]) as run:  # resumes from the kept checkpoint
+    resumed, kill = Recorder(), KillEngineAt(3)
+    with Run(config, hooks=[resumed, kill]) as run:  # resumes from the kept checkpoint
         assert run.start_step == 2
-        assert [r.step for r in run.steps()] == [3, 4, 5]
+        records = list(run.steps())  # the engine dies after step 3: relaunched, given the weights, steps go on
+        (member,) = run.engine.members
+    assert [r.step for r in records] == [3, 4, 5]
     assert resumed.calls[0] == ("start", 2)
+    assert kill.killed.returncode == -signal.SIGKILL and member.engine.process is not kill.killed
+    assert records[-1].metrics["engines/relaunches"] == 1 and records[-1].metrics["engines/taken_back"] == 1
+    assert all(r.server_version == r.policy_version == 2 + r.step for r in records)
 
 
 def test_kl_to_the_reference_policy_trains_reports_kl_loss_and_survives_a_resume(tmp_path):
