@@ -81,6 +81,7 @@ def test_cells_isolate_their_source_and_correction(study):
     assert (raw.rollout.logprob_mode, raw.rollout.top_p, raw.corrections.preset) == ("raw", 0.9, "disabled")
 
 
+@pytest.mark.slow  # several real runs (minutes on 2 cores): run with `pytest -m slow`
 def test_quick_study_end_to_end(tmp_path):
     """Ten real runs (every source x two corrections), then a rerun that only re-reads the finished runs."""
     command = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--parallel", "2"]

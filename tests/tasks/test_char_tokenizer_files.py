@@ -3,7 +3,7 @@ AutoTokenizer (as mlx-lm loads them) and through tokenizers alone."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from learner.tasks import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TOKENIZER, load_task, task_names
@@ -36,6 +36,9 @@ def test_special_ids_are_the_char_tokenizers(auto):
 @settings(max_examples=200, deadline=None)
 @given(text=PRINTABLE)
 def test_text_encodes_and_decodes_alike(auto, text):
+    # A special token's spelling inside the text is that token for tokenizers (as in every HF tokenizer) but
+    # characters for CharTokenizer; task texts never contain them.
+    assume(not any(token in text for token in ("<pad>", "<bos>", "<eos>", "<sep>")))
     ids = TOKENIZER.encode(text)
     assert auto.encode(text) == ids.tolist()  # no bos added: as CharTokenizer.encode
     assert auto.decode(ids.tolist()) == text
