@@ -9,9 +9,9 @@ torch.
 
 Regenerate (torch is not a dependency of the project; use a separate venv)::
 
-    python3 -m venv /tmp/torchenv
-    /tmp/torchenv/bin/pip install torch==2.13.0 transformers==5.12.1 safetensors numpy
-    /tmp/torchenv/bin/python scripts/make_golden_logits.py [--out tests/fixtures/hf_golden]
+    python3 -m venv .venv-torch
+    .venv-torch/bin/pip install torch==2.13.0 transformers==5.12.1 safetensors numpy
+    .venv-torch/bin/python scripts/make_golden_logits.py [--out tests/fixtures/hf_golden]
 """
 
 import argparse

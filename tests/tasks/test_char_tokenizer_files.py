@@ -1,6 +1,7 @@
 """CharTokenizer.save_pretrained: the saved Hugging Face files give CharTokenizer's ids, through transformers'
 AutoTokenizer (as mlx-lm loads them) and through tokenizers alone."""
 
+import importlib
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -8,8 +9,8 @@ from hypothesis import strategies as st
 
 from learner.tasks import BOS_ID, EOS_ID, PAD_ID, SEP_ID, TOKENIZER, load_task, task_names
 
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+transformers = importlib.import_module("transformers")
+tokenizers = importlib.import_module("tokenizers")
 
 PRINTABLE = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
 

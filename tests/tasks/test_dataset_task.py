@@ -3,6 +3,7 @@ filter and its counts, the validation split and its metrics, rewards with the ro
 that name the key, demonstrations with pad == eos, and the prompt stream over it (epochs without replacement, resume
 mid-epoch in the same order)."""
 
+import importlib
 import itertools
 import json
 import math
@@ -20,7 +21,7 @@ from learner.tasks import Demonstrations, Task, load_task, pass_at_k
 from rollout_client import LogprobMode, SamplingParams
 from tests.tasks.hf_files import write_tokenizer
 
-transformers = pytest.importorskip("transformers")
+transformers = importlib.import_module("transformers")
 
 QUESTIONS = [f"What is {a} + {b}?" + " Think step by step." * (a % 4) for a in range(6) for b in range(5)]
 ROWS = [{"question": q, "answer": f"{i} so #### {i}", "id": i} for i, q in enumerate(QUESTIONS)]
