@@ -223,8 +223,7 @@ class HttpControlledEngine(Engine):
     def limits(self) -> PromptLimits:
         """What prompts must respect: the learner's and the engine's vocabulary, the engine's context."""
         info = self.client.model_info
-        learner_vocab = self.config.validation.vocab_size or info.vocab_size
-        return PromptLimits(vocab_size=min(learner_vocab, info.vocab_size), max_seq_len=info.max_context_length)
+        return PromptLimits.of(self.config.validation.vocab_size, info.vocab_size, info.max_context_length)
 
     def info(self) -> EngineInfo:
         """The engine's identity; ``policy_version`` -1 until the first `publish` (its start-up weights)."""

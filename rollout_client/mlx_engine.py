@@ -115,8 +115,7 @@ class MlxEngine(Engine):
     def limits(self) -> PromptLimits:
         """What prompts must respect: the learner's and the engine's vocabulary, the engine's context."""
         info = self.client.model_info
-        learner_vocab = self.config.validation.vocab_size or info.vocab_size
-        return PromptLimits(vocab_size=min(learner_vocab, info.vocab_size), max_seq_len=info.max_context_length)
+        return PromptLimits.of(self.config.validation.vocab_size, info.vocab_size, info.max_context_length)
 
     def _check_alive(self) -> None:
         self.process.check_alive()

@@ -50,6 +50,12 @@ class PromptLimits:
     vocab_size: int
     max_seq_len: int
 
+    @classmethod
+    def of(cls, learner_vocab: int | None, engine_vocab: int, max_seq_len: int) -> PromptLimits:
+        """The limits of an engine serving ``engine_vocab`` ids and ``max_seq_len`` tokens to a learner embedding
+        ``learner_vocab`` ids (None: the engine's)."""
+        return cls(vocab_size=min(learner_vocab or engine_vocab, engine_vocab), max_seq_len=max_seq_len)
+
 
 def resolved_max_new_tokens(max_new_tokens: int | None, prompt_tokens: int, limits: PromptLimits) -> int:
     """The completion limit sent to the engine: the request's, or (None) what the context leaves after the prompt."""

@@ -63,8 +63,7 @@ class TetherEngine(Engine):
         """Refuses a prompt the learner could not train on or the server could not serve (`check_request`:
         empty, an id beyond either vocabulary, longer than the context with ``max_new_tokens``), then sends it."""
         info = self.client.info
-        check_request(request, PromptLimits(min(self.config.validation.vocab_size or info.vocab_size,
-                                                info.vocab_size), info.max_seq_len))
+        check_request(request, PromptLimits.of(self.config.validation.vocab_size, info.vocab_size, info.max_seq_len))
         return self.client.submit(request)
 
     def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
