@@ -1,21 +1,32 @@
-"""Per-token log-probabilities (and entropies) computed in chunks of the token axis.
+"""Per-token log-probabilities (and entropies) computed in chunks of the token axis, optionally over a window.
 
 Full float32 logits ``[B, T, V]`` are the largest tensor of an RL step on a language model (8 x 4096 x 128k x 4 bytes
-= 16 GiB). Here the output projection, log-softmax and gather run one chunk of ``chunk_size`` tokens at a time under
-`jax.lax.map` with `jax.checkpoint`, so only ``[B, chunk_size, V]`` logits exist at once, in the forward pass and in
-the backward pass (which recomputes each chunk's logits instead of storing them).
+= 16 GiB). Here the output projection, log-softmax and gather run one chunk of at most ``chunk_size`` tokens at a
+time under `jax.lax.map` with `jax.checkpoint`, so only ``[B, chunk_size, V]`` logits exist at once, in the forward
+pass and in the backward pass (which recomputes each chunk's logits instead of storing them). The scored positions
+are split into chunks of equal size (at most ``chunk_size``), so the last chunk is not mostly padding.
 
 Rematerialisation is chosen from the shape (``remat=None``): it is what keeps the backward pass at one chunk of
-logits when there are several chunks, and buys nothing when the sequence fits in one (``T <= chunk_size``): the
-backward pass starts at the output head, so the stored logits are freed before anything else is allocated, and
-recomputing them would cost one more pass through the output projection (2 B T D V FLOPs). One chunk also runs
-without `jax.lax.map`. ``remat=True`` / ``False`` forces it either way (``False`` with several chunks keeps every
-chunk's logits for the backward pass: the memory of the unchunked computation).
+logits when there are several chunks, and buys nothing when the scored positions fit in one: the backward pass
+starts at the output head, so the stored logits are freed before anything else is allocated, and recomputing them
+would cost one more pass through the output projection (2 B T D V FLOPs). One chunk also runs without
+`jax.lax.map`. ``remat=True`` / ``False`` forces it either way (``False`` with several chunks keeps every chunk's
+logits for the backward pass: the memory of the unchunked computation).
+
+Scored window: an RL loss reads logprobs only at the completion's tokens, yet the output head is a quarter of a
+small model's FLOPs and, with long prompts, most of them. With ``window_size=W`` (static) and ``window_start``
+(``[B]``, traced) only the tokens ``t`` in ``[window_start[b], window_start[b] + W)`` are scored: the hidden states
+at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]``, the head runs on those alone, and the results are
+gathered back to their ``[B, T]`` columns (a gather, not a scatter: its backward pass is a cheap scatter into
+``[B, W]``). Each row's window is shifted as little as needed to lie inside ``[1, T)``, so it covers every requested
+token that exists; tokens outside the request are 0 like unscored ones. A window covering ``[1, T)``
+(``W >= T - 1``) runs the whole-sequence path and masks it. A token outside its row's window silently gets 0:
+callers check that every trained token lies in it (`learner.rl.batches.check_scored_window`).
 
 Alignment: outputs are aligned with the scored token. ``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``, the
 probability the model gave (at hidden position ``t - 1``) to the token that sits at ``t``. This lines up with token
 ids, loss masks and the per-token logprobs an inference server returns for the tokens it sampled. Column 0 (no
-prefix) and padded tokens (``attention_mask`` False) are 0.
+prefix), padded tokens (``attention_mask`` False) and tokens outside the window are 0.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ from learner.sampler_replay import replayed_token_stats
 
 def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array, *,
                    temperature: float | jax.Array = 1.0, chunk_size: int = 512, remat: bool | None = None,
-                   return_entropy: bool = False, sampling: SamplerParams | None = None):
+                   return_entropy: bool = False, sampling: SamplerParams | None = None,
+                   window_start: jax.Array | None = None, window_size: int | None = None):
     """Log-probabilities of each token under the model at a sampling temperature, or under the replayed sampler.
 
     Args:
@@ -43,13 +55,16 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
         positions: ``[B, T]`` int positions.
         attention_mask: ``[B, T]``, True / 1 for real tokens.
         temperature: logits are divided by it before the log-softmax (the sampler's temperature).
-        chunk_size: tokens per chunk; peak logits memory is ``B * chunk_size * V * 4`` bytes.
+        chunk_size: tokens per chunk at most; peak logits memory is ``B * chunk_size * V * 4`` bytes.
         remat: recompute each chunk's logits in the backward pass instead of storing them; None (default): only
             when there are several chunks (see the module docstring).
         return_entropy: also return the entropy of each predictive distribution, aligned like the logprobs.
         sampling: per-sequence ``[B]`` sampling parameters to replay (PROCESSED logprobs): temperature, then top-k,
             top-p, min-p as the server applied them (see `learner.sampler_replay`); ``temperature`` must then stay
             1.0. None (default): plain ``log_softmax(logits / temperature)``.
+        window_start: ``[B]`` int, the first scored token of each row; with ``window_size``.
+        window_size: static int, tokens scored per row from ``window_start`` (see the module docstring); None
+            (default): every token.
 
     Returns:
         ``[B, T]`` float32 logprobs (aligned with the scored token, see the module docstring), or
@@ -63,16 +78,22 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
         >>> lp = token_logprobs(model, tokens, jnp.arange(4)[None], tokens > 0, chunk_size=2)
         >>> lp.shape, bool(lp[0, 0] == 0), bool(lp[0, 3] == 0), bool(lp[0, 1] < 0)
         ((1, 4), True, True, True)
+        >>> windowed = token_logprobs(model, tokens, jnp.arange(4)[None], tokens > 0, window_start=jnp.array([2]),
+        ...                           window_size=1)
+        >>> bool(windowed[0, 1] == 0), bool(jnp.allclose(windowed[0, 2], lp[0, 2], atol=1e-6))
+        (True, True)
     """
     hidden = model(tokens, positions, attention_mask)
     return logprobs_from_hidden(hidden, model.output_kernel(), tokens, attention_mask, temperature=temperature,
-                                chunk_size=chunk_size, remat=remat, return_entropy=return_entropy, sampling=sampling)
+                                chunk_size=chunk_size, remat=remat, return_entropy=return_entropy, sampling=sampling,
+                                window_start=window_start, window_size=window_size)
 
 
 def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: jax.Array,
                          attention_mask: jax.Array | None = None, *, temperature: float | jax.Array = 1.0,
                          chunk_size: int = 512, remat: bool | None = None, return_entropy: bool = False,
-                         sampling: SamplerParams | None = None):
+                         sampling: SamplerParams | None = None, window_start: jax.Array | None = None,
+                         window_size: int | None = None):
     """`token_logprobs` from final hidden states ``[B, T, D]`` and the ``[D, V]`` output projection.
 
     Example:
@@ -87,7 +108,8 @@ def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: ja
             raise ValueError(f"temperature={temperature}: with `sampling`, the per-sequence sampling.temperature "
                              "is used; leave temperature at 1.0")
         stats = functools.partial(replayed_token_stats, sampling=sampling, with_entropy=return_entropy)
-    out = map_token_chunks(stats, hidden, output_kernel, tokens, attention_mask, chunk_size=chunk_size, remat=remat)
+    out = map_token_chunks(stats, hidden, output_kernel, tokens, attention_mask, chunk_size=chunk_size, remat=remat,
+                           window_start=window_start, window_size=window_size)
     if not return_entropy:
         return out["logprobs"]
     return out["logprobs"], out["entropy"]
@@ -106,20 +128,55 @@ def _plain_token_stats(logits, targets, *, temperature, with_entropy):
 
 def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax.Array]], hidden: jax.Array,
                      output_kernel: jax.Array, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
-                     chunk_size: int = 512, remat: bool | None = None) -> dict[str, jax.Array]:
-    """Per-token statistics of the next-token logits, one chunk of the token axis at a time.
+                     chunk_size: int = 512, remat: bool | None = None, window_start: jax.Array | None = None,
+                     window_size: int | None = None) -> dict[str, jax.Array]:
+    """Per-token statistics of the next-token logits, one chunk of the scored tokens at a time.
 
     Args:
         token_stats: ``(logits [B, C, V] float32, targets [B, C]) -> {name: [B, C]}``, the statistics of the
             distribution at each hidden position and the token that follows it.
-        hidden, output_kernel, tokens, attention_mask, chunk_size, remat: as in `logprobs_from_hidden`.
+        hidden, output_kernel, tokens, attention_mask, chunk_size, remat, window_start, window_size: as in
+            `token_logprobs`.
 
     Returns:
         ``{name: [B, T]}`` aligned with the scored token (see the module docstring), 0 where not scored.
     """
-    batch, seq_len, _ = hidden.shape
-    chunk_size = min(chunk_size, seq_len)
-    num_chunks = math.ceil(seq_len / chunk_size)
+    if (window_start is None) != (window_size is None):
+        raise ValueError("window_start and window_size go together: give both (a scored window) or neither.")
+    if window_size is not None and (isinstance(window_size, bool) or not isinstance(window_size, int)
+                                    or window_size < 1):
+        raise ValueError(f"window_size={window_size!r} must be a static int >= 1.")
+    seq_len = tokens.shape[1]
+    scored = jnp.arange(seq_len)[None, :] > 0
+    if attention_mask is not None:
+        scored = scored & attention_mask.astype(bool)
+    if window_size is None or window_size >= seq_len - 1:  # every token (a window covering [1, T) is all of them)
+        stats = _chunked_stats(token_stats, hidden[:, :-1], output_kernel, tokens[:, 1:], chunk_size, remat)
+        stats = {name: jnp.pad(value, ((0, 0), (1, 0))) for name, value in stats.items()}
+    else:
+        # Row b scores tokens first[b] + [0, W), first[b] clamped so that they lie in [1, T): hidden first - 1 + i
+        # predicts token first + i. Column t then holds window entry t - first[b] when that is in [0, W).
+        first = jnp.clip(window_start, 1, seq_len - window_size).astype(jnp.int32)
+        columns = first[:, None] + jnp.arange(window_size)
+        window_hidden = jnp.take_along_axis(hidden, (columns - 1)[..., None], axis=1)
+        window_tokens = jnp.take_along_axis(tokens, columns, axis=1)
+        stats = _chunked_stats(token_stats, window_hidden, output_kernel, window_tokens, chunk_size, remat)
+        entry = jnp.arange(seq_len)[None, :] - first[:, None]
+        entry = jnp.clip(entry, 0, window_size - 1)
+        stats = {name: jnp.take_along_axis(value, entry, axis=1) for name, value in stats.items()}
+    if window_size is not None:
+        offset = jnp.arange(seq_len)[None, :] - window_start[:, None]
+        scored = scored & (offset >= 0) & (offset < window_size)
+    return {name: jnp.where(scored, value, 0.0) for name, value in stats.items()}
+
+
+def _chunked_stats(token_stats, hidden: jax.Array, output_kernel: jax.Array, targets: jax.Array, chunk_size: int,
+                   remat: bool | None) -> dict[str, jax.Array]:
+    """``token_stats`` of ``hidden [B, N, D]`` predicting ``targets [B, N]``, in equal chunks of at most
+    ``chunk_size``; ``{name: [B, N]}``."""
+    batch, length, _ = hidden.shape
+    num_chunks = max(math.ceil(length / chunk_size), 1)
+    chunk_size = math.ceil(length / num_chunks)
     if remat is None:
         remat = num_chunks > 1
 
@@ -130,28 +187,14 @@ def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax
 
     if remat:
         chunk_stats = jax.checkpoint(chunk_stats)
-    if num_chunks == 1:  # the hidden state at the last position scores nothing
-        stats = chunk_stats((hidden[:, :-1], tokens[:, 1:]))
-        return _scored({name: jnp.pad(value, ((0, 0), (1, 0))) for name, value in stats.items()}, attention_mask)
-    padded_len = num_chunks * chunk_size
-    next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, padded_len - seq_len + 1)))
-    hidden = jnp.pad(hidden, ((0, 0), (0, padded_len - seq_len), (0, 0)))
+    if num_chunks == 1:
+        return chunk_stats((hidden, targets))
+    padding = num_chunks * chunk_size - length
+    hidden = jnp.pad(hidden, ((0, 0), (0, padding), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, padding)))
 
-    def to_chunks(x):  # [B, padded_len, ...] -> [num_chunks, B, chunk_size, ...]
+    def to_chunks(x):  # [B, num_chunks * chunk_size, ...] -> [num_chunks, B, chunk_size, ...]
         return jnp.swapaxes(x.reshape(batch, num_chunks, chunk_size, *x.shape[2:]), 0, 1)
 
-    def from_chunks(x):  # [num_chunks, B, chunk_size] -> [B, seq_len], shifted onto the scored token
-        x = jnp.swapaxes(x, 0, 1).reshape(batch, padded_len)[:, : seq_len - 1]
-        return jnp.pad(x, ((0, 0), (1, 0)))
-
-    stats = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(next_tokens)))
-    return _scored({name: from_chunks(value) for name, value in stats.items()}, attention_mask)
-
-
-def _scored(stats: dict[str, jax.Array], attention_mask: jax.Array | None) -> dict[str, jax.Array]:
-    """``stats`` ``[B, T]`` (aligned with the scored token), 0 at column 0 and at padding."""
-    seq_len = next(iter(stats.values())).shape[1]
-    scored = jnp.arange(seq_len)[None, :] > 0
-    if attention_mask is not None:
-        scored = scored & attention_mask.astype(bool)
-    return {name: jnp.where(scored, value, 0.0) for name, value in stats.items()}
+    stats = jax.lax.map(chunk_stats, (to_chunks(hidden), to_chunks(targets)))
+    return {name: jnp.swapaxes(value, 0, 1).reshape(batch, -1)[:, :length] for name, value in stats.items()}

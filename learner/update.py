@@ -23,6 +23,13 @@ of all its micro-batches), so they do not depend on the micro-batch count, and `
 Every logprob pass (proximal, reference, and the training forward) is of the same distribution: the server's
 sampling transform replayed from the batch's per-row ``sampling`` parameters when it has them (PROCESSED logprobs),
 else ``log_softmax(logits / UpdateConfig.temperature)``. Setting both is an error.
+
+With ``UpdateConfig.scored_window = W`` every logprob pass scores only ``W`` tokens per row, from the row's first
+trained token (the first nonzero of ``loss_mask``; column 0 for a fully masked row): the output projection and
+log-softmax run on ``[B, W]`` positions instead of ``[B, T]`` (see `learner.logprobs`). The loss is unchanged as long
+as every trained token lies within ``W`` of its row's first one (`learner.rl.batches.check_scored_window` checks it
+where batches are built); the logprobs returned (the proximal ones) are then 0 outside that window, so in
+particular at prompt tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class UpdateConfig:
     logprob_remat: bool | None = None  # recompute each chunk's logits in the backward pass; None: only when the
     # sequence spans several chunks (one chunk gains no memory from it; see learner.logprobs).
     rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
+    scored_window: int | None = None  # score only this many tokens per row, from its first loss_mask token (static;
+    # every trained token must lie in it); None: every token. See learner.logprobs.
 
     def __post_init__(self):
         if not isinstance(self.corrections, corrections.CorrectionConfig):
@@ -75,6 +84,10 @@ class UpdateConfig:
         if self.logprob_remat is not None and not isinstance(self.logprob_remat, bool):
             raise ValueError(f"UpdateConfig.logprob_remat={self.logprob_remat!r} must be true, false or None "
                              "(None: only with several chunks).")
+        if self.scored_window is not None and (isinstance(self.scored_window, bool)
+                                               or not isinstance(self.scored_window, int) or self.scored_window < 1):
+            raise ValueError(f"UpdateConfig.scored_window={self.scored_window!r} must be an int >= 1 or None "
+                             "(None: every token).")
         if self.rows_per_chunk is not None and (not isinstance(self.rows_per_chunk, int) or self.rows_per_chunk < 0):
             raise ValueError(f"UpdateConfig.rows_per_chunk={self.rows_per_chunk!r} must be an int >= 0 or None.")
         if not self.temperature > 0:
@@ -112,15 +125,29 @@ def _check_sampling(batch: TrainBatch, config: UpdateConfig) -> None:
 def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
                      return_entropy: bool = False):
     """`learner.logprobs.token_logprobs` of ``batch``'s rows under ``params``: their sampling params replayed, or
-    at ``config.temperature`` when the batch has none."""
+    at ``config.temperature`` when the batch has none; over ``config.scored_window`` tokens from each row's first
+    ``loss_mask`` token when set."""
+    window_start = None if config.scored_window is None else first_scored_token(batch.loss_mask)
     return token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
                           temperature=config.temperature, chunk_size=config.logprob_chunk_size,
-                          remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling)
+                          remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling,
+                          window_start=window_start, window_size=config.scored_window)
+
+
+def first_scored_token(loss_mask: jax.Array) -> jax.Array:
+    """``[B]`` int32: each row's first column where ``loss_mask`` is nonzero (0 for a fully masked row).
+
+    Example:
+        >>> first_scored_token(jnp.array([[0, 0, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]])).tolist()
+        [2, 0, 0]
+    """
+    return jnp.argmax(loss_mask != 0, axis=1).astype(jnp.int32)
 
 
 def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
                        mesh: Mesh | None = None) -> jax.Array:
-    """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient.
+    """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient
+    (only in each row's scored window when ``config.scored_window`` is set: 0 elsewhere).
 
     Example:
         >>> from learner.model import Transformer, model_config
@@ -132,7 +159,7 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBa
     """
     _check_sampling(batch, config)
     parts = config.num_minibatches * config.num_microbatches
-    rows = batch.replace(loss_mask=None, advantages=None, rollout_logprobs=None, policy_version=None)  # unread here
+    rows = batch.replace(advantages=None, rollout_logprobs=None, policy_version=None)  # unread here
     chunks = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, parts), rows), mesh, 1)
     logprobs = _merge_rows(jax.lax.map(lambda chunk: _policy_logprobs(graphdef, params, chunk, config), chunks))
     return jax.lax.stop_gradient(_constrain_rows(logprobs, mesh, 0))
@@ -257,7 +284,8 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     Returns:
         The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split),
         metrics of shape ``[ppo_epochs * num_minibatches]``, and the proximal logprobs ``[B, T]`` it recomputed
-        (the pre-update policy's, for the caller's log; None in bypass mode, which recomputes none).
+        (the pre-update policy's, for the caller's log; 0 outside each row's scored window when
+        ``config.scored_window`` is set; None in bypass mode, which recomputes none).
     """
     parts = config.num_minibatches * config.num_microbatches
     if batch.tokens.shape[0] % parts:

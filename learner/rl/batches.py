@@ -4,6 +4,10 @@ the typed payload process 0 broadcasts to the other processes.
 Every step's batch has one shape (``rows`` x ``length``), so the update compiles once. `PayloadSpec` is that shape,
 derived from the config alone: process 0 checks the payload it built against it, and the other processes receive
 into zeros of it (`jax.experimental.multihost_utils.broadcast_one_to_all` needs the same tree everywhere).
+
+An update with a scored window (``update.scored_window``: `learner.update.UpdateConfig.scored_window`) computes
+logprobs only for each row's first ``W`` tokens from its first trained one; a trained token beyond them would
+silently get logprob 0, so every batch built here is checked to fit (`check_scored_window`).
 """
 
 from __future__ import annotations
@@ -58,14 +62,16 @@ class PayloadSpec:
     sampling: bool  # the batch carries [rows] sampling params to replay (the sampler changes the distribution)
     raw: bool  # its rollout logprobs are RAW: rebuilt as the sampling distribution's before the update
     order: SamplerOrder = SamplerOrder.TEMPERATURE_FIRST  # the engine's sampler order, as the learner replays it
+    scored_window: int | None = None  # the update's scored window: every row's trained tokens must fit in it
 
     @classmethod
-    def of_run(cls, rollout, rows: int, length: int,
-               order: SamplerOrder = SamplerOrder.TEMPERATURE_FIRST) -> PayloadSpec:
-        """The spec a run's ``rollout`` section implies, for an engine whose order replays as ``order``."""
+    def of_run(cls, rollout, rows: int, length: int, order: SamplerOrder = SamplerOrder.TEMPERATURE_FIRST,
+               scored_window: int | None = None) -> PayloadSpec:
+        """The spec a run's ``rollout`` section implies, for an engine whose order replays as ``order`` and an
+        update that scores ``scored_window`` tokens per row (`learner.update.UpdateConfig.scored_window`)."""
         transformed = transforms(rollout.temperature, rollout.top_k, rollout.top_p, rollout.min_p)
         return cls(rows, length, sampling=transformed, raw=rollout.logprob_mode == "raw" and transformed,
-                   order=order)
+                   order=order, scored_window=scored_window)
 
     @property
     def sampler_dtypes(self) -> SamplerParams:
@@ -85,7 +91,8 @@ class PayloadSpec:
         return jax.tree.map(lambda struct: np.zeros(struct.shape, struct.dtype), self.structs())
 
     def check(self, payload: Payload) -> None:
-        """Raises ValueError unless ``payload`` has exactly the spec's structure, shapes and dtypes."""
+        """Raises ValueError unless ``payload`` has exactly the spec's structure, shapes and dtypes, and its trained
+        tokens fit the scored window."""
         expected = jax.tree_util.tree_flatten_with_path(self.structs())
         actual = jax.tree_util.tree_flatten_with_path(payload)
         if expected[1] != actual[1]:
@@ -95,6 +102,36 @@ class PayloadSpec:
                 name = jax.tree_util.keystr(path, simple=True, separator=".")
                 raise ValueError(f"rollout payload: {name} is {np.asarray(got).dtype} {np.shape(got)}, the spec "
                                  f"says {np.dtype(want.dtype)} {want.shape}")
+        check_scored_window(payload.batch.loss_mask, self.scored_window)
+
+
+def check_scored_window(loss_mask, scored_window: int | None) -> None:
+    """Raises ValueError unless every row's trained tokens (``loss_mask`` nonzero, host ``[B, T]``) lie within
+    ``scored_window`` tokens of its first one, the only tokens an update with that window scores.
+
+    >>> mask = np.array([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 1]])
+    >>> check_scored_window(mask, 4)
+    >>> check_scored_window(mask, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: update.scored_window: the update scores 3 tokens per row from its first trained one, but row 2 trains tokens 0 to 3 (a span of 4): the tokens past the window would silently get logprob 0. Set update.scored_window to at least 4, or to "off" (every token); "auto" is rollout.max_new_tokens rounded up to a multiple of 8
+    """
+    if scored_window is None:
+        return
+    trained = np.asarray(loss_mask) != 0
+    if trained.shape[1] == 0:
+        return
+    any_trained = trained.any(axis=1)
+    first = np.argmax(trained, axis=1)
+    last = trained.shape[1] - 1 - np.argmax(trained[:, ::-1], axis=1)
+    span = np.where(any_trained, last - first + 1, 0)
+    if span.max() > scored_window:
+        row = int(np.argmax(span))
+        raise ValueError(f"update.scored_window: the update scores {scored_window} tokens per row from its first "
+                         f"trained one, but row {row} trains tokens {first[row]} to {last[row]} (a span of "
+                         f"{span[row]}): the tokens past the window would silently get logprob 0. Set "
+                         f"update.scored_window to at least {span[row]}, or to \"off\" (every token); \"auto\" is "
+                         "rollout.max_new_tokens rounded up to a multiple of 8")
 
 
 def _cast(tree, dtypes):
@@ -141,13 +178,14 @@ def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[M
 
 
 def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float, length: int,
-                        row_multiple: int) -> TrainBatch:
+                        row_multiple: int, scored_window: int | None = None) -> TrainBatch:
     """A supervised batch of noisy demonstrations of random prompts of ``task`` (loss on the completion tokens).
 
     Needs a task with ``make_prompt`` and ``noisy_demonstration`` (`learner.tasks.Demonstrations`): fresh prompts,
     not the RL prompt stream. Host NumPy ``[size', length]``. The loss covers every completion token, the stop id
     included, also when it is the pad id (rows end where their tokens do, whatever their ids); a demonstration
-    longer than the row is cut there, as a rollout at its length limit.
+    longer than the row is cut there, as a rollout at its length limit. ``scored_window``: the update's
+    (`check_scored_window`); a longer demonstration raises.
     """
     tokens = np.full((size, length), task.tokenizer.pad_id, np.int32)
     loss_mask = np.zeros((size, length), np.float32)
@@ -160,6 +198,7 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
         loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0
         lengths[row] = len(prompt) + len(completion)
     zeros = np.zeros_like(loss_mask)
+    check_scored_window(loss_mask, scored_window)
     attention = np.arange(length) < lengths[:, None]
     batch = TrainBatch(tokens=tokens, positions=np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
                        attention_mask=attention, loss_mask=loss_mask, advantages=zeros, rollout_logprobs=zeros,

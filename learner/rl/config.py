@@ -136,6 +136,10 @@ class UpdateSection:
     ppo_epochs: int = 1  # passes over the batch.
     logprob_chunk_size: int = 512  # tokens per chunk of the output projection.
     logprob_remat: bool | None = None  # recompute chunk logits in the backward pass; None: only with several chunks.
+    # Logprobs only for this many tokens per row from its first trained token (the output head and log-softmax skip
+    # the prompt): an int, "auto" (the completion budget, rollout.max_new_tokens or the task's, rounded up to a
+    # multiple of 8) or "off" (every token). Batches whose trained tokens do not fit are refused, naming this key.
+    scored_window: int | str = "auto"
     fast_compile: bool = False  # XLA backend optimisation level 0: faster compiles, slower steps (tests).
 
 
@@ -228,13 +232,44 @@ def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
         raise ValueError(f"corrections.overrides: {error}") from None
 
 
-def update_config(config: RunConfig, correction: corrections.CorrectionConfig, length: int | None) -> UpdateConfig:
-    """The update's config; ``length`` (the padded batch length) caps the logprob chunk."""
+def update_config(config: RunConfig, correction: corrections.CorrectionConfig, length: int | None,
+                  max_new_tokens: int | None = None) -> UpdateConfig:
+    """The update's config; ``length`` (the padded batch length) caps the logprob chunk and the scored window.
+
+    ``max_new_tokens``: the rollout's completion budget (``rollout.max_new_tokens`` or the task's), which
+    ``update.scored_window = "auto"`` scores; "auto" without it scores every token (whoever passes it builds the
+    batches with `learner.rl.batches.check_scored_window`).
+
+    >>> config = load_config(None)
+    >>> update_config(config, correction_config(config), 64, max_new_tokens=20).scored_window
+    24
+    >>> update_config(config, correction_config(config), 16, max_new_tokens=20).scored_window
+    16
+    >>> update_config(config, correction_config(config), 64).scored_window is None
+    True
+    """
     section = config.update
     chunk = section.logprob_chunk_size if length is None else min(section.logprob_chunk_size, length)
     return _library("update", UpdateConfig, corrections=correction, num_minibatches=section.num_minibatches,
                     num_microbatches=section.num_microbatches, ppo_epochs=section.ppo_epochs,
-                    logprob_chunk_size=chunk, logprob_remat=section.logprob_remat)
+                    logprob_chunk_size=chunk, logprob_remat=section.logprob_remat,
+                    scored_window=scored_window_size(config, length, max_new_tokens))
+
+
+SCORED_WINDOW_MULTIPLE = 8  # "auto" windows are rounded up to this (sublane-sized tiles; one value per run anyway).
+
+
+def scored_window_size(config: RunConfig, length: int | None, max_new_tokens: int | None) -> int | None:
+    """``update.scored_window`` as tokens per row (None: every token); see `update_config`."""
+    window = config.update.scored_window
+    if isinstance(window, str):
+        if window not in ("auto", "off"):
+            raise ValueError(f"update.scored_window={window!r}: must be an int >= 1, \"auto\" or \"off\"")
+        if window == "off" or max_new_tokens is None:
+            return None
+        window = -(-max_new_tokens // SCORED_WINDOW_MULTIPLE) * SCORED_WINDOW_MULTIPLE
+        return window if length is None else min(window, length)
+    return window
 
 
 def optimizer_updates(config: RunConfig, update: UpdateConfig) -> int:
