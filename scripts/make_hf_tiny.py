@@ -1,0 +1,169 @@
+"""The files `configs/hf_tiny.toml` trains on: a tiny random Qwen2 checkpoint, its own BPE tokenizer, a jsonl dataset.
+
+Nothing is downloaded. ``OUT_DIR`` (default ``runs/hf_tiny_files``, where the config looks) receives:
+
+- ``model/``: a Hugging Face Qwen2 checkpoint as transformers, mlx-lm and Tether load it (``config.json`` with
+  ``architectures``, q/k/v biases and tied embeddings; ``model.safetensors`` with random weights, biases included;
+  ``generation_config.json``), written by `learner.hf_checkpoint.write_hf_checkpoint`; and its tokenizer:
+  ``tokenizer.json``, a byte-level BPE trained with `tokenizers` on the dataset's text (pre-tokenized as Qwen2's:
+  digits one by one), and ``tokenizer_config.json`` with a ChatML chat template. As in Qwen2.5 (base), eos and pad
+  are both ``<|endoftext|>``; the turn end ``<|im_end|>`` is a second stop id (generation_config.json). The
+  embedding has a few more rows than the tokenizer has tokens, as real checkpoints do.
+- ``train.jsonl`` and ``test.jsonl``: three digits to reverse, ``{"question": "reverse 472", "answer": "274"}``;
+  ``test.jsonl`` holds the 50 of the 1000 questions left out of training (the validation split: a model that learnt
+  to reverse, rather than memorised answers, solves them too).
+
+Usage::
+
+    python scripts/make_hf_tiny.py [OUT_DIR] [--overwrite]
+
+or from Python, ``make_hf_tiny(out_dir)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DEFAULT_DIR",
+    "HfTinyFiles",
+    "make_hf_tiny",
+    "model_config",
+    "reversal_rows",
+]
+
+DEFAULT_DIR = pathlib.Path("runs/hf_tiny_files")
+# ChatML as Qwen2.5 writes it, without the default system message (short prompts).
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                 "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                 "{% endif %}")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's, in its order
+# Qwen2's pre-tokenizer split (tokenizer.json of Qwen2.5): letters, single digits, punctuation, new lines, spaces.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+HELD_OUT = 50  # questions in test.jsonl
+
+
+class HfTinyFiles(NamedTuple):
+    """The paths written."""
+
+    model: pathlib.Path  # the checkpoint directory, tokenizer included
+    train: pathlib.Path  # train.jsonl
+    test: pathlib.Path  # test.jsonl: the validation split
+
+
+def reversal_rows() -> list[dict]:
+    """Every three-digit string and its reverse as a row: ``{"question": "reverse 472", "answer": "274"}``."""
+    return [{"question": f"reverse {n:03d}", "answer": f"{n:03d}"[::-1]} for n in range(1000)]
+
+
+def model_config(vocab_size: int):
+    """The tiny Qwen2's `learner.model.ModelConfig`: q/k/v biases, tied embeddings, grouped-query attention, Qwen2's
+    rope base; ``vocab_size`` embedding rows."""
+    from learner.model import ModelConfig
+
+    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, rope_theta=1_000_000.0, tie_embeddings=True, qkv_bias=True,
+                       max_seq_len=128)
+
+
+def _train_tokenizer(texts: list[str]):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def _render(message: str) -> str:
+    from learner.tasks import render_chat
+
+    return render_chat(CHAT_TEMPLATE, [{"role": "user", "content": message}], add_generation_prompt=True)
+
+
+def _random_weights(config, seed: int) -> dict[str, np.ndarray]:
+    """The learner's initialisation, with random q/k/v biases (zeros there would leave them untested)."""
+    from flax import nnx
+
+    from learner.model import Transformer
+    from learner.param_paths import named_leaves
+
+    weights = {path: np.asarray(leaf) for path, leaf in
+               named_leaves(nnx.state(Transformer(config, rngs=nnx.Rngs(seed)), nnx.Param)).items()}
+    rng = np.random.default_rng(seed)
+    for path, array in weights.items():
+        if path.endswith("/bias"):
+            weights[path] = rng.normal(0.0, 0.1, array.shape).astype(array.dtype)
+    return weights
+
+
+def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, overwrite: bool = False
+                 ) -> HfTinyFiles:
+    """Writes the checkpoint with its tokenizer and the two dataset files under ``out_dir`` (module docstring).
+
+    Args:
+        out_dir: the directory to create.
+        seed: of the weights and of which questions are held out.
+        overwrite: replace an existing ``out_dir``; False refuses it.
+
+    Returns:
+        The paths written (`HfTinyFiles`).
+    """
+    from learner.hf_checkpoint import write_hf_checkpoint
+
+    out_dir = pathlib.Path(out_dir)
+    if out_dir.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out_dir} exists; pass --overwrite (overwrite=True) to replace it")
+        shutil.rmtree(out_dir)
+    rows = reversal_rows()
+    held_out = set(np.random.default_rng(seed).permutation(len(rows))[:HELD_OUT].tolist())
+    files = HfTinyFiles(model=out_dir / "model", train=out_dir / "train.jsonl", test=out_dir / "test.jsonl")
+    out_dir.mkdir(parents=True)
+    for path, keep in ((files.train, lambda i: i not in held_out), (files.test, lambda i: i in held_out)):
+        path.write_text("".join(json.dumps(row) + "\n" for i, row in enumerate(rows) if keep(i)))
+
+    tokenizer = _train_tokenizer([_render(row["question"]) + row["answer"] for row in rows])
+    tokenizer_dir = out_dir / "tokenizer"
+    tokenizer_dir.mkdir()
+    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False, "model_max_length": 128,
+        "chat_template": CHAT_TEMPLATE}, indent=2))
+    stop_ids = (tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>"))
+    vocab_size = -(-tokenizer.get_vocab_size() // 16) * 16 + 16  # unused rows, as Qwen2.5's 151936 > 151665
+    config = model_config(vocab_size)
+    write_hf_checkpoint(files.model, _random_weights(config, seed), config, tokenizer=tokenizer_dir,
+                        eos_token_ids=stop_ids, model_type="qwen2")
+    shutil.rmtree(tokenizer_dir)  # its files are in the checkpoint now
+    return files
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python scripts/make_hf_tiny.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", nargs="?", type=pathlib.Path, default=DEFAULT_DIR,
+                        help=f"directory to create (default: {DEFAULT_DIR}, where configs/hf_tiny.toml looks)")
+    parser.add_argument("--seed", type=int, default=0, help="of the weights and of the held-out questions")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    args = parser.parse_args(argv)
+    files = make_hf_tiny(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+    for name, path in files._asdict().items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
