@@ -225,6 +225,8 @@ def test_update_makes_no_host_transfer_and_consumes_the_donated_state(bandit):
     (dict(temperature=0.0), "temperature"),
     (dict(rows_per_chunk=-1), "rows_per_chunk"),
     (dict(logprob_remat="auto"), "logprob_remat"),
+    (dict(scored_window=0), "scored_window=0 must be an int >= 1 or None"),
+    (dict(scored_window=True), "scored_window=True"),
 ])
 def test_invalid_update_configs_are_rejected(fields, message):
     with pytest.raises(ValueError, match=message):

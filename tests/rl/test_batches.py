@@ -5,6 +5,7 @@ import pytest
 from rollout_client.sampling_params import SamplerOrder
 
 from learner.rl import PayloadSpec, assemble_payload, demonstration_batch, load_config
+from learner.rl.batches import check_scored_window
 from learner.tasks import load_task
 from rollout_client import FinishReason, LogprobMode, Sample, SamplingParams
 
@@ -92,8 +93,8 @@ def test_a_batch_whose_groups_were_all_dropped_is_an_error():
 @pytest.mark.parametrize("order", list(SamplerOrder))
 def test_payload_spec_follows_the_rollout_section(overrides, sampling, raw, order):
     config = load_config(None, overrides)
-    spec = PayloadSpec.of_run(config.rollout, rows=8, length=32, order=order)
-    assert (spec.sampling, spec.raw) == (sampling, raw)
+    spec = PayloadSpec.of_run(config.rollout, rows=8, length=32, order=order, scored_window=8)
+    assert (spec.sampling, spec.raw, spec.scored_window) == (sampling, raw, 8)
     zeros = spec.zeros()
     assert zeros.batch.sampling is not None if sampling else zeros.batch.sampling is None
     if sampling:  # order codes only for a temperature-last engine (else the program without them)
@@ -134,3 +135,29 @@ def test_demonstrations_longer_than_the_row_are_cut_there():
     batch = demonstration_batch(_PadIsEos(), np.random.default_rng(0), size=2, noise=0.0, length=4, row_multiple=2)
     np.testing.assert_array_equal(batch.tokens[0], [5, 6, 7, 9])  # as a rollout at its length limit: no eos
     np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1])
+
+
+def test_a_trained_span_longer_than_the_scored_window_is_refused_naming_the_key():
+    loss_mask = np.zeros((3, 10), np.float32)
+    loss_mask[0, 2:5] = 1  # span 3
+    loss_mask[2, [4, 8]] = 1  # span 5, with a hole (a multi-turn row); row 1 trains nothing
+    check_scored_window(loss_mask, 5)
+    check_scored_window(loss_mask, None)
+    with pytest.raises(ValueError, match=r"update.scored_window: the update scores 4 tokens per row from its first "
+                                         r"trained one, but row 2 trains tokens 4 to 8 \(a span of 5\).*Set "
+                                         r"update.scored_window to at least 5, or to \"off\""):
+        check_scored_window(loss_mask, 4)
+
+
+def test_rollout_and_demonstration_batches_are_checked_against_the_scored_window():
+    record = TASK.prompts()[0]
+    group = [_sample(record, "12", "a", 0), _sample(record, "3", "a", 1)]  # completions of 3 and 2 tokens
+    spec = PayloadSpec(rows=2, length=16, sampling=False, raw=False, scored_window=3)
+    payload, _ = assemble_payload([group], [record], TASK, spec, num_samples=2, logprob_mode="processed")
+    assert payload.batch.loss_mask.sum(axis=1).tolist() == [3, 2]
+    with pytest.raises(ValueError, match=r"update.scored_window: the update scores 2 tokens.*row 0 .*a span of 3"):
+        assemble_payload([group], [record], TASK, PayloadSpec(2, 16, False, False, scored_window=2), 2, "processed")
+    rng = np.random.default_rng(0)
+    demonstration_batch(_PadIsEos(), rng, size=2, noise=0.0, length=8, row_multiple=2, scored_window=2)
+    with pytest.raises(ValueError, match=r"update.scored_window: the update scores 1 tokens.*a span of 2"):
+        demonstration_batch(_PadIsEos(), rng, size=2, noise=0.0, length=8, row_multiple=2, scored_window=1)

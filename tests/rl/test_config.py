@@ -19,6 +19,9 @@ from learner.rl.config import (changed_keys, checkpoint_config, client_config, c
     ("optimizer.learning_rate=-1.0", "optimizer.learning_rate=-1.0 must be a finite number >= 0."),
     ("optimizer.end_learning_rate=1.0", "optimizer.end_learning_rate=1.0 exceeds peak_learning_rate"),
     ("update.num_minibatches=0", "update.num_minibatches=0 must be an int >= 1."),
+    ("update.scored_window=0", "update.scored_window=0 must be an int >= 1 or None"),
+    ("update.scored_window='half'", "update.scored_window='half': must be an int >= 1, \"auto\" or \"off\""),
+    ("update.scored_window=1.5", "update.scored_window=1.5: expected"),
     ("checkpoints.keep_last=0", "checkpoints.keep_last must be >= 1 or None, got 0"),
     ("server.generate_deadline_s=0", "server.generate_deadline_s=0.0: must be a finite number > 0"),
     # Section fields, by their declared bounds.
@@ -106,3 +109,19 @@ def test_engine_addresses_accept_one_address_a_list_or_a_unix_socket():
     assert engine_addresses(load_config(None, ['server.address=["h:1", "unix:engine.sock"]'])) == [
         "h:1", "unix:engine.sock"]
     assert engine_addresses(load_config(None, [])) == []
+
+
+@pytest.mark.parametrize("window, length, max_new_tokens, expected", [
+    ("auto", 64, 20, 24),  # the completion budget, rounded up to a multiple of 8
+    ("auto", 64, 24, 24),
+    ("auto", 16, 20, 16),  # never longer than the batch
+    ("auto", None, 20, 24),
+    ("auto", 64, None, None),  # no completion budget given: every token
+    ("off", 64, 20, None),
+    (40, 64, 20, 40),  # as written
+])
+def test_scored_window_is_the_completion_budget_unless_set(window, length, max_new_tokens, expected):
+    config = load_config(None, [f"update.scored_window={window!r}".replace("'", '"')])
+    update = update_config(config, correction_config(config), length=length, max_new_tokens=max_new_tokens)
+    assert update.scored_window == expected
+    assert RunConfig().update.scored_window == "auto"
