@@ -94,18 +94,24 @@ def _render(message: str) -> str:
 
 
 def _random_weights(config, seed: int) -> dict[str, np.ndarray]:
-    """The learner's initialisation, with random q/k/v biases (zeros there would leave them untested)."""
+    """Random parameters in the learner's naming, drawn with NumPy (no compiles): norms 1, biases N(0, 0.1^2) (so
+    that a lost bias shows), every other matrix N(0, 1 / fan_in)."""
     from flax import nnx
 
     from learner.model import Transformer
     from learner.param_paths import named_leaves
 
-    weights = {path: np.asarray(leaf) for path, leaf in
-               named_leaves(nnx.state(Transformer(config, rngs=nnx.Rngs(seed)), nnx.Param)).items()}
+    shapes = named_leaves(nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param))
+    fan_in = {"o_proj/kernel": config.num_heads * config.head_dim, "down_proj/kernel": config.intermediate_size}
     rng = np.random.default_rng(seed)
-    for path, array in weights.items():
-        if path.endswith("/bias"):
-            weights[path] = rng.normal(0.0, 0.1, array.shape).astype(array.dtype)
+    weights = {}
+    for path, leaf in shapes.items():
+        if path.endswith("/scale"):
+            weights[path] = np.ones(leaf.shape, np.float32)
+        else:
+            fan = next((n for suffix, n in fan_in.items() if path.endswith(suffix)), config.hidden_size)
+            std = 0.1 if path.endswith("/bias") else fan ** -0.5
+            weights[path] = rng.normal(0.0, std, leaf.shape).astype(np.float32)
     return weights
 
 

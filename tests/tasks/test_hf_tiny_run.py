@@ -1,0 +1,159 @@
+"""configs/hf_tiny.toml end to end: the files from scripts/make_hf_tiny.py (a tiny random Qwen2 checkpoint, its own
+BPE tokenizer with a chat template, a jsonl dataset), a few RL steps against a real engine process, evaluation on the
+validation split, and the export read back by transformers (config, tokenizer) and mlx-lm (weights and logits).
+
+The run is the config with smaller batches (and no warm-up: its compile would double the test's time; the warm-up
+on a pad == eos tokenizer is tested in tests/rl/): every other setting, the model, tokenizer, dataset, reward and
+evaluation included, is the config's.
+"""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from learner.metrics_writers import read_metrics
+from learner.param_paths import named_leaves
+from learner.rl import CheckpointHook, EvalHook, MetricsHook, Run, load_config
+from learner.safetensors_io import hf_tensors
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = REPO_ROOT / "configs" / "hf_tiny.toml"
+STEPS = 2
+NUM_SAMPLES = 4
+VALIDATION_PROMPTS = 4
+# At staleness 0 the engine samples with the weights the learner recomputes its logprobs with, both in float32:
+# the mean per-token log-ratio is rounding only (~1e-7 measured); a one-update lag or a bf16 server gives ~1e-3.
+KL_TOLERANCE = 1e-4
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_hf_tiny", REPO_ROOT / "scripts" / "make_hf_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # NamedTuple looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_tiny") / "files")
+
+
+def _config(files, run_dir, *extra):
+    return load_config(CONFIG, [
+        f"model.hf_path={json.dumps(str(files.model))}", f"task.args.path={json.dumps(str(files.train))}",
+        f"task.args.validation.path={json.dumps(str(files.test))}", f"run_dir={json.dumps(str(run_dir))}",
+        f"loop.steps={STEPS}", "warmup.steps=0", "rollout.prompts_per_step=4", f"rollout.num_samples={NUM_SAMPLES}",
+        "server.max_batch_size=16", "update.fast_compile=true", "task.args.validation.every=1",
+        f"task.args.validation.max_prompts={VALIDATION_PROMPTS}", *extra])
+
+
+def _train(config):
+    """Runs ``config`` with the hooks under test; returns the step records, the learner's final model, the task."""
+    with Run(config, hooks=[EvalHook(), MetricsHook(), CheckpointHook(config.checkpoints.every)]) as run:
+        records = list(run.steps())
+        model = nnx.merge(run.trainer.graphdef, jax.device_get(run.trainer.state.params))
+        return records, model, run.task
+
+
+@pytest.fixture(scope="module")
+def tether_run(files, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("hf_tiny") / "run"
+    config = _config(files, run_dir)
+    assert (config.server.engine, config.rollout.max_staleness, config.model.param_dtype, config.server.dtype) == (
+        "tether", 0, "float32", "float32")
+    return run_dir, *_train(config)
+
+
+def assert_on_policy(records):
+    assert [record.step for record in records] == list(range(1, STEPS + 1))
+    for record in records:
+        assert record.metrics["rollout_corr/valid_tokens"] > 0 and record.metrics["rollout_corr/staleness_max"] == 0
+        assert abs(record.metrics["rollout_corr/kl"]) < KL_TOLERANCE, record.metrics["rollout_corr/kl"]
+
+
+def assert_eval_metrics_written(run_dir):
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    for row in rows:  # validation.every = 1: every step is evaluated
+        assert row["data/validation_prompts"] == VALIDATION_PROMPTS and row["eval/dropped_samples"] == 0
+        pass_1, pass_k, greedy = row["eval/pass@1"], row[f"eval/pass@{NUM_SAMPLES}"], row["eval/greedy/pass@1"]
+        # exact_match scores 0 or 1 and success_threshold is 1: pass@1 is the fraction correct, the mean reward
+        assert pass_1 == pytest.approx(row["eval/reward_mean"]) == pytest.approx(row["eval/exact_match/mean"])
+        assert 0 <= pass_1 <= pass_k <= 1
+        assert greedy * VALIDATION_PROMPTS == pytest.approx(round(greedy * VALIDATION_PROMPTS))  # one per prompt
+
+
+def test_the_config_trains_on_policy_against_the_reference_server(tether_run):
+    _, records, _, task = tether_run
+    assert_on_policy(records)
+    test_questions = {row["question"] for row in map(json.loads, pathlib.Path(task.path).with_name(
+        "test.jsonl").read_text().splitlines())}
+    for record in records:
+        assert record.samples == 4 * NUM_SAMPLES and set(np.unique(record.rewards)) <= {0.0, 1.0}
+    assert len(task.prompts()) == 950 and not {r["row"]["question"] for r in task.prompts()} & test_questions
+
+
+def test_the_evaluation_of_the_validation_split_is_in_the_metrics_file(tether_run):
+    assert_eval_metrics_written(tether_run[0])
+
+
+def _export(run_dir, out_dir):
+    subprocess.run([sys.executable, "-m", "learner.export", str(run_dir), str(out_dir)], check=True, cwd=REPO_ROOT,
+                   capture_output=True, text=True, timeout=300)
+    return out_dir
+
+
+def test_the_export_loads_in_transformers_and_mlx_lm_with_the_learners_logits(tether_run, tmp_path):
+    import mlx.core as mx
+    import mlx_lm
+    import transformers
+
+    run_dir, _, model, task = tether_run
+    out = _export(run_dir, tmp_path / "export")
+    # The weights are the learner's last ones, exactly (float32), in Hugging Face names and layouts.
+    weights = {path: np.asarray(leaf) for path, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
+    exported = safetensors.numpy.load_file(str(out / "model.safetensors"))
+    expected = hf_tensors(weights, model.config)
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.architectures, config.tie_word_embeddings, config.eos_token_id) == (
+        ["Qwen2ForCausalLM"], True, list(task.tokenizer.eos_ids))
+    record = task.validation_records()[0]
+    messages = [{"role": "user", "content": record["row"]["question"]}]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer.eos_token == hf_tokenizer.pad_token == "<|endoftext|>"
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == record["prompt"]
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    assert ids == record["prompt_ids"].tolist()
+
+    mlx_model, _ = mlx_lm.load(str(out))  # the tokenizer through transformers, the weights by mlx-lm's qwen2
+    ids += hf_tokenizer.encode(record["row"]["answer"], add_special_tokens=False)
+    mlx_logits = np.asarray(mlx_model(mx.array(ids)[None]).astype(mx.float32))[0]
+    tokens = jnp.asarray(ids, jnp.int32)[None]
+    learner_logits = np.asarray(model.logits(model(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))))[0]
+    # float32 in both; MLX and XLA reduce in their own orders (they agree to ~1e-6 here), while a wrong weight (a
+    # transposed kernel, a lost bias, an untied head) moves these logits by far more than 1e-4.
+    np.testing.assert_allclose(mlx_logits, learner_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow  # ~60 s on the shared 2-core machine: the MLX engine is restarted on new weights at every publish
+def test_the_config_trains_on_policy_against_the_mlx_engine(files, tmp_path):
+    run_dir = tmp_path / "run"
+    config = _config(files, run_dir, "server.engine='mlx'", "rollout.logprob_mode='raw'")
+    records, _, _ = _train(config)
+    assert_on_policy(records)
+    assert_eval_metrics_written(run_dir)
