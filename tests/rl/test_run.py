@@ -124,23 +124,29 @@ def test_kl_to_the_reference_policy_trains_reports_kl_loss_and_survives_a_resume
     # Clean demonstrations give a policy right often enough that the first step has groups with mixed rewards (a
     # gradient), so the policy moves away from the reference; one optimizer update per step, so the first step's
     # KL is that of the reference itself.
+    # A step whose groups all agree (every sample right, or every one wrong) has no gradient and leaves the policy
+    # where it was; samples draw their own seeds, so which steps move is not fixed: the KL is checked against them.
     warm = ("warmup.steps=40", "warmup.noise=0.0", "update.num_minibatches=1", "update.ppo_epochs=1")
-    config = short_config(tmp_path / "run", *warm, "loop.steps=2", "corrections.overrides={kl_coef=0.05}")
+    config = short_config(tmp_path / "run", *warm, "loop.steps=3", "corrections.overrides={kl_coef=0.05}")
     with Run(config, hooks=[CheckpointHook(every=1)]) as run:
         initial = {k: np.asarray(v) for k, v in run.trainer.host_weights().items()}
         records = list(run.steps())
         reference = run.trainer.reference
     kl = [r.metrics["actor/kl_loss"] for r in records]
+    moved = np.cumsum([r.metrics["actor/grad_norm"] > 0 for r in records]) > 0  # trained at this step or before
     assert kl[0] == pytest.approx(0.0, abs=1e-6)  # the first update starts at the reference policy
-    assert kl[1] > 0 and np.isfinite(kl[1])  # after one update the policy has moved away from it
+    assert moved[1], "no gradient in two steps: the test's warm-up should give groups with mixed rewards"
+    for step in (1, 2):  # once an update has moved the policy away from the reference, its KL is positive
+        assert (kl[step] > 0) if moved[step - 1] else kl[step] == pytest.approx(0.0, abs=1e-6)
+        assert np.isfinite(kl[step])
     # The reference stays the frozen initial policy (it is not trained).
     names = sorted(initial)
     flat_reference = dict(zip(names, [np.asarray(x) for x in _leaves_in_name_order(reference, names)]))
     for name in names:
         np.testing.assert_array_equal(flat_reference[name], initial[name])
 
-    with Run(short_config(tmp_path / "run", *warm, "loop.steps=3", "corrections.overrides={kl_coef=0.05}"),
-             hooks=[]) as run:  # the checkpoint holds the reference: restored, not re-frozen from step 2's policy
+    with Run(short_config(tmp_path / "run", *warm, "loop.steps=4", "corrections.overrides={kl_coef=0.05}"),
+             hooks=[]) as run:  # the checkpoint holds the reference: restored, not re-frozen from step 3's policy
         for name, leaf in zip(names, _leaves_in_name_order(run.trainer.reference, names)):
             np.testing.assert_array_equal(np.asarray(leaf), initial[name])
         [record] = list(run.steps())
