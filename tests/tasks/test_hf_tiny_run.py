@@ -113,6 +113,13 @@ def _export(run_dir, out_dir):
     return out_dir
 
 
+@nnx.jit
+def _logits(model, tokens):
+    """The learner's float32 logits [1, T, V] of one unpadded sequence."""
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    return model.logits(model(tokens, positions, jnp.ones_like(tokens)))
+
+
 def test_the_export_loads_in_transformers_and_mlx_lm_with_the_learners_logits(tether_run, tmp_path):
     import mlx.core as mx
     import mlx_lm
@@ -143,8 +150,7 @@ def test_the_export_loads_in_transformers_and_mlx_lm_with_the_learners_logits(te
     mlx_model, _ = mlx_lm.load(str(out))  # the tokenizer through transformers, the weights by mlx-lm's qwen2
     ids += hf_tokenizer.encode(record["row"]["answer"], add_special_tokens=False)
     mlx_logits = np.asarray(mlx_model(mx.array(ids)[None]).astype(mx.float32))[0]
-    tokens = jnp.asarray(ids, jnp.int32)[None]
-    learner_logits = np.asarray(model.logits(model(tokens, jnp.arange(len(ids))[None], jnp.ones_like(tokens))))[0]
+    learner_logits = np.asarray(_logits(model, jnp.asarray(ids, jnp.int32)[None]))[0]
     # float32 in both; MLX and XLA reduce in their own orders (they agree to ~1e-6 here), while a wrong weight (a
     # transposed kernel, a lost bias, an untied head) moves these logits by far more than 1e-4.
     np.testing.assert_allclose(mlx_logits, learner_logits, atol=1e-4, rtol=0)
