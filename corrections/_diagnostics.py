@@ -1,9 +1,11 @@
 """Batch diagnostics of the train/inference mismatch, importance weights, rejection and staleness.
 
 Each diagnostic is split into a per-sequence pass (``*_row_stats``: sums, counts, extrema and centred moments
-of ONE sequence, vmapped over the batch) and a batch combination (``*_from_rows``) on [B] arrays. The pipeline
-runs the per-sequence passes inside its own per-sequence pass, so every [B, T] array is read once; the public
-``*_metrics`` functions compose the two for standalone use. The per-sequence passes take float32 values that
+of ONE sequence, vmapped over the batch) and a batch combination (``*_from_rows``) on [B] arrays. The per-sequence
+passes are statistics in the sense of ``_fused_reductions``: generators that yield the [T] arrays they reduce, so
+that the pipeline reduces those of every diagnostic (and its own) together, one variadic reduction per round, inside
+its own per-sequence pass; every [B, T] array is read once. The public ``*_metrics`` functions compose the two for
+standalone use. The per-sequence passes take float32 values that
 are already 0 at padding (the pipeline's cleaning, or ``zero_padding`` in the public functions), so a sum of a
 quantity that is 0 at padding needs no mask.
 
@@ -15,9 +17,8 @@ even for an all-rejected or all-padding batch.
 import jax
 import jax.numpy as jnp
 
-from corrections._masked import (
-    clamp_log_ratio, masked_count, masked_max, masked_min, masked_sum, safe_exp, zero_padding,
-)
+from corrections._fused_reductions import Reductions, Statistic, vmap_statistic
+from corrections._masked import clamp_log_ratio, masked_max, masked_min, masked_sum, safe_exp, zero_padding
 
 PREFIX = "rollout_corr/"
 
@@ -40,42 +41,56 @@ def _correlation(comoment, m2_x, m2_y, count, min_variance=1e-10):
     return jnp.where(constant, 0.0, _ratio(comoment, jnp.sqrt(m2_x * m2_y)))
 
 
-def _row_moments(x, mask):
-    """(count, mean, sum of squared deviations) of one sequence's valid values; ``x`` is 0 at padding."""
-    count = masked_count(mask)
-    mean = _ratio(jnp.sum(x), count)
-    return count, mean, masked_sum((x - mean) ** 2, mask)
+def _valid_extremum(reduced, count):
+    """A masked maximum or minimum from the reduction of ``where(valid, x, -+inf)``: 0 for an empty sequence."""
+    return jnp.where(count > 0, reduced, 0.0)
 
 
-def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> dict:
+def _square_deviations(x, mean, valid):
+    return jnp.where(valid, (x - mean) ** 2, 0.0)
+
+
+def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> Statistic:
     """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays, 0 at padding).
     Without rollout logprobs (None) only the training-policy ones (verl's ``compute_offpolicy_metrics``)."""
     old, roll, valid = old_logprobs, rollout_logprobs, jnp.asarray(mask).astype(bool)
-    count, mean_old, m2_old = _row_moments(old, valid)
+    sums = {"count": valid.astype(jnp.float32), "old": old}
     if roll is None:
-        return {"count": count, "mean_old": mean_old}
+        first = yield Reductions(sums=sums)
+        return {"count": first.sums["count"], "mean_old": _ratio(first.sums["old"], first.sums["count"])}
     lr = clamp_log_ratio(old - roll)  # like roll - old and |old - roll|: 0 at padding, summed unmasked
-    _, mean_roll, m2_roll = _row_moments(roll, valid)
     rho = safe_exp(lr)
-    _, mean_rho, m2_rho = _row_moments(jnp.where(valid, rho, 0.0), valid)
     abs_diff = jnp.abs(old - roll)
+    first = yield Reductions(
+        sums=dict(sums, roll=roll, rho=jnp.where(valid, rho, 0.0), kl=roll - old, k3=jnp.expm1(lr) - lr,
+                  rho2=jnp.where(valid, jnp.exp(2.0 * lr), 0.0), log_ratio=lr, abs_diff=abs_diff),
+        maxima={"abs_diff": abs_diff, "rho": jnp.where(valid, rho, -jnp.inf)},
+        minima={"rho": jnp.where(valid, rho, jnp.inf)})
+    count = first.sums["count"]
+    mean_old, mean_roll, mean_rho = (_ratio(first.sums[name], count) for name in ("old", "roll", "rho"))
+    second = yield Reductions(sums={
+        "m2_old": _square_deviations(old, mean_old, valid),
+        "m2_roll": _square_deviations(roll, mean_roll, valid),
+        "m2_rho": _square_deviations(rho, mean_rho, valid),
+        "comoment": jnp.where(valid, (old - mean_old) * (roll - mean_roll), 0.0),
+    })
     return {
         "count": count,
-        "sum_kl": jnp.sum(roll - old),
-        "sum_k3": jnp.sum(jnp.expm1(lr) - lr),
-        "sum_rho2": masked_sum(jnp.exp(2.0 * lr), valid),
-        "seq_log_ratio": clamp_log_ratio(jnp.sum(lr)),
+        "sum_kl": first.sums["kl"],
+        "sum_k3": first.sums["k3"],
+        "sum_rho2": first.sums["rho2"],
+        "seq_log_ratio": clamp_log_ratio(first.sums["log_ratio"]),
         "mean_old": mean_old,
         "mean_roll": mean_roll,
-        "m2_old": m2_old,
-        "m2_roll": m2_roll,
-        "comoment": masked_sum((old - mean_old) * (roll - mean_roll), valid),
-        "sum_abs_diff": jnp.sum(abs_diff),
-        "max_abs_diff": jnp.max(abs_diff, initial=0.0),  # >= 0, and 0 at padding and for an empty sequence
+        "m2_old": second.sums["m2_old"],
+        "m2_roll": second.sums["m2_roll"],
+        "comoment": second.sums["comoment"],
+        "sum_abs_diff": first.sums["abs_diff"],
+        "max_abs_diff": jnp.maximum(first.maxima["abs_diff"], 0.0),  # 0 at padding and for an empty sequence
         "mean_rho": mean_rho,
-        "m2_rho": m2_rho,
-        "max_rho": masked_max(rho, valid),
-        "min_rho": masked_min(rho, valid),
+        "m2_rho": second.sums["m2_rho"],
+        "max_rho": _valid_extremum(first.maxima["rho"], count),
+        "min_rho": _valid_extremum(first.minima["rho"], count),
     }
 
 
@@ -139,43 +154,57 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     """
     old = zero_padding(old_logprobs, mask)
     if rollout_logprobs is None:
-        return mismatch_from_rows(jax.vmap(lambda o, m: mismatch_row_stats(o, None, m))(old, mask))
-    return mismatch_from_rows(jax.vmap(mismatch_row_stats)(old, zero_padding(rollout_logprobs, mask), mask))
+        return mismatch_from_rows(vmap_statistic(lambda o, m: mismatch_row_stats(o, None, m))(old, mask))
+    return mismatch_from_rows(vmap_statistic(mismatch_row_stats)(old, zero_padding(rollout_logprobs, mask), mask))
 
 
 def weight_row_stats(weights, raw_ratios, mask, cap: float, low: float | None = None, bounds: tuple | None = None,
-                     applied=None) -> dict:
+                     applied=None) -> Statistic:
     """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence: ``weights`` are the bounded ratios
     of every valid token (0 at padding), ``raw_ratios`` the unbounded ones; ``low`` (> 0) is the lower bound the
     low fractions use (else ``1 / cap``); with ``bounds = (low, high)`` (``high`` may be None) also the valid
     tokens whose raw ratio lies outside them; ``applied`` the weights the loss uses, for batch normalisation."""
     valid = jnp.asarray(mask).astype(bool)
     lower = low if low else 1.0 / cap
-    count, mean, m2 = _row_moments(weights, valid)
-    raw_mean = _ratio(masked_sum(raw_ratios, valid), count)
-    row_ratio = masked_max(raw_ratios, valid)  # a sequence-level ratio: the same at every valid token
-    extra = {}
+    sums = {"count": valid.astype(jnp.float32), "weights": weights, "raw": jnp.where(valid, raw_ratios, 0.0),
+            "squares": weights**2, "above_cap": (valid & (raw_ratios > cap)).astype(jnp.float32),
+            "below_low": (valid & (raw_ratios < lower)).astype(jnp.float32),
+            "clipped": (valid & (weights != raw_ratios)).astype(jnp.float32)}
     if bounds is not None:
         bound_low, bound_high = bounds
         outside = (raw_ratios < bound_low) | (raw_ratios > (jnp.inf if bound_high is None else bound_high))
-        extra["out_of_bounds"] = masked_count(valid & outside)
+        sums["out_of_bounds"] = (valid & outside).astype(jnp.float32)
     if applied is not None:
-        extra["applied_mean"] = _ratio(masked_sum(applied, valid), count)
+        sums["applied"] = jnp.where(valid, applied, 0.0)
+    first = yield Reductions(sums=sums,
+                             maxima={"weights": jnp.where(valid, weights, -jnp.inf),
+                                     "raw": jnp.where(valid, raw_ratios, -jnp.inf)},
+                             minima={"weights": jnp.where(valid, weights, jnp.inf)})
+    count = first.sums["count"]
+    mean = _ratio(first.sums["weights"], count)
+    second = yield Reductions(sums={"m2": _square_deviations(weights, mean, valid)})
+    raw_mean = _ratio(first.sums["raw"], count)
+    row_ratio = _valid_extremum(first.maxima["raw"], count)  # a sequence-level ratio: the same at every valid token
+    extra = {}
+    if bounds is not None:
+        extra["out_of_bounds"] = first.sums["out_of_bounds"]
+    if applied is not None:
+        extra["applied_mean"] = _ratio(first.sums["applied"], count)
     return extra | {
         "count": count,
         "mean": mean,
-        "m2": m2,
-        "sum_squares": jnp.sum(weights**2),
-        "max": masked_max(weights, valid),
-        "min": masked_min(weights, valid),
-        "above_cap": masked_count(valid & (raw_ratios > cap)),
-        "below_low": masked_count(valid & (raw_ratios < lower)),
+        "m2": second.sums["m2"],
+        "sum_squares": first.sums["squares"],
+        "max": _valid_extremum(first.maxima["weights"], count),
+        "min": _valid_extremum(first.minima["weights"], count),
+        "above_cap": first.sums["above_cap"],
+        "below_low": first.sums["below_low"],
         "row_ratio": row_ratio,
         "row_above": (row_ratio > cap).astype(jnp.float32),
         "row_below": (row_ratio < lower).astype(jnp.float32),
         "raw_mean_above": (raw_mean > cap).astype(jnp.float32),
         "raw_mean_below": (raw_mean < lower).astype(jnp.float32),
-        "clipped": masked_count(valid & (weights != raw_ratios)),
+        "clipped": first.sums["clipped"],
     }
 
 
@@ -241,7 +270,7 @@ def weight_metrics(weights, raw_ratios, mask, cap: float, low: float | None = No
     [1.5, 0.5, 0.5, 0.9]
     """
     weights, raw_ratios = zero_padding(weights, mask), zero_padding(raw_ratios, mask)
-    row_stats = jax.vmap(lambda w, r, m: weight_row_stats(w, r, m, cap, low))(weights, raw_ratios, mask)
+    row_stats = vmap_statistic(lambda w, r, m: weight_row_stats(w, r, m, cap, low))(weights, raw_ratios, mask)
     return weight_from_rows(row_stats, level)
 
 
@@ -259,11 +288,13 @@ def effective_sample_size(weights, mask) -> jax.Array:
     return weight_metrics(weights, weights, mask, 1.0)[PREFIX + "rollout_is_eff_sample_size"]
 
 
-def rejection_row_stats(keep, mask) -> dict:
+def rejection_row_stats(keep, mask) -> Statistic:
     """For ONE sequence: valid tokens a rule rejected, and whether it touched the sequence."""
     valid = jnp.asarray(mask).astype(bool)
-    rejected = masked_count(valid & ~jnp.asarray(keep).astype(bool))
-    return {"count": masked_count(valid), "rejected": rejected, "touched": (rejected > 0).astype(jnp.float32)}
+    reduced = yield Reductions(sums={"count": valid.astype(jnp.float32),
+                                     "rejected": (valid & ~jnp.asarray(keep).astype(bool)).astype(jnp.float32)})
+    rejected = reduced.sums["rejected"]
+    return {"count": reduced.sums["count"], "rejected": rejected, "touched": (rejected > 0).astype(jnp.float32)}
 
 
 def rejection_from_rows(name: str, stats: dict) -> dict:
@@ -282,12 +313,13 @@ def row_fraction_mean(stats: dict) -> jax.Array:
     return _ratio(masked_sum(_ratio(stats["rejected"], stats["count"]), rows), jnp.sum(rows))
 
 
-def behave_row_stats(log_ratio, behave) -> dict:
+def behave_row_stats(log_ratio, behave) -> Statistic:
     """For ONE sequence: AReaL's ``behave_approx_kl`` sums over its ``behave`` tokens (kept, weight > 0): the
     log-ratio ``lr`` and AReaL's k3 of it, ``exp(-lr) - 1 + lr`` (lr clamped to [-20, 20])."""
     lr = clamp_log_ratio(log_ratio)
-    return {"count": masked_count(behave), "sum": masked_sum(lr, behave),
-            "sum_k3": masked_sum(jnp.expm1(-lr) + lr, behave)}
+    reduced = yield Reductions(sums={"count": behave.astype(jnp.float32), "sum": jnp.where(behave, lr, 0.0),
+                                     "sum_k3": jnp.where(behave, jnp.expm1(-lr) + lr, 0.0)})
+    return dict(reduced.sums)
 
 
 def behave_from_rows(stats: dict) -> dict:
@@ -297,25 +329,35 @@ def behave_from_rows(stats: dict) -> dict:
             PREFIX + "behave_approx_kl_k3": _ratio(jnp.sum(stats["sum_k3"]), tokens)}
 
 
-def rule_statistic_row_stats(token_stat, seq_stat, mask, upper, lower) -> dict:
+def rule_statistic_row_stats(token_stat, seq_stat, mask, upper, lower) -> Statistic:
     """For ONE sequence and one k-family rule on its own (verl's ``compute_rs_metrics``): ``token_stat`` [T] the
     per-token statistic, ``seq_stat`` the sequence's (None for a token rule), ``upper`` / ``lower`` the bounds the
     statistic must stay within (``lower`` None: no lower fraction, 0 is the clamp of the std)."""
     valid = jnp.asarray(mask).astype(bool)
-    count = masked_count(valid)
     per_token = token_stat if seq_stat is None else jnp.broadcast_to(seq_stat, token_stat.shape)
     clamped = jnp.clip(per_token, 0.0 if lower is None else lower, upper)
-    seq = _ratio(masked_sum(token_stat, valid), count) if seq_stat is None else seq_stat
     lower = -jnp.inf if lower is None else lower
+    sums = {"count": valid.astype(jnp.float32), "sum": jnp.where(valid, per_token, 0.0),
+            "clamped_sum": jnp.where(valid, clamped, 0.0), "clamped_square_sum": jnp.where(valid, clamped**2, 0.0)}
+    maxima, minima = {}, {}
     if seq_stat is None:
-        high, low = masked_count(valid & (token_stat > upper)), masked_count(valid & (token_stat < lower))
-        largest, smallest = masked_max(token_stat, valid), masked_min(token_stat, valid)
+        sums.update(high=(valid & (token_stat > upper)).astype(jnp.float32),
+                    low=(valid & (token_stat < lower)).astype(jnp.float32))
+        maxima["stat"], minima["stat"] = jnp.where(valid, token_stat, -jnp.inf), jnp.where(valid, token_stat, jnp.inf)
+    reduced = yield Reductions(sums=sums, maxima=maxima, minima=minima)
+    count = reduced.sums["count"]
+    if seq_stat is None:
+        seq = _ratio(reduced.sums["sum"], count)
+        high, low = reduced.sums["high"], reduced.sums["low"]
+        largest = _valid_extremum(reduced.maxima["stat"], count)
+        smallest = _valid_extremum(reduced.minima["stat"], count)
     else:
+        seq = seq_stat
         high, low = (seq_stat > upper).astype(jnp.float32), (seq_stat < lower).astype(jnp.float32)
         largest = smallest = seq_stat
-    return {"count": count, "sum": masked_sum(per_token, valid), "clamped_sum": masked_sum(clamped, valid),
-            "clamped_square_sum": masked_sum(clamped**2, valid), "max": largest, "min": smallest, "high": high,
-            "low": low, "seq": seq, "seq_high": (seq > upper).astype(jnp.float32),
+    return {"count": count, "sum": reduced.sums["sum"], "clamped_sum": reduced.sums["clamped_sum"],
+            "clamped_square_sum": reduced.sums["clamped_square_sum"], "max": largest, "min": smallest,
+            "high": high, "low": low, "seq": seq, "seq_high": (seq > upper).astype(jnp.float32),
             "seq_low": (seq < lower).astype(jnp.float32)}
 
 
@@ -371,7 +413,7 @@ def rejection_metrics(name: str, keep, mask) -> dict:
     >>> {k: round(float(v), 4) for k, v in m.items()}
     {'rollout_corr/geo_masked_fraction': 0.6, 'rollout_corr/geo_seq_masked_fraction': 0.5}
     """
-    return rejection_from_rows(name, jax.vmap(rejection_row_stats)(keep, mask))
+    return rejection_from_rows(name, vmap_statistic(rejection_row_stats)(keep, mask))
 
 
 def staleness_metrics(policy_lag, mask) -> dict:
@@ -381,13 +423,16 @@ def staleness_metrics(policy_lag, mask) -> dict:
     >>> {k: float(v) for k, v in staleness_metrics(np.array([[0, 2], [1, 9]]), np.array([[1, 1], [1, 0]])).items()}
     {'rollout_corr/staleness_mean': 1.0, 'rollout_corr/staleness_max': 2.0}
     """
-    return staleness_from_rows(jax.vmap(staleness_row_stats)(zero_padding(policy_lag, mask), mask))
+    return staleness_from_rows(vmap_statistic(staleness_row_stats)(zero_padding(policy_lag, mask), mask))
 
 
-def staleness_row_stats(policy_lag, mask) -> dict:
+def staleness_row_stats(policy_lag, mask) -> Statistic:
     """For ONE sequence (``policy_lag`` float32, 0 at padding): valid tokens, their summed lag and the largest."""
     valid = jnp.asarray(mask).astype(bool)
-    return {"count": masked_count(valid), "sum": jnp.sum(policy_lag), "max": masked_max(policy_lag, valid)}
+    reduced = yield Reductions(sums={"count": valid.astype(jnp.float32), "sum": policy_lag},
+                               maxima={"max": jnp.where(valid, policy_lag, -jnp.inf)})
+    count = reduced.sums["count"]
+    return {"count": count, "sum": reduced.sums["sum"], "max": _valid_extremum(reduced.maxima["max"], count)}
 
 
 def staleness_from_rows(stats: dict) -> dict:

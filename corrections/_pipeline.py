@@ -26,7 +26,7 @@ stay in cache (``rows_per_chunk``); elsewhere it is a plain ``vmap``, which keep
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Mapping, NamedTuple
 
 import chex
 import jax
@@ -37,7 +37,8 @@ from corrections import _diagnostics, _rejection, _weights
 from corrections._advantages import kl_penalty
 from corrections._config import CorrectionConfig
 from corrections._diagnostics import PREFIX
-from corrections._masked import masked_count, masked_max, masked_min, masked_sum, safe_exp, zero_padding
+from corrections._fused_reductions import Reductions, Statistic, reduce_together
+from corrections._masked import masked_max, masked_min, safe_exp, zero_padding
 from corrections._reductions import divide_loss, loss_terms_from_rows
 
 sg = jax.lax.stop_gradient
@@ -243,7 +244,7 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     valid = row["mask"].astype(bool)
     clean = _clean({name: row[name] for name in ("lp", "old", "roll", "adv", "ref", "entropy", "lag")}, row["mask"])
     lp, old, roll, adv = clean["lp"], clean["old"], clean["roll"], clean["adv"]
-    stats = {"valid": masked_count(valid)}
+    stats = {}  # statistics (generators, see _fused_reductions), reduced together at the end
     if clean["lag"] is not None:
         stats["staleness"] = _diagnostics.staleness_row_stats(clean["lag"], valid)
     trainer = sg(lp) if config.mode == "bypass" else old
@@ -261,7 +262,6 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
             (importance.low, importance.high) if masking else None, applied=weights)
         early, late = _phases(config)
         stats["rules"] = tuple(_standalone_rule_stats(rule, log_ratio, valid) for rule in early + late)
-        stats["over_under"] = tuple(dict(flags, count=stats["valid"]) for flags in over_under)
     else:
         keep, weights = valid, jnp.where(valid, 1.0, 0.0)
         stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, None, valid)
@@ -279,31 +279,55 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         loss, aux = config.objective.spec.loss(config.objective, lp=lp, old=old, roll=roll, adv=adv, mask=valid,
                                                kept=keep, key=None)
     extra = []  # the KL and entropy terms, when configured
+    kl = None
     if config.kl_coef > 0:
         ratio = safe_exp(lp - old) if config.kl_importance_weighted else None
         kl = kl_penalty(lp, clean["ref"], config.kl_estimator, importance_ratio=ratio)
         extra.append(config.kl_coef * kl)
-        stats["kl_loss"] = masked_sum(kl, keep)
     if clean["entropy"] is not None:
-        stats["entropy"] = masked_sum(clean["entropy"], valid)
         extra.append(-config.entropy_coef * clean["entropy"])
     weights = sg(weights)
     policy_loss = jnp.where(keep, loss * weights, 0.0)
     per_token = {"weights": weights, "mask": keep.astype(jnp.float32), "policy_loss": policy_loss}
-    original = config.objective.spec.original_mask_metrics
-    stats.update(
-        kept=masked_count(keep),
-        policy_loss_sum=jnp.sum(policy_loss),
-        aux={name: masked_sum(values, keep) for name, values in aux.items() if name not in original},
-        aux_original={name: {"sum": masked_sum(aux[name], valid), "max": masked_max(aux[name], valid),
-                             "min": masked_min(aux[name], valid)} for name in original if name in aux},
-    )
-    if "pg_clipfrac" in aux:  # SkyRL's clip_ratio: the same indicator over the original mask
-        stats["aux_original"]["clip_ratio"] = {"sum": masked_sum(aux["pg_clipfrac"], valid)}
+    stats["loss"] = _loss_row_stats(valid, keep, aux, config.objective.spec.original_mask_metrics, kl,
+                                    clean["entropy"])
+    stats = reduce_together(stats)
+    stats.update(stats.pop("loss"), policy_loss_sum=jnp.sum(policy_loss))  # the loss sum keeps its gradient
+    if roll is not None:
+        stats["over_under"] = tuple(dict(flags, count=stats["valid"]) for flags in over_under)
     if extra:
         per_token["extra_loss"] = jnp.where(keep, sum(extra[1:], extra[0]), 0.0)
         stats["extra_loss_sum"] = jnp.sum(per_token["extra_loss"])
     return per_token, stats
+
+
+def _loss_row_stats(valid, keep, aux: dict, original: Mapping, kl, entropy) -> Statistic:
+    """The pass's own statistics of ONE sequence: valid and kept tokens, the objective's per-token metrics summed
+    over the kept tokens (or, for those in ``original``, their sum, max and min over the original mask), SkyRL's
+    ``clip_ratio`` (``pg_clipfrac`` over the original mask), the KL and entropy sums."""
+    aux = {name: jnp.broadcast_to(values, valid.shape) for name, values in aux.items()}
+    sums = {"valid": valid.astype(jnp.float32), "kept": keep.astype(jnp.float32)}
+    sums.update({("aux", name): jnp.where(keep, values, 0.0) for name, values in aux.items() if name not in original})
+    kept_original = [name for name in original if name in aux]
+    sums.update({("original", name): jnp.where(valid, aux[name], 0.0) for name in kept_original})
+    if "pg_clipfrac" in aux:
+        sums["clip_ratio"] = jnp.where(valid, aux["pg_clipfrac"], 0.0)
+    if kl is not None:
+        sums["kl_loss"] = jnp.where(keep, kl, 0.0)
+    if entropy is not None:
+        sums["entropy"] = jnp.where(valid, entropy, 0.0)
+    reduced = yield Reductions(sums=sums,
+                               maxima={name: jnp.where(valid, aux[name], -jnp.inf) for name in kept_original},
+                               minima={name: jnp.where(valid, aux[name], jnp.inf) for name in kept_original})
+    count = reduced.sums["valid"]
+    stats = {name: reduced.sums[name] for name in ("valid", "kept", "kl_loss", "entropy") if name in reduced.sums}
+    stats["aux"] = {name: reduced.sums["aux", name] for name in aux if name not in original}
+    stats["aux_original"] = {name: {"sum": reduced.sums["original", name],
+                                    "max": jnp.where(count > 0, reduced.maxima[name], 0.0),
+                                    "min": jnp.where(count > 0, reduced.minima[name], 0.0)} for name in kept_original}
+    if "pg_clipfrac" in aux:  # SkyRL's clip_ratio: the same indicator over the original mask
+        stats["aux_original"]["clip_ratio"] = {"sum": reduced.sums["clip_ratio"]}
+    return stats
 
 
 def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
