@@ -90,7 +90,8 @@ def test_the_config_trains_on_policy(trained):
         assert record.metrics["rollout_corr/valid_tokens"] > 0 and record.metrics["rollout_corr/staleness_max"] == 0
         assert abs(record.metrics["rollout_corr/kl"]) < KL_TOLERANCE, record.metrics["rollout_corr/kl"]
         assert record.samples == 4 * NUM_SAMPLES and set(np.unique(record.rewards)) <= {0.0, 1.0}
-    test_questions = {json.loads(line)["question"] for line in task.path.with_name("test.jsonl").read_text().splitlines()}
+    test_rows = task.path.with_name("test.jsonl").read_text().splitlines()
+    test_questions = {json.loads(line)["question"] for line in test_rows}
     assert len(task.prompts()) == 950 and not {r["row"]["question"] for r in task.prompts()} & test_questions
 
 
