@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import shutil
+import tempfile
 from typing import NamedTuple
 
 import numpy as np
@@ -120,9 +120,9 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
     """Writes the checkpoint with its tokenizer and the two dataset files under ``out_dir`` (module docstring).
 
     Args:
-        out_dir: the directory to create.
+        out_dir: the directory to write into (created if missing).
         seed: of the weights and of which questions are held out.
-        overwrite: replace an existing ``out_dir``; False refuses it.
+        overwrite: replace files of an earlier call; False refuses them.
 
     Returns:
         The paths written (`HfTinyFiles`).
@@ -130,31 +130,28 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
     from learner.hf_checkpoint import write_hf_checkpoint
 
     out_dir = pathlib.Path(out_dir)
-    if out_dir.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} exists; pass --overwrite (overwrite=True) to replace it")
-        shutil.rmtree(out_dir)
+    files = HfTinyFiles(model=out_dir / "model", train=out_dir / "train.jsonl", test=out_dir / "test.jsonl")
+    existing = [str(path) for path in files if path.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} exist; pass --overwrite (overwrite=True) to replace them")
     rows = reversal_rows()
     held_out = set(np.random.default_rng(seed).permutation(len(rows))[:HELD_OUT].tolist())
-    files = HfTinyFiles(model=out_dir / "model", train=out_dir / "train.jsonl", test=out_dir / "test.jsonl")
-    out_dir.mkdir(parents=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     for path, keep in ((files.train, lambda i: i not in held_out), (files.test, lambda i: i in held_out)):
         path.write_text("".join(json.dumps(row) + "\n" for i, row in enumerate(rows) if keep(i)))
 
     tokenizer = _train_tokenizer([_render(row["question"]) + row["answer"] for row in rows])
-    tokenizer_dir = out_dir / "tokenizer"
-    tokenizer_dir.mkdir()
-    tokenizer.save(str(tokenizer_dir / "tokenizer.json"))
-    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False, "model_max_length": 128,
-        "chat_template": CHAT_TEMPLATE}, indent=2))
     stop_ids = (tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>"))
     vocab_size = -(-tokenizer.get_vocab_size() // 16) * 16 + 16  # unused rows, as Qwen2.5's 151936 > 151665
     config = model_config(vocab_size)
-    write_hf_checkpoint(files.model, _random_weights(config, seed), config, tokenizer=tokenizer_dir,
-                        eos_token_ids=stop_ids, model_type="qwen2")
-    shutil.rmtree(tokenizer_dir)  # its files are in the checkpoint now
+    with tempfile.TemporaryDirectory() as tokenizer_dir:  # write_hf_checkpoint copies the tokenizer's files
+        tokenizer.save(str(pathlib.Path(tokenizer_dir, "tokenizer.json")))
+        pathlib.Path(tokenizer_dir, "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False, "model_max_length": 128,
+            "chat_template": CHAT_TEMPLATE}, indent=2))
+        write_hf_checkpoint(files.model, _random_weights(config, seed), config, tokenizer=tokenizer_dir,
+                            eos_token_ids=stop_ids, model_type="qwen2", overwrite=overwrite)
     return files
 
 
@@ -162,9 +159,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python scripts/make_hf_tiny.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", nargs="?", type=pathlib.Path, default=DEFAULT_DIR,
-                        help=f"directory to create (default: {DEFAULT_DIR}, where configs/hf_tiny.toml looks)")
+                        help=f"directory to write into (default: {DEFAULT_DIR}, where configs/hf_tiny.toml looks)")
     parser.add_argument("--seed", type=int, default=0, help="of the weights and of the held-out questions")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier call")
     args = parser.parse_args(argv)
     files = make_hf_tiny(args.out_dir, seed=args.seed, overwrite=args.overwrite)
     for name, path in files._asdict().items():
