@@ -2,7 +2,7 @@
 BPE tokenizer with a chat template, a jsonl dataset), a few RL steps against a real engine process, evaluation on the
 validation split, and the export read back by transformers (config, tokenizer) and mlx-lm (weights and logits).
 
-Each test runs against the MLX engine (launched on the run's weights) and, marked slow, against the embedded
+The test runs against the MLX engine (launched on the run's weights) and, marked slow, against the embedded
 reference server, whose start (a second JAX process, its own compiles) makes the run slower: 35 s against 26 s for
 the MLX run at the same load on the shared 2-core machine, and the default suite's budget is tight.
 
@@ -73,18 +73,7 @@ def _train(config):
         return records, model, run.task
 
 
-@pytest.fixture(scope="module", params=["mlx", pytest.param("tether", marks=pytest.mark.slow)])
-def trained(request, files, tmp_path_factory):
-    """The run directory, step records, final learner model and task of the config's run against one engine."""
-    run_dir = tmp_path_factory.mktemp(f"hf_tiny_{request.param}") / "run"
-    config = _config(files, run_dir, *ENGINES[request.param])
-    assert (config.server.engine, config.rollout.max_staleness, config.model.param_dtype, config.server.dtype) == (
-        request.param, 0, "float32", "float32")
-    return run_dir, *_train(config)
-
-
-def test_the_config_trains_on_policy(trained):
-    _, records, _, task = trained
+def assert_trained_on_policy(records, task):
     assert [record.step for record in records] == list(range(1, STEPS + 1))
     for record in records:
         assert record.metrics["rollout_corr/valid_tokens"] > 0 and record.metrics["rollout_corr/staleness_max"] == 0
@@ -95,8 +84,8 @@ def test_the_config_trains_on_policy(trained):
     assert len(task.prompts()) == 950 and not {r["row"]["question"] for r in task.prompts()} & test_questions
 
 
-def test_the_evaluation_of_the_validation_split_is_in_the_metrics_file(trained):
-    rows = read_metrics(trained[0] / "metrics.jsonl")
+def assert_evaluation_in_metrics_file(run_dir):
+    rows = read_metrics(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for row in rows:  # validation.every = 1: every step is evaluated
         assert row["data/validation_prompts"] == VALIDATION_PROMPTS and row["eval/dropped_samples"] == 0
@@ -122,17 +111,17 @@ def _logits(model, tokens):
     return model.logits(model(tokens, positions, jnp.ones_like(tokens)))
 
 
-def test_the_export_loads_in_transformers_and_mlx_lm_with_the_learners_logits(trained, tmp_path):
+def assert_export_loads_with_the_learners_logits(run_dir, model, task, out_dir):
+    """The export of the run: the learner's weights exactly; transformers reads its config and tokenizer as the task
+    does; mlx-lm loads it and computes the learner's logits."""
     import mlx.core as mx
     import mlx_lm
     import transformers
 
-    run_dir, _, model, task = trained
-    out = _export(run_dir, tmp_path / "export")
-    # The weights are the learner's last ones, exactly (float32), in Hugging Face names and layouts.
+    out = _export(run_dir, out_dir)
     weights = {path: np.asarray(leaf) for path, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
     exported = safetensors.numpy.load_file(str(out / "model.safetensors"))
-    expected = hf_tensors(weights, model.config)
+    expected = hf_tensors(weights, model.config)  # float32: the last step's weights, in Hugging Face names
     assert exported.keys() == expected.keys()
     for name, tensor in expected.items():
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
@@ -157,3 +146,17 @@ def test_the_export_loads_in_transformers_and_mlx_lm_with_the_learners_logits(tr
     # transposed kernel, a lost bias, an untied head) moves these logits by far more than 1e-4.
     np.testing.assert_allclose(mlx_logits, learner_logits, atol=1e-4, rtol=0)
 
+
+# One test per engine, not one per check: the run is the cost (a module fixture would be rebuilt by each xdist
+# worker that runs one of its tests). ~30 s against the MLX engine on the shared 2-core machine: 26 s for the run
+# (engine launches, the learner's compiles), 5 s for the export and the loads.
+@pytest.mark.parametrize("engine", ["mlx", pytest.param("tether", marks=pytest.mark.slow)])
+def test_the_config_trains_on_policy_evaluates_and_exports_a_loadable_checkpoint(engine, files, tmp_path):
+    run_dir = tmp_path / "run"
+    config = _config(files, run_dir, *ENGINES[engine])
+    assert (config.server.engine, config.rollout.max_staleness, config.model.param_dtype, config.server.dtype) == (
+        engine, 0, "float32", "float32")
+    records, model, task = _train(config)
+    assert_trained_on_policy(records, task)
+    assert_evaluation_in_metrics_file(run_dir)
+    assert_export_loads_with_the_learners_logits(run_dir, model, task, tmp_path / "export")
