@@ -168,7 +168,8 @@ class Trainer:
         from the seed's random weights (version 0).
         """
         if self.config.model.hf_path:
-            model = Transformer(self.model_config, rngs=nnx.Rngs(self.config.loop.seed))
+            # Shapes only: load_safetensors sets every parameter (and raises on a missing one).
+            model = nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(self.config.loop.seed)))
             load_safetensors(model, self.config.model.hf_path)
             self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params),
                                             policy_version=self.state.policy_version + 1)

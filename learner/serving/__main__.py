@@ -42,7 +42,9 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
         # The served length bounds the sequences: a sliding window at least that long is no window.
         config = model_config_from_checkpoint(args.hf_path, max_seq_len=args.max_seq_len,
                                               param_dtype=args.param_dtype)
-        model = Transformer(config, rngs=nnx.Rngs(args.seed))
+        # Shapes only: every parameter is the checkpoint's (load_safetensors raises on a missing one), so a random
+        # initialisation would compile and run for nothing.
+        model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(args.seed)))
         load_safetensors(model, args.hf_path)
     else:
         config = model_config(args.model_config or "tiny", param_dtype=args.param_dtype)

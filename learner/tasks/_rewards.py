@@ -104,6 +104,9 @@ BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "boxed": boxed, "format": format_reward}
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 def load_function(target: str) -> Callable:
     """The function ``"package.module:function"`` (imported from ``sys.path``) or ``"path/to/file.py:function"``
     (loaded from the file, relative to the working directory) names."""
@@ -115,16 +118,17 @@ def load_function(target: str) -> Callable:
         if not path.is_file():
             raise ValueError(f"{target!r}: no file {path}")
         name = f"_tether_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
-        module = sys.modules[name]
+        with _LOAD_LOCK:  # the module is in sys.modules before it has run: another thread must not see it half-made
+            if name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+            module = sys.modules[name]
     else:
         try:
             module = importlib.import_module(location)

@@ -248,3 +248,28 @@ def test_reward_set_errors():
         RewardSet([make_reward("gsm8k", "a")], on_error="ignore")
     with pytest.raises(ValueError, match="reward_timeout_s=0"):
         RewardSet([make_reward("gsm8k", "a")], timeout_s=0)
+
+
+def test_a_reward_file_loaded_from_several_threads_at_once_is_whole_in_each(tmp_path):
+    # The module is registered before its body runs; without a lock a second thread found it half-imported and
+    # raised "has no function". The sleep keeps the first import in its body while the others arrive.
+    from learner.tasks._rewards import load_function
+
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(0.2)\n\ndef score(completion, prompt, row):\n"
+                                             "    return 1.0\n")
+    target = f"{tmp_path / 'slow_import.py'}:score"
+    results, barrier = [], threading.Barrier(4)
+
+    def load():
+        barrier.wait()
+        try:
+            results.append(load_function(target)("", "", {}))
+        except ValueError as error:
+            results.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [1.0] * 4
