@@ -158,12 +158,13 @@ def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax
         # predicts token first + i. Column t then holds window entry t - first[b] when that is in [0, W).
         first = jnp.clip(window_start, 1, seq_len - window_size).astype(jnp.int32)
         columns = first[:, None] + jnp.arange(window_size)
-        window_hidden = jnp.take_along_axis(hidden, (columns - 1)[..., None], axis=1)
-        window_tokens = jnp.take_along_axis(tokens, columns, axis=1)
+        window_hidden = jnp.take_along_axis(hidden, (columns - 1)[..., None], axis=1, mode="promise_in_bounds")
+        window_tokens = jnp.take_along_axis(tokens, columns, axis=1, mode="promise_in_bounds")
         stats = _chunked_stats(token_stats, window_hidden, output_kernel, window_tokens, chunk_size, remat)
         entry = jnp.arange(seq_len)[None, :] - first[:, None]
         entry = jnp.clip(entry, 0, window_size - 1)
-        stats = {name: jnp.take_along_axis(value, entry, axis=1) for name, value in stats.items()}
+        stats = {name: jnp.take_along_axis(value, entry, axis=1, mode="promise_in_bounds")
+                 for name, value in stats.items()}
     if window_size is not None:
         offset = jnp.arange(seq_len)[None, :] - window_start[:, None]
         scored = scored & (offset >= 0) & (offset < window_size)

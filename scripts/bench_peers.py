@@ -10,6 +10,8 @@ half). One timed call is one whole update of the batch:
 * Tether: one `learner.update.make_update_fn` call (the non-finite guard included).
   With recompute: corrections preset ``decoupled_token_is`` (PPO dual-clip 3.0 against proximal logprobs recomputed
   inside the call, token TIS capped at 2). Without: ``bypass_ppo_clip`` (the rollout logprobs are the proximal ones).
+  Its logprob passes score the completion only (``UpdateConfig.scored_window`` = the completion's length, as an RL
+  run's ``update.scored_window = "auto"``); ``--scored-window off`` scores every token, as tunix does.
 * tunix: ``tunix.rl.common.compute_per_token_logps`` (the old-policy pass, plus the TIS weights) when recomputing,
   then ``PeftTrainer``'s jitted train step (``nnx.value_and_grad`` of ``tunix.rl.algo_core.grpo_loss_fn`` with
   ``loss_agg_mode="token-mean"``, ``epsilon_c=3.0``, ``beta=0``; global norm; ``nnx.Optimizer.update``) once per
@@ -26,6 +28,7 @@ byte counts (summed over the programs of one update).
 
     python scripts/bench_peers.py [--cases tiny:16:128 100m:4:128] [--recompute on off] [--rounds 5] [--calls 2]
     python scripts/bench_peers.py --cases 100m:4:128 --recompute on --epochs 2 --minibatches 2   # default RL update
+    python scripts/bench_peers.py --cases 100m:4:128 --scored-window off   # Tether's logprobs at every token
 
 The module imports nothing beyond the standard library at the top: the tunix worker runs this same file in the tunix
 environment, which has no Tether.
@@ -61,15 +64,22 @@ class Case:
     recompute: bool
     epochs: int = 1
     minibatches: int = 1
+    scored_window: bool = True  # Tether's logprobs over the completion only (tunix computes every position)
 
     @property
     def label(self) -> str:
         loop = f", {self.epochs}x{self.minibatches}" if self.epochs * self.minibatches > 1 else ""
-        return f"{self.model} {self.rows}x{self.length}{loop}, recompute {'on' if self.recompute else 'off'}"
+        window = "" if self.scored_window else ", Tether window off"
+        return f"{self.model} {self.rows}x{self.length}{loop}, recompute {'on' if self.recompute else 'off'}{window}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Shared by both workers (NumPy only).
+
+def completion_length(length: int) -> int:
+    """Trained tokens per row: the second half."""
+    return length // 2
+
 
 def synthetic_rollouts(vocab_size: int, rows: int, length: int) -> dict:
     """The batch both frameworks train on: token ids in ``[1, V)`` (0 is the pad id), a prompt half and a completion
@@ -77,7 +87,7 @@ def synthetic_rollouts(vocab_size: int, rows: int, length: int) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    completion = length // 2
+    completion = completion_length(length)
     return dict(tokens=rng.integers(1, vocab_size, (rows, length)).astype(np.int32),
                 prompt_len=length - completion,
                 advantages=rng.normal(size=rows).astype(np.float32),
@@ -145,7 +155,8 @@ def tether_worker(case: Case) -> None:
                                                    max_grad_norm=MAX_GRAD_NORM))
         preset = "decoupled_token_is" if case.recompute else "bypass_ppo_clip"
         update_config = UpdateConfig(corrections=corrections.preset(preset), num_minibatches=case.minibatches,
-                                     ppo_epochs=case.epochs)
+                                     ppo_epochs=case.epochs,
+                                     scored_window=completion_length(case.length) if case.scored_window else None)
         graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
         update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings)
         data = synthetic_rollouts(config.vocab_size, case.rows, case.length)
@@ -395,11 +406,11 @@ def bench_case(case: Case, tunix: pathlib.Path, rounds: int, calls: int, compile
     return row
 
 
-def parse_case(text: str, recompute: bool, epochs: int, minibatches: int) -> Case:
+def parse_case(text: str, recompute: bool, epochs: int, minibatches: int, scored_window: bool = True) -> Case:
     model, rows, length = text.split(":")
     if model not in TUNIX_SHAPES:
         raise argparse.ArgumentTypeError(f"--cases {text}: model must be one of {sorted(TUNIX_SHAPES)}")
-    return Case(model, int(rows), int(length), recompute, epochs, minibatches)
+    return Case(model, int(rows), int(length), recompute, epochs, minibatches, scored_window)
 
 
 def main() -> None:
@@ -408,6 +419,8 @@ def main() -> None:
     parser.add_argument("--recompute", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--minibatches", type=int, default=1)
+    parser.add_argument("--scored-window", nargs="+", choices=["on", "off"], default=["on"],
+                        help="Tether's logprobs over the completion only (on) or every token (off, as tunix)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated turns per framework")
     parser.add_argument("--calls", type=int, default=2, help="timed updates per turn")
     parser.add_argument("--compiles", type=int, default=2, help="alternated first calls after clearing caches")
@@ -422,8 +435,8 @@ def main() -> None:
     if args.worker:
         case = Case(**json.loads(args.case))
         return tether_worker(case) if args.worker == "tether" else tunix_worker(case)
-    cases = [parse_case(text, flag == "on", args.epochs, args.minibatches)
-             for text in args.cases for flag in args.recompute]
+    cases = [parse_case(text, flag == "on", args.epochs, args.minibatches, window == "on")
+             for text in args.cases for flag in args.recompute for window in args.scored_window]
     tunix = tunix_python(args.cache_dir)
     print(f"alternated: {args.rounds} rounds x {args.calls} calls per framework, median seconds per update; first "
           f"call (trace + compile + run, no persistent cache): median of {1 + args.compiles}, alternated; warm: "
