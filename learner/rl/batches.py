@@ -114,7 +114,7 @@ def check_scored_window(loss_mask, scored_window: int | None) -> None:
     >>> check_scored_window(mask, 3)
     Traceback (most recent call last):
     ...
-    ValueError: update.scored_window: the update scores 3 tokens per row from its first trained one, but row 2 trains tokens 0 to 3 (a span of 4): the tokens past the window would silently get logprob 0. Set update.scored_window to at least 4, or to "off" (every token); "auto" is rollout.max_new_tokens rounded up to a multiple of 8
+    ValueError: update.scored_window: the update scores 3 tokens per row from its first trained one, but row 2 trains tokens 0 to 3 (a span of 4): the tokens past the window would silently get logprob 0. Set update.scored_window to at least 4, or to "off" (every token); "auto" is the completion budget (rollout.max_new_tokens or the task's) rounded up to a multiple of 8
     """
     if scored_window is None:
         return
@@ -131,7 +131,7 @@ def check_scored_window(loss_mask, scored_window: int | None) -> None:
                          f"trained one, but row {row} trains tokens {first[row]} to {last[row]} (a span of "
                          f"{span[row]}): the tokens past the window would silently get logprob 0. Set "
                          f"update.scored_window to at least {span[row]}, or to \"off\" (every token); \"auto\" is "
-                         "rollout.max_new_tokens rounded up to a multiple of 8")
+                         "the completion budget (rollout.max_new_tokens or the task's) rounded up to a multiple of 8")
 
 
 def _cast(tree, dtypes):

@@ -17,8 +17,8 @@ from hypothesis import given, settings, strategies as st
 
 from learner.logprobs import logprobs_from_hidden
 from learner.sampler_replay import SamplerParams
-from learner.train_state import create_sharded_train_state
 from learner.sharding import make_mesh
+from learner.train_state import create_sharded_train_state
 from learner.update import UpdateConfig, update_step
 from tests.learner import update_problem
 from tests.learner.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
