@@ -92,7 +92,7 @@ def reduce_together(statistics):
     >>> {k: float(v) for k, v in reduce_together({"a": total(jnp.ones(3)), "b": total(jnp.arange(3.0))}).items()}
     {'a': 3.0, 'b': 3.0}
     """
-    leaves, treedef = jax.tree.flatten(statistics)
+    leaves, treedef = jax.tree.flatten(statistics, is_leaf=inspect.isgenerator)
     pending = {i: leaf for i, leaf in enumerate(leaves) if inspect.isgenerator(leaf)}
     replies = dict.fromkeys(pending)
     while pending:
