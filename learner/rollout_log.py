@@ -42,7 +42,8 @@ class LoggedBatch:
     tokens: np.ndarray  # int32 token ids, prompt then completion, right-padded.
     loss_mask: np.ndarray  # float32 0/1: tokens the loss trained on.
     rollout_logprobs: np.ndarray  # float32 logprobs the inference server sampled with.
-    proximal_logprobs: np.ndarray  # float32 logprobs the learner recomputed before the update.
+    proximal_logprobs: np.ndarray  # float32 logprobs the learner recomputed before the update (0 outside each row's
+    # scored window, prompt tokens included, when update.scored_window is set).
     rewards: np.ndarray  # float32 [B] sequence rewards.
     advantages: np.ndarray  # float32 per-token advantages.
     policy_version: np.ndarray  # int32 policy version that sampled each token.

@@ -60,7 +60,8 @@ class StepRecord:
     batch: TrainBatch  # the host batch trained on, [rows, length]
     samples: int  # real rows of the batch
     rewards: np.ndarray  # float32 [samples]
-    proximal_logprobs: np.ndarray  # float32 [samples, length]: the pre-update policy's logprobs of the batch
+    proximal_logprobs: np.ndarray  # float32 [samples, length]: the pre-update policy's logprobs of the batch (0
+    # outside each row's scored window, prompt tokens included, when update.scored_window is set)
     policy_version: int  # the learner's, after the update
     server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
 
@@ -128,7 +129,8 @@ class Run:
         self.stream = PromptStream(self.task.prompts(), config.rollout.prompts_per_step, config.task.seed,
                                    sampling_params(config, self.trainer.max_new_tokens, stop_ids),
                                    config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()])
-        self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config))
+        self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config),
+                                       scored_window=self.trainer.update_config.scored_window)
         if self.checkpointer.latest_step() is not None:
             self.start_step = self.step = self._restore()
             if self.finished:

@@ -60,7 +60,7 @@ class Trainer:
             self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
         self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        self.update_config = update_config(config, correction_config(config), self.length)
+        self.update_config = update_config(config, correction_config(config), self.length, self.max_new_tokens)
         multiple = self.update_config.row_multiple(self.data_parallel)
         self.rows = -(-config.rollout.prompts_per_step * config.rollout.num_samples // multiple) * multiple
         self.optimizer_config = optimizer_config(config, optimizer_updates(config, self.update_config))
@@ -184,7 +184,8 @@ class Trainer:
         if warmup.steps == 0:
             return []
         optimizer = make_optimizer(warmup_optimizer_config(self.config))
-        sft_config = dataclasses.replace(self.update_config, num_minibatches=1, ppo_epochs=1,
+        # Every token of a demonstration scored: a dataset's answers may be longer than the rollouts' budget.
+        sft_config = dataclasses.replace(self.update_config, num_minibatches=1, ppo_epochs=1, scored_window=None,
                                          corrections=corrections.CorrectionConfig(
                                              mode="bypass", objective=corrections.Objective(name="cross_entropy")))
         state = self.state.replace(opt_state=optimizer.init(self.state.params))
