@@ -4,7 +4,9 @@ Inside the call:
 
 1. The proximal (old-policy) logprobs are recomputed once for the whole batch with the current parameters, and the
    reference logprobs with the frozen reference parameters when ``kl_coef > 0``; both run one micro-batch of rows at
-   a time, under the same shardings as the training forward.
+   a time, under the same shardings as the training forward. An on-policy update (one epoch of one mini-batch: a
+   single optimizer update) skips the proximal pass: its training forward runs at those same parameters, so its
+   logprobs without gradient are the proximal ones (`proximal_from_training_pass`; verl's ``on_policy``).
 2. ``lax.scan`` over epochs (``ppo_epochs``), each reshuffling the rows with ``jax.random.permutation``, and within an
    epoch ``lax.scan`` over mini-batches: one optimizer update each.
 3. Within a mini-batch, ``lax.scan`` over micro-batches accumulates the gradient of ``corrections.compute``'s loss
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import corrections
 import jax
@@ -165,28 +168,74 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBa
     return jax.lax.stop_gradient(_constrain_rows(logprobs, mesh, 0))
 
 
+def proximal_from_training_pass(config: UpdateConfig) -> bool:
+    """Whether the update takes its proximal logprobs from its training forward instead of a pass of their own.
+
+    So it does in decoupled mode when the update is one epoch of one mini-batch (verl's ``on_policy``): the single
+    optimizer update's forward runs at the parameters the proximal pass would use, so ``stop_gradient`` of its
+    logprobs are the proximal logprobs (the policy ratio is 1, its gradient the policy gradient), and a forward
+    pass over the batch is saved. Batch normalisation of the weights over several micro-batches divides by the
+    whole batch's mean weight, which needs every row's proximal logprobs before the first micro-batch: it keeps the
+    separate pass.
+
+    Example:
+        >>> decoupled = corrections.preset("decoupled_token_is")
+        >>> proximal_from_training_pass(UpdateConfig(corrections=decoupled))
+        True
+        >>> proximal_from_training_pass(UpdateConfig(corrections=decoupled, num_minibatches=2))
+        False
+    """
+    corrections_config = config.corrections
+    if corrections_config.mode != "decoupled" or config.ppo_epochs != 1 or config.num_minibatches != 1:
+        return False
+    importance = corrections_config.importance
+    return importance is None or not importance.batch_normalize or config.num_microbatches == 1
+
+
 def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig, weight_scale=None):
-    """Loss numerator of one micro-batch, with its denominator and the corrections' row statistics as aux."""
+    """Loss numerator of one micro-batch; aux: its denominator, the corrections' row statistics and, when ``rows``
+    has no proximal logprobs in decoupled mode (`proximal_from_training_pass`), the training pass's logprobs
+    without gradient, which then serve as the proximal ones (else None)."""
     batch, proximal, ref = rows
     need_entropy = config.corrections.entropy_coef > 0
     out = _policy_logprobs(graphdef, params, batch, config, return_entropy=need_entropy)
     logprobs, entropy = out if need_entropy else (out, None)
+    from_training_pass = proximal is None and config.corrections.mode == "decoupled"
+    if from_training_pass:
+        proximal = jax.lax.stop_gradient(logprobs)
     corrected = corrections.compute(
         logprobs, batch.advantages, batch.loss_mask, config.corrections, proximal_logprobs=proximal,
         rollout_logprobs=batch.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
         policy_lag=policy_version - batch.policy_version, key=key, weight_scale=weight_scale,
         rows_per_chunk=config.rows_per_chunk)
-    return corrected.loss_numerator, (corrected.loss_denominator, corrected.row_stats)
+    return corrected.loss_numerator, (corrected.loss_denominator, corrected.row_stats,
+                                      proximal if from_training_pass else None)
+
+
+class MinibatchGradients(NamedTuple):
+    """What `minibatch_gradients` returns for one mini-batch."""
+
+    grads: nnx.State  # gradient of `loss`, in the parameters' dtypes; NaN everywhere when the loss is not finite
+    grad_norm: jax.Array  # its global norm, NaN with it
+    loss: jax.Array  # the global loss: sum(numerators) / max(sum(denominators), 1)
+    denominator: jax.Array  # the summed denominator
+    metrics: dict  # the corrections' metrics of the whole mini-batch (every micro-batch's row statistics together)
+    proximal: jax.Array | None  # [rows, T] the training pass's logprobs used as the proximal ones, or None
 
 
 def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
                         graphdef: nnx.GraphDef, config: UpdateConfig, mesh: Mesh | None = None,
-                        param_shardings=None, weight_scale=None):
+                        param_shardings=None, weight_scale=None) -> MinibatchGradients:
     """Gradient and loss of one mini-batch, accumulated over ``config.num_microbatches`` micro-batches.
+
+    The gradient is the float32 sum over micro-batches times one scalar (``1 / denominator``, or NaN when the loss
+    is not finite, so that the optimizer's guard skips it); its global norm is that of the sum times the scalar, so
+    the scaled gradient is never written out for the norm alone (the multiply fuses into the optimizer's update).
 
     Args:
         params: model parameters (nnx.State).
-        rows: ``(batch, proximal_logprobs, ref_logprobs)`` of the mini-batch; the logprobs may be None.
+        rows: ``(batch, proximal_logprobs, ref_logprobs)`` of the mini-batch; the logprobs may be None (proximal
+            None in decoupled mode: the training pass's own, see `proximal_from_training_pass`).
         policy_version: int32 scalar, the learner's version (staleness metrics).
         key: PRNG key for the objective (clip-cov).
         graphdef: the model's graph.
@@ -195,12 +244,6 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
         param_shardings: if given, the gradient accumulator is pinned to these shardings.
         weight_scale: batch normalisation's divisor for every micro-batch (see `whole_batch_weight_scale`); None:
             each micro-batch's own mean weight.
-
-    Returns:
-        ``(grads, loss, denominator, metrics)``: the gradient of the global loss ``loss = sum(numerators) /
-        max(sum(denominators), 1)`` (NaN everywhere when the loss is not finite, so the optimizer's guard skips
-        it), the loss, the summed denominator and the corrections' metrics of the whole mini-batch (from every
-        micro-batch's row statistics together).
     """
     n = config.num_microbatches
     micro_rows = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, n), rows), mesh, 1)
@@ -211,48 +254,50 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     def accumulate(carry, xs):
         grads_sum, numerator_sum, denominator_sum = carry
         micro, micro_key = xs
-        (numerator, (denominator, row_stats)), grads = grad_fn(params, graphdef, micro, policy_version, micro_key,
-                                                              config, weight_scale)
+        (numerator, (denominator, row_stats, proximal)), grads = grad_fn(params, graphdef, micro, policy_version,
+                                                                        micro_key, config, weight_scale)
         grads_sum = constrain_like_params(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads))
-        return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), row_stats
+        return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), (row_stats, proximal)
 
     # float32 accumulators whatever the parameter dtype: summing bfloat16 gradients in bfloat16 loses their low bits.
     zeros = constrain_like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads_sum, numerator, denominator), row_stats = jax.lax.scan(
+    (grads_sum, numerator, denominator), (row_stats, proximal) = jax.lax.scan(
         accumulate, init, (micro_rows, jax.random.split(key, n)))
     scale = 1.0 / jnp.maximum(denominator, 1.0)
     loss = numerator * scale
     grad_scale = jnp.where(jnp.isfinite(loss), scale, jnp.nan)  # one scalar: no extra pass over the gradients
     grads = jax.tree.map(lambda g, p: (g * grad_scale).astype(p.dtype), grads_sum, params)
     row_stats = jax.tree.map(lambda x: x.reshape(-1), row_stats)  # [micro-batches, rows] -> [rows]
-    return grads, loss, denominator, corrections.metrics_from_row_stats(row_stats, config.corrections)
+    if proximal is not None:
+        proximal = _constrain_rows(_merge_rows(proximal), mesh, 0)
+    return MinibatchGradients(grads, optax.tree.norm(grads_sum) * grad_scale, loss, denominator,
+                              corrections.metrics_from_row_stats(row_stats, config.corrections), proximal)
 
 
 def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
                      optimizer: optax.GradientTransformation, config: UpdateConfig, mesh: Mesh | None = None,
-                     param_shardings=None, weight_scale=None) -> tuple[TrainState, dict]:
-    """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state and metrics.
+                     param_shardings=None, weight_scale=None) -> tuple[TrainState, dict, jax.Array | None]:
+    """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state, metrics and
+    the proximal logprobs the training pass provided (`MinibatchGradients.proximal`, else None).
 
     A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it. The gradients'
     global norm is computed once, logged, and handed to the optimizer as its ``global_norm`` extra argument (the
     clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it).
     """
-    grads, loss, denominator, metrics = minibatch_gradients(
-        state.params, rows, state.policy_version, key, graphdef=graphdef, config=config, mesh=mesh,
-        param_shardings=param_shardings, weight_scale=weight_scale)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = optax.with_extra_args_support(optimizer).update(grads, state.opt_state, state.params,
-                                                                         global_norm=grad_norm)
+    out = minibatch_gradients(state.params, rows, state.policy_version, key, graphdef=graphdef, config=config,
+                              mesh=mesh, param_shardings=param_shardings, weight_scale=weight_scale)
+    updates, opt_state = optax.with_extra_args_support(optimizer).update(out.grads, state.opt_state, state.params,
+                                                                         global_norm=out.grad_norm)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics)
+    metrics = dict(out.metrics)
     metrics.update({
-        "actor/pg_loss": loss,
-        "actor/loss_denominator": denominator,
-        "actor/grad_norm": grad_norm,
+        "actor/pg_loss": out.loss,
+        "actor/loss_denominator": out.denominator,
+        "actor/grad_norm": out.grad_norm,
         "actor/skipped_updates": skipped_updates(opt_state),
     })
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics, out.proximal
 
 
 def whole_batch_weight_scale(batch: TrainBatch, proximal, config: UpdateConfig):
@@ -283,9 +328,10 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
 
     Returns:
         The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split),
-        metrics of shape ``[ppo_epochs * num_minibatches]``, and the proximal logprobs ``[B, T]`` it recomputed
-        (the pre-update policy's, for the caller's log; 0 outside each row's scored window when
-        ``config.scored_window`` is set; None in bypass mode, which recomputes none).
+        metrics of shape ``[ppo_epochs * num_minibatches]``, and the proximal logprobs ``[B, T]`` it used (the
+        pre-update policy's, for the caller's log: recomputed, or the training pass's own when
+        `proximal_from_training_pass`; 0 outside each row's scored window when ``config.scored_window`` is set;
+        None in bypass mode, which has none).
     """
     parts = config.num_minibatches * config.num_microbatches
     if batch.tokens.shape[0] % parts:
@@ -295,26 +341,38 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
         raise ValueError("ref_params are required when corrections.kl_coef > 0.")
     _check_sampling(batch, config)
     batch = _constrain_rows(batch, mesh, 0)
+    from_training_pass = proximal_from_training_pass(config)
     proximal = (recompute_logprobs(graphdef, state.params, batch, config, mesh)
-                if config.corrections.mode == "decoupled" else None)
+                if config.corrections.mode == "decoupled" and not from_training_pass else None)
     ref = recompute_logprobs(graphdef, ref_params, batch, config, mesh) if config.corrections.kl_coef > 0 else None
     rng, epochs_key = jax.random.split(jax.random.wrap_key_data(state.rng))
     update = functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
                                param_shardings=param_shardings,
-                               weight_scale=whole_batch_weight_scale(batch, proximal, config))
+                               weight_scale=None if from_training_pass
+                               else whole_batch_weight_scale(batch, proximal, config))
+
+    def one_update(state, xs):
+        state, metrics, used = update(state, *xs)
+        return state, (metrics, used)
 
     def epoch(state, epoch_key):
         shuffle_key, minibatch_key = jax.random.split(epoch_key)
         rows = (batch, proximal, ref)
-        if config.shuffle:
-            order = jax.random.permutation(shuffle_key, batch.tokens.shape[0])
+        order = jax.random.permutation(shuffle_key, batch.tokens.shape[0]) if config.shuffle else None
+        if order is not None:
             rows = jax.tree.map(lambda x: x[order], rows)
         minibatches = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, config.num_minibatches), rows), mesh, 1)
         keys = jax.random.split(minibatch_key, config.num_minibatches)
-        return jax.lax.scan(lambda s, xs: update(s, *xs), state, (minibatches, keys))
+        state, (metrics, used) = jax.lax.scan(one_update, state, (minibatches, keys))
+        if used is not None:  # the training pass's proximal logprobs, in the batch's row order
+            used = _merge_rows(used)
+            used = used if order is None else used[jnp.argsort(order)]
+        return state, (metrics, used)
 
-    state, metrics = jax.lax.scan(epoch, state, jax.random.split(epochs_key, config.ppo_epochs))
+    state, (metrics, used) = jax.lax.scan(epoch, state, jax.random.split(epochs_key, config.ppo_epochs))
     metrics = jax.tree.map(lambda m: m.reshape(-1), metrics)
+    if used is not None:  # one epoch
+        proximal = _constrain_rows(used[0], mesh, 0)
     return state.replace(policy_version=state.policy_version + 1, rng=jax.random.key_data(rng)), metrics, proximal
 
 

@@ -21,7 +21,7 @@ from learner.sampler_replay import NEUTRAL, SamplerParams
 from learner.sharding import make_mesh
 from learner.train_state import create_sharded_train_state
 from learner.update import (UpdateConfig, make_update_fn, minibatch_gradients, minibatch_update,
-                            recompute_logprobs, update_step)
+                            proximal_from_training_pass, recompute_logprobs, update_step)
 from tests.learner import update_problem
 from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, OPTIMIZER, PAD_TOKEN, ROWS, run_update
 
@@ -123,7 +123,7 @@ def test_minibatch_scan_equals_the_same_updates_one_by_one():
     for _ in range(config.ppo_epochs):
         for k in range(config.num_minibatches):
             rows = jax.tree.map(lambda x: x[k::config.num_minibatches], (batch, proximal, None))
-            state, one_metrics = one_update(state, rows, jax.random.key(0))
+            state, one_metrics, _ = one_update(state, rows, jax.random.key(0))
             losses.append(one_metrics["actor/pg_loss"])
 
     np.testing.assert_allclose(metrics["actor/pg_loss"], losses, rtol=1e-5, atol=1e-6)
@@ -132,6 +132,55 @@ def test_minibatch_scan_equals_the_same_updates_one_by_one():
     for got, want in zip(jax.tree.leaves(scanned.params), jax.tree.leaves(state.params), strict=True):
         # Adam divides by sqrt(v): float32 rounding of tiny gradients shows up at 1e-3 of a step (lr 1e-2).
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_on_policy_update_takes_the_proximal_logprobs_from_its_training_pass(monkeypatch, num_microbatches):
+    """One epoch of one mini-batch (shuffled, 1 or 4 micro-batches): no separate proximal pass is traced, and the
+    update equals the same update given the separately recomputed proximal logprobs (two compiled programs compute
+    the same logprobs: equal to float32 rounding), returning those logprobs in the batch's row order."""
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-2, total_steps=4))
+    config = UpdateConfig(corrections=update_problem.CORRECTIONS.replace(kl_coef=0.0),
+                          num_microbatches=num_microbatches, logprob_chunk_size=8, rows_per_chunk=0)
+    assert proximal_from_training_pass(config)
+    graphdef, state, _ = create_sharded_train_state(MODEL, optimizer, mesh)
+    batch = jax.tree.map(jnp.asarray, update_problem.rollout_batch())
+    proximal = jax.jit(recompute_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)(
+        graphdef, state.params, batch, config)
+    explicit = jax.jit(functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config),
+                       compiler_options=FAST_COMPILE)
+    # update_step's shuffle: one epoch, one mini-batch, the rows in order[...]
+    epoch_key = jax.random.split(jax.random.split(jax.random.wrap_key_data(state.rng))[1], 1)[0]
+    shuffle_key, minibatch_key = jax.random.split(epoch_key)
+    order = jax.random.permutation(shuffle_key, ROWS)
+    rows = jax.tree.map(lambda x: x[order], (batch, proximal, None))
+    want_state, want_metrics, none = explicit(state, rows, jax.random.split(minibatch_key, 1)[0])
+    assert none is None  # given proximal logprobs are not handed back
+
+    recomputes = []
+    monkeypatch.setattr("learner.update.recompute_logprobs", lambda *args: recomputes.append(args))
+    step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config)
+    got_state, got_metrics, got_proximal = jax.jit(step, compiler_options=FAST_COMPILE)(state, batch)
+    assert recomputes == []
+    np.testing.assert_allclose(got_proximal, proximal, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got_proximal)[~update_problem.rollout_batch().attention_mask] == 0)
+    for name in want_metrics:
+        np.testing.assert_allclose(got_metrics[name], want_metrics[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert abs(float(got_metrics["actor/pg_loss"][0])) > 1e-3
+    for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # Adam: see the scan test above
+
+
+def test_only_on_policy_decoupled_updates_skip_the_proximal_pass():
+    decoupled = update_problem.CORRECTIONS
+    normalized = CorrectionConfig(importance=ImportanceWeights("token", high=2.0, batch_normalize=True))
+    assert proximal_from_training_pass(UpdateConfig(corrections=decoupled, num_microbatches=4))
+    assert proximal_from_training_pass(UpdateConfig(corrections=normalized))
+    assert not proximal_from_training_pass(UpdateConfig(corrections=normalized, num_microbatches=2))
+    assert not proximal_from_training_pass(UpdateConfig(corrections=decoupled, ppo_epochs=2))
+    assert not proximal_from_training_pass(UpdateConfig(corrections=decoupled, num_minibatches=2))
+    assert not proximal_from_training_pass(UpdateConfig(corrections=corrections.preset("bypass_ppo_clip")))
 
 
 BANDIT_ARMS = 12  # one prompt, 12 distinct one-token completions, the first half rewarded.
