@@ -10,6 +10,7 @@ Full forward (learner)::
     model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
     hidden = model(tokens, positions, attention_mask)   # [B, T, D], after the final RMSNorm
     logits = model.logits(hidden)                       # [B, T, V] float32 (chunk it: learner.logprobs)
+    hidden_at = model(tokens, positions, attention_mask, output_columns=columns)  # [B, W, D] at columns [B, W]
 
 ``tokens`` and ``positions`` are int32 ``[B, T]``; ``attention_mask`` is ``[B, T]`` (True / 1 = real token).
 Sequences are right-padded; a query attends to key ``s`` iff ``s <= t`` (causal by index) and key ``s`` is real.
@@ -284,12 +285,21 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
         >>> bool(jnp.allclose(apply_rope(x, jnp.zeros((1, 1), jnp.int32), jnp.array([1.0, 0.1])), x))
         True
     """
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, Dh/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    x32 = x.astype(jnp.float32)
-    first, second = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([-second, first], axis=-1)
-    return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+    angles = positions.astype(jnp.float32)[..., None, None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, 1, Dh/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)
+
+
+def take_columns(x: jax.Array, columns: jax.Array) -> jax.Array:
+    """``x[b, columns[b, i], ...]`` for x ``[B, T, ...]`` and columns ``[B, W]`` in ``[0, T)``: ``[B, W, ...]``.
+
+    Example:
+        >>> take_columns(jnp.arange(6).reshape(2, 3), jnp.array([[2], [0]])).tolist()
+        [[2], [3]]
+    """
+    index = columns.reshape(columns.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1, mode="promise_in_bounds")
 
 
 class Attention(nnx.Module):
@@ -307,17 +317,22 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array,
                  layer_cache: LayerKVCache | None = None, write_slots: jax.Array | None = None,
-                 ) -> tuple[jax.Array, LayerKVCache | None]:
+                 query_columns: jax.Array | None = None) -> tuple[jax.Array, LayerKVCache | None]:
         """Attends x ``[B, T, D]`` to itself, or to the cache after writing x's keys/values at ``write_slots``.
 
-        ``allowed`` is ``[B, T, S]`` bool (S = T without cache, max_len with cache).
+        ``allowed`` is ``[B, Q, S]`` bool (S = T without cache, max_len with cache). Queries are all T tokens
+        (Q = T), or with ``query_columns`` (``[B, Q]`` ints in ``[0, T)``) only those columns of x: keys and values
+        still come from every token.
         """
         cfg = self.config
-        q, k = self.q_proj(x), self.k_proj(x)
+        query_x, query_positions = x, positions
+        if query_columns is not None:
+            query_x, query_positions = take_columns(x, query_columns), take_columns(positions, query_columns)
+        q, k = self.q_proj(query_x), self.k_proj(x)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(cfg)  # a trace-time constant
-        q = apply_rope(q, positions, inv_freq)
+        q = apply_rope(q, query_positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         v = self.v_proj(x)
         if layer_cache is not None:
@@ -350,7 +365,8 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP; with ``query_columns`` (see `Attention`) the output is the
+    residual stream at those columns only."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config)
@@ -358,8 +374,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None):
-        attn_out, layer_cache = self.attn(self.attn_norm(x), positions, allowed, layer_cache, write_slots)
+    def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None, query_columns=None):
+        attn_out, layer_cache = self.attn(self.attn_norm(x), positions, allowed, layer_cache, write_slots,
+                                          query_columns)
+        if query_columns is not None:
+            x = take_columns(x, query_columns)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), layer_cache
 
@@ -388,21 +407,29 @@ class Transformer(nnx.Module):
                                    rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None,
-                 ) -> jax.Array:
+                 output_columns: jax.Array | None = None) -> jax.Array:
         """Final hidden states ``[B, T, D]`` (after the final RMSNorm) of right-padded sequences.
 
         Args:
             tokens: ``[B, T]`` int token ids.
             positions: ``[B, T]`` int positions (RoPE), usually ``arange(T)`` per row.
             attention_mask: ``[B, T]`` bool or 0/1, True for real tokens; None means all real.
+            output_columns: ``[B, W]`` ints in ``[0, T)``: return only the hidden states at these columns,
+                ``[B, W, D]``. The last block then runs its queries, attention output and MLP at those columns
+                alone (its keys and values at every token), saving ``1 - W / T`` of its work; an RL loss that
+                scores only the completion (`learner.logprobs`, scored window) needs no more.
         """
         t = tokens.shape[1]
         key_valid = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
         causal = jnp.tril(jnp.ones((t, t), bool))
         allowed = causal[None, :, :] & key_valid[:, None, :]
         x = self.embed(tokens)
-        for block in self.layers:
+        *body, last = self.layers
+        for block in body:
             x, _ = block(x, positions, allowed)
+        if output_columns is not None:
+            allowed = take_columns(allowed, output_columns)
+        x, _ = last(x, positions, allowed, query_columns=output_columns)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, cache_valid: jax.Array,

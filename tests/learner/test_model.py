@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.model import Llama3RopeScaling, Transformer, cast_model, count_params, model_config, rope_frequencies
+from learner.model import (Llama3RopeScaling, Transformer, cast_model, count_params, model_config, rope_frequencies,
+                          take_columns)
 
 PROMPT_LENS = np.array([3, 6, 1])  # right-padded rows of different lengths
 TOTAL_LENS = PROMPT_LENS + 4  # each row decodes 4 more tokens
@@ -68,6 +69,36 @@ def test_causal_future_tokens_do_not_change_past(tiny_model):
     b = _logits(tiny_model, changed, positions, mask)
     np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-6)
     assert not np.allclose(a[:, 6:], b[:, 6:])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_layers": 1, "qk_norm": True, "qkv_bias": False}])
+def test_output_columns_equal_the_full_forward_there_with_the_same_gradients(overrides):
+    """The last block run only at some columns (its queries, attention output and MLP; keys and values everywhere)
+    gives the full forward's hidden states there, and a loss on them the same parameter gradients; with one layer
+    the only block is the last. Columns include padded positions (row 1). Tolerance: the same float32 math on
+    other shapes, which XLA may sum in another order, hence 1e-5 (of a gradient leaf's largest entry)."""
+    model = Transformer(model_config("tiny", **overrides), rngs=nnx.Rngs(1))
+    tokens, positions, mask = _right_padded_batch([9, 5, 12], 12, 128, seed=3)
+    columns = jnp.array([[2, 3, 4, 5], [3, 4, 5, 6], [8, 9, 10, 11]])
+    weights = jax.random.normal(jax.random.key(0), columns.shape + (model.config.hidden_size,))
+    graphdef, params = nnx.split(model)
+
+    def loss(params, at_columns):
+        model = nnx.merge(graphdef, params)
+        if at_columns:
+            hidden = model(tokens, positions, mask, output_columns=columns)
+        else:
+            hidden = take_columns(model(tokens, positions, mask), columns)
+        return jnp.sum(hidden * weights), hidden
+
+    (_, full), full_grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, False)
+    (_, windowed), windowed_grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, True)
+    assert windowed.shape == (3, 4, model.config.hidden_size)
+    np.testing.assert_allclose(windowed, full, rtol=1e-5, atol=1e-5)
+    for (path, grad), expected in zip(jax.tree.leaves_with_path(windowed_grads), jax.tree.leaves(full_grads),
+                                      strict=True):
+        scale = float(np.abs(expected).max())  # gradients sum many terms: compare relative to the leaf's largest
+        np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 def test_logits_are_float32_with_vocab_axis(tiny_model):
