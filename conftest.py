@@ -1,9 +1,27 @@
-"""Root conftest: doctests in the packages see the same 8-device CPU backend as tests/."""
+"""Root conftest: doctests in the packages see the same 8-device CPU backend as tests/, and the whole test run
+shares one JAX persistent compilation cache."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same programs (the tiny model's update under several tests, the main job's programs in
+# every `python -m learner.train` subprocess): with one cache per test run, made by the first process (pytest, or
+# xdist's controller) and inherited through the environment by the xdist workers and every subprocess, each
+# compiles once. A size limit turns on JAX's file lock, so that concurrent writers and readers never see a partial
+# entry. A cache directory set beforehand is used as it is and kept.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tether-tests-jax-cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_sessionfinish(session):
+    """The run's cache goes with the run (xdist's controller ends its session after every worker's)."""
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -5,7 +5,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
@@ -30,11 +29,9 @@ def train_command(run_dir: pathlib.Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "learner.train", "--config", str(DEFAULT_CONFIG), *sets]
 
 
-JAX_CACHE = tempfile.mkdtemp(prefix="tether-test-jax-cache-")  # the main job's compilation cache, kept out of ~/.cache
-
-
 def train_env() -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT), "JAX_COMPILATION_CACHE_DIR": JAX_CACHE}
+    """The test process's environment (with the test run's compilation cache, see conftest.py), on the CPU."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
 
 
 def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> str:
