@@ -21,12 +21,13 @@ from learner.logprobs import logprobs_from_hidden, token_logprobs
 from learner.model import Transformer, model_config
 from learner.param_paths import parameter_names
 from learner.sampler_replay import SamplerParams, replayed_thresholds, replayed_token_stats
-from learner.sampling_transform import descending, kept_threshold, processed_logprobs
+from learner.sampling_transform import processed_logprobs
 from learner.sharding import make_mesh
 from learner.train_state import create_sharded_train_state
 from learner.truncation_bias import log_kept_mass, truncation_bias_metrics
 from learner.update import UpdateConfig, make_update_fn
 from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
+from tests.learner.test_sampling_transform import full_sort_cut
 from tests.learner.update_problem import FAST_COMPILE
 from tests.rollout_client.conftest import ServerProcess
 
@@ -102,7 +103,7 @@ def test_candidate_thresholds_equal_full_sort(top_k, top_p, min_p):
     params = sampler([1.0, 1.0], [top_k] * 2, [top_p] * 2, [min_p] * 2)
     log_normalizer = jax.nn.logsumexp(logits, axis=-1)
     got = jax.jit(replayed_thresholds)(logits, log_normalizer, params)
-    cut = kept_threshold(descending(logits), log_normalizer, *(x[:, None] for x in params[1:4]))
+    cut = full_sort_cut(logits, log_normalizer, *(x[:, None] for x in params[1:4]))
     np.testing.assert_array_equal(got, cut.threshold)
     assert bool(cut.determined.all())
 
