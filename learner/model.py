@@ -324,17 +324,15 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array,
                  layer_cache: LayerKVCache | None = None, write_slots: jax.Array | None = None,
-                 query_columns: jax.Array | None = None) -> tuple[jax.Array, LayerKVCache | None]:
+                 queries: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, LayerKVCache | None]:
         """Attends x ``[B, T, D]`` to itself, or to the cache after writing x's keys/values at ``write_slots``.
 
         ``allowed`` is ``[B, Q, S]`` bool (S = T without cache, max_len with cache). Queries are all T tokens
-        (Q = T), or with ``query_columns`` (``[B, Q]`` ints in ``[0, T)``) only those columns of x: keys and values
-        still come from every token.
+        (Q = T), or ``queries = (query_x [B, Q, D], query_positions [B, Q])``, e.g. some columns of x: keys and
+        values still come from every token.
         """
         cfg = self.config
-        query_x, query_positions = x, positions
-        if query_columns is not None:
-            query_x, query_positions = take_columns(x, query_columns), take_columns(positions, query_columns)
+        query_x, query_positions = (x, positions) if queries is None else queries
         q, k = self.q_proj(query_x), self.k_proj(x)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -372,8 +370,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then MLP; with ``query_columns`` (see `Attention`) the output is the
-    residual stream at those columns only."""
+    """Pre-norm residual block: attention then MLP; with ``query_columns`` (``[B, Q]`` ints in ``[0, T)``) the
+    queries, the attention output and the MLP run at those columns only (keys and values at every token), and the
+    output is the residual stream there."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config)
@@ -382,10 +381,12 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None, query_columns=None):
-        attn_out, layer_cache = self.attn(self.attn_norm(x), positions, allowed, layer_cache, write_slots,
-                                          query_columns)
-        if query_columns is not None:
+        normed = self.attn_norm(x)
+        queries = None
+        if query_columns is not None:  # the residual at the columns; its norm is the norm's there (per token)
             x = take_columns(x, query_columns)
+            queries = (self.attn_norm(x), take_columns(positions, query_columns))
+        attn_out, layer_cache = self.attn(normed, positions, allowed, layer_cache, write_slots, queries)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), layer_cache
 
@@ -434,8 +435,8 @@ class Transformer(nnx.Module):
         *body, last = self.layers
         for block in body:
             x, _ = block(x, positions, allowed)
-        if output_columns is not None:
-            allowed = take_columns(allowed, output_columns)
+        if output_columns is not None:  # causal by column index: the rows of ``allowed`` at the columns
+            allowed = (output_columns[:, :, None] >= jnp.arange(t)) & key_valid[:, None, :]
         x, _ = last(x, positions, allowed, query_columns=output_columns)
         return self.final_norm(x)
 

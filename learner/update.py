@@ -111,6 +111,15 @@ def _merge_rows(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def _scan(f, init, xs):
+    """`jax.lax.scan` of ``f`` over the leading axis of ``xs``; one step is a plain call (a shorter program to
+    trace, lower and compile than a loop of one iteration)."""
+    if jax.tree.leaves(xs)[0].shape[0] != 1:
+        return jax.lax.scan(f, init, xs)
+    carry, ys = f(init, jax.tree.map(lambda x: x[0], xs))
+    return carry, jax.tree.map(lambda y: y[None], ys)
+
+
 def _constrain_rows(tree, mesh: Mesh | None, leading: int):
     """Pins the row axis (after ``leading`` split axes) of every leaf to the batch axes of ``mesh``."""
     if mesh is None:
@@ -262,7 +271,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     # float32 accumulators whatever the parameter dtype: summing bfloat16 gradients in bfloat16 loses their low bits.
     zeros = constrain_like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads_sum, numerator, denominator), (row_stats, proximal) = jax.lax.scan(
+    (grads_sum, numerator, denominator), (row_stats, proximal) = _scan(
         accumulate, init, (micro_rows, jax.random.split(key, n)))
     scale = 1.0 / jnp.maximum(denominator, 1.0)
     loss = numerator * scale
@@ -363,13 +372,13 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
             rows = jax.tree.map(lambda x: x[order], rows)
         minibatches = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, config.num_minibatches), rows), mesh, 1)
         keys = jax.random.split(minibatch_key, config.num_minibatches)
-        state, (metrics, used) = jax.lax.scan(one_update, state, (minibatches, keys))
+        state, (metrics, used) = _scan(one_update, state, (minibatches, keys))
         if used is not None:  # the training pass's proximal logprobs, in the batch's row order
             used = _merge_rows(used)
             used = used if order is None else used[jnp.argsort(order)]
         return state, (metrics, used)
 
-    state, (metrics, used) = jax.lax.scan(epoch, state, jax.random.split(epochs_key, config.ppo_epochs))
+    state, (metrics, used) = _scan(epoch, state, jax.random.split(epochs_key, config.ppo_epochs))
     metrics = jax.tree.map(lambda m: m.reshape(-1), metrics)
     if used is not None:  # one epoch
         proximal = _constrain_rows(used[0], mesh, 0)

@@ -102,7 +102,8 @@ def cost_totals(compiled_programs) -> dict:
 
 
 def serve(build) -> None:
-    """Worker loop: build, time the first call, then answer lines on stdin: ``time N`` (N calls), ``first`` (one
+    """Worker loop: build (``build()`` returns the update, the parameter count, the cost analysis and the arrays it
+    made, which are waited for), time the first call, then answer lines on stdin: ``time N`` (N calls), ``first`` (one
     call after `jax.clear_caches`: trace and compile again), ``cost`` and ``quit``."""
     import jax
 
@@ -114,7 +115,8 @@ def serve(build) -> None:
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    run, params, cost = build()
+    run, params, cost, built = build()
+    jax.block_until_ready(built)  # parameter and optimizer init is dispatched asynchronously: not the first call's
     _reply({"first_call_s": timed_calls(1)[0], "params": params})
     for line in sys.stdin:
         command = line.split()
@@ -180,7 +182,7 @@ def tether_worker(case: Case) -> None:
         def cost():
             return cost_totals([update.lower(holder["state"], batch, None).compile()])
 
-        return run, count_params(config), cost
+        return run, count_params(config), cost, (state, batch)
 
     serve(build)
 
@@ -283,7 +285,8 @@ def tunix_worker(case: Case) -> None:
             return {"gflop": totals["gflop"] + (steps - 1) * train["gflop"],
                     "gbytes": totals["gbytes"] + (steps - 1) * train["gbytes"]}
 
-        return run, params, cost
+        return run, params, cost, (nnx.state(trainer.model), nnx.state(trainer.optimizer), prompt, completion,
+                                   advantages, rollout)
 
     serve(build)
 

@@ -15,6 +15,8 @@ and counts the jaxpr equations (nested ones included), the StableHLO text size a
 optimised HLO. Variants attribute the cost to the corrections:
 
 * ``full``: the update as it is;
+* ``row_stats``: `corrections.compute` as it is, but the row statistics leave the program instead of the metrics
+  combined from them;
 * ``no_metrics``: `corrections.compute` as it is, but no metric leaves the program (XLA removes the statistics;
   tracing them remains);
 * ``trivial``: `corrections.compute` replaced by a token-mean policy gradient (no weights, no statistics).
@@ -79,6 +81,15 @@ def _no_metrics_corrections(corrections):
                                  CorrectionConfig=corrections.CorrectionConfig)
 
 
+def _row_stats_corrections(corrections):
+    """``corrections`` as it is, but the update returns the row statistics instead of the metrics combined from
+    them (the per-sequence reductions stay, the batch combination goes)."""
+    import types
+
+    return types.SimpleNamespace(compute=corrections.compute, metrics_from_row_stats=lambda row_stats, config: row_stats,
+                                 CorrectionConfig=corrections.CorrectionConfig)
+
+
 def _count_eqns(jaxpr) -> int:
     """Equations of a (closed) jaxpr, those of nested jaxprs (scan, cond, pjit, custom_vjp bodies) included."""
     import jax
@@ -128,6 +139,8 @@ def worker(spec: dict) -> dict:
         learner.update.corrections = _trivial_corrections(corrections)
     elif spec["variant"] == "no_metrics":
         learner.update.corrections = _no_metrics_corrections(corrections)
+    elif spec["variant"] == "row_stats":
+        learner.update.corrections = _row_stats_corrections(corrections)
     config = model_config(spec["model"])
     rows, length = spec["rows"], spec["length"]
     mesh = make_mesh(data=-1)
@@ -224,7 +237,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["tiny:16:128", "100m:4:128"], help="model:rows:length")
     parser.add_argument("--presets", nargs="+", default=["bypass_ppo_clip", "decoupled_token_is"])
     parser.add_argument("--variants", nargs="+", default=["full", "no_metrics", "trivial"],
-                        choices=["full", "no_metrics", "trivial"])
+                        choices=["full", "row_stats", "no_metrics", "trivial"])
     parser.add_argument("--revs", nargs="+", default=["worktree"], help="git revisions of corrections/")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-call", action="store_true", help="skip the plain first-call measurement")
