@@ -16,14 +16,14 @@ logits for the backward pass: the memory of the unchunked computation).
 Scored window: an RL loss reads logprobs only at the completion's tokens, yet the output head is a quarter of a
 small model's FLOPs and, with long prompts, most of them. With ``window_size=W`` (static) and ``window_start``
 (``[B]``, traced) only the tokens ``t`` in ``[window_start[b], window_start[b] + W)`` are scored: the hidden states
-at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]``, the head runs on those alone, and the results are
-gathered back to their ``[B, T]`` columns (a gather, not a scatter: its backward pass is a cheap scatter into
-``[B, W]``). Each row's window is shifted as little as needed to lie inside ``[1, T)``, so it covers every requested
+at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]`` (`learner.model.take_window`), the head runs on those
+alone, and the results are placed back at their ``[B, T]`` columns (`learner.model.place_window`; both directions and
+their gradients are gathers, no scatter). Each row's window is shifted as little as needed to lie inside ``[1, T)``, so it covers every requested
 token that exists; tokens outside the request are 0 like unscored ones. A window covering ``[1, T)``
 (``W >= T - 1``) runs the whole-sequence path and masks it. A token outside its row's window silently gets 0:
 callers check that every trained token lies in it (`learner.rl.batches.check_scored_window`). `token_logprobs`
 goes one step further: the model's last block runs its queries, attention output and MLP only at the window
-(``Transformer(..., output_columns=...)``; keys and values everywhere): with W = T / 2 that is about half the last
+(``Transformer(..., output_window=...)``; keys and values everywhere): with W = T / 2 that is about half the last
 block's work (~4% of the blocks' FLOPs in a twelve-layer model).
 
 Alignment: outputs are aligned with the scored token. ``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``, the
@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from learner.model import Transformer
-from learner.model import take_columns
+from learner.model import place_window
+from learner.model import take_window
 from learner.sampler_replay import SamplerParams
 from learner.sampler_replay import replayed_token_stats
 
@@ -88,10 +89,10 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
         (True, True)
     """
     _check_window(window_start, window_size)
-    output_columns = None
+    output_window = None
     if window_size is not None and window_size < tokens.shape[1] - 1:
-        output_columns = scored_window_columns(window_start, window_size, tokens.shape[1]) - 1
-    hidden = model(tokens, positions, attention_mask, output_columns=output_columns)
+        output_window = (scored_window_first(window_start, window_size, tokens.shape[1]) - 1, window_size)
+    hidden = model(tokens, positions, attention_mask, output_window=output_window)
     return logprobs_from_hidden(hidden, model.output_kernel(), tokens, attention_mask, temperature=temperature,
                                 chunk_size=chunk_size, remat=remat, return_entropy=return_entropy, sampling=sampling,
                                 window_start=window_start, window_size=window_size)
@@ -105,8 +106,8 @@ def logprobs_from_hidden(hidden: jax.Array, output_kernel: jax.Array, tokens: ja
     """`token_logprobs` from final hidden states and the ``[D, V]`` output projection.
 
     ``hidden`` is ``[B, T, D]``, or with a scored window of ``W < T - 1`` tokens ``[B, W, D]``: only the states
-    that predict the window's tokens, at ``scored_window_columns(window_start, W, T) - 1`` (what
-    ``Transformer(..., output_columns=...)`` returns there).
+    that predict the window's tokens, at columns ``scored_window_first(window_start, W, T) - 1 + [0, W)`` (what
+    ``Transformer(..., output_window=...)`` returns there).
 
     Example:
         >>> lp = logprobs_from_hidden(jnp.ones((1, 3, 4)), jnp.zeros((4, 8)), jnp.array([[1, 2, 3]]))
@@ -165,34 +166,30 @@ def map_token_chunks(token_stats: Callable[[jax.Array, jax.Array], dict[str, jax
     else:
         # Hidden column - 1 predicts the token at column; column t holds window entry t - first[b] when that is in
         # [0, W).
-        columns = scored_window_columns(window_start, window_size, seq_len)
+        first = scored_window_first(window_start, window_size, seq_len)
         if hidden.shape[1] == seq_len:
-            hidden = take_columns(hidden, columns - 1)
+            hidden = take_window(hidden, first - 1, window_size)
         elif hidden.shape[1] != window_size:
             raise ValueError(f"hidden has {hidden.shape[1]} positions: give all {seq_len} or the window's "
                              f"{window_size}.")
-        stats = _chunked_stats(token_stats, hidden, output_kernel, take_columns(tokens, columns), chunk_size,
-                               remat)
-        entry = jnp.arange(seq_len)[None, :] - columns[:, :1]
-        entry = jnp.clip(entry, 0, window_size - 1)
-        stats = {name: jnp.take_along_axis(value, entry, axis=1, mode="promise_in_bounds")
-                 for name, value in stats.items()}
+        stats = _chunked_stats(token_stats, hidden, output_kernel, take_window(tokens, first, window_size),
+                               chunk_size, remat)
+        stats = {name: place_window(value, first, seq_len) for name, value in stats.items()}
     if window_size is not None:
         offset = jnp.arange(seq_len)[None, :] - window_start[:, None]
         scored = scored & (offset >= 0) & (offset < window_size)
     return {name: jnp.where(scored, value, 0.0) for name, value in stats.items()}
 
 
-def scored_window_columns(window_start: jax.Array, window_size: int, seq_len: int) -> jax.Array:
-    """``[B, W]`` columns of the tokens a window scores: ``first[b] + [0, W)``, ``first = window_start`` shifted as
-    little as needed for them to lie in ``[1, T)`` (needs ``W < T``).
+def scored_window_first(window_start: jax.Array, window_size: int, seq_len: int) -> jax.Array:
+    """``[B]`` first column of each row's scored tokens ``first[b] + [0, W)``: ``window_start`` shifted as little as
+    needed for them to lie in ``[1, T)`` (needs ``W < T``).
 
     Example:
-        >>> scored_window_columns(jnp.array([0, 3, 9]), 2, 6).tolist()
-        [[1, 2], [3, 4], [4, 5]]
+        >>> scored_window_first(jnp.array([0, 3, 9]), 2, 6).tolist()
+        [1, 3, 4]
     """
-    first = jnp.clip(window_start, 1, seq_len - window_size).astype(jnp.int32)
-    return first[:, None] + jnp.arange(window_size)
+    return jnp.clip(window_start, 1, seq_len - window_size).astype(jnp.int32)
 
 
 def _check_window(window_start, window_size) -> None:

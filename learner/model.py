@@ -10,7 +10,7 @@ Full forward (learner)::
     model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
     hidden = model(tokens, positions, attention_mask)   # [B, T, D], after the final RMSNorm
     logits = model.logits(hidden)                       # [B, T, V] float32 (chunk it: learner.logprobs)
-    hidden_at = model(tokens, positions, attention_mask, output_columns=columns)  # [B, W, D] at columns [B, W]
+    hidden_at = model(tokens, positions, attention_mask, output_window=(first, W))  # [B, W, D] at first[b] + [0, W)
 
 ``tokens`` and ``positions`` are int32 ``[B, T]``; ``attention_mask`` is ``[B, T]`` (True / 1 = real token).
 Sequences are right-padded; a query attends to key ``s`` iff ``s <= t`` (causal by index) and key ``s`` is real.
@@ -65,6 +65,7 @@ Parameter paths (used by the sharding rules and the safetensors name map), with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -309,6 +310,55 @@ def take_columns(x: jax.Array, columns: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1, mode="promise_in_bounds")
 
 
+def take_window(x: jax.Array, first: jax.Array, size: int) -> jax.Array:
+    """``x[b, first[b] + i, ...]`` for ``i < size``: the window of ``size`` columns from ``first`` (``[B]`` ints,
+    ``first[b] + size <= T``) of every row of x ``[B, T, ...]``; ``[B, size, ...]``.
+
+    Its gradient is `place_window` of the cotangent, a gather, where ``take_columns``'s is a scatter-add (slow to
+    compile on the CPU and slow to run on a TPU).
+
+    Example:
+        >>> take_window(jnp.arange(8).reshape(2, 4), jnp.array([1, 2]), 2).tolist()
+        [[1, 2], [6, 7]]
+    """
+    return _take_window(x, first, size, x.shape[1])
+
+
+def place_window(values: jax.Array, first: jax.Array, length: int) -> jax.Array:
+    """The inverse of `take_window`: ``values`` ``[B, W, ...]`` at columns ``first[b] + [0, W)`` of rows of
+    ``length`` columns, 0 elsewhere; ``[B, length, ...]``. Its gradient is `take_window` of the cotangent.
+
+    Example:
+        >>> place_window(jnp.array([[1, 2], [6, 7]]), jnp.array([1, 2]), 4).tolist()
+        [[0, 1, 2, 0], [0, 0, 6, 7]]
+    """
+    return _place_window(values, first, values.shape[1], length)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _take_window(x, first, size, length):
+    del length
+    return take_columns(x, first[:, None] + jnp.arange(size))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _place_window(values, first, size, length):
+    entry = jnp.arange(length) - first[:, None]  # [B, length]: the window entry at each column
+    inside = (entry >= 0) & (entry < size)
+    placed = take_columns(values, jnp.clip(entry, 0, size - 1))
+    return jnp.where(inside.reshape(inside.shape + (1,) * (values.ndim - 2)), placed, 0)
+
+
+def _window_fwd(function):
+    return lambda array, first, size, length: (function(array, first, size, length), first)
+
+
+_take_window.defvjp(_window_fwd(_take_window),
+                    lambda size, length, first, cotangent: (_place_window(cotangent, first, size, length), None))
+_place_window.defvjp(_window_fwd(_place_window),
+                     lambda size, length, first, cotangent: (_take_window(cotangent, first, size, length), None))
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k/v bias and optional per-head q/k RMSNorm."""
 
@@ -370,9 +420,9 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: attention then MLP; with ``query_columns`` (``[B, Q]`` ints in ``[0, T)``) the
-    queries, the attention output and the MLP run at those columns only (keys and values at every token), and the
-    output is the residual stream there."""
+    """Pre-norm residual block: attention then MLP; with ``query_window = (first, Q)`` (see `take_window`) the
+    queries, the attention output and the MLP run at the columns ``first[b] + [0, Q)`` only (keys and values at every
+    token), and the output is the residual stream there."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config)
@@ -380,12 +430,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None, query_columns=None):
+    def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None, query_window=None):
         normed = self.attn_norm(x)
         queries = None
-        if query_columns is not None:  # the residual at the columns; its norm is the norm's there (per token)
-            x = take_columns(x, query_columns)
-            queries = (self.attn_norm(x), take_columns(positions, query_columns))
+        if query_window is not None:  # the residual at the window; its norm is the norm's there (per token)
+            x = take_window(x, *query_window)
+            queries = (self.attn_norm(x), take_window(positions, *query_window))
         attn_out, layer_cache = self.attn(normed, positions, allowed, layer_cache, write_slots, queries)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), layer_cache
@@ -415,17 +465,18 @@ class Transformer(nnx.Module):
                                    rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None,
-                 output_columns: jax.Array | None = None) -> jax.Array:
+                 output_window: tuple[jax.Array, int] | None = None) -> jax.Array:
         """Final hidden states ``[B, T, D]`` (after the final RMSNorm) of right-padded sequences.
 
         Args:
             tokens: ``[B, T]`` int token ids.
             positions: ``[B, T]`` int positions (RoPE), usually ``arange(T)`` per row.
             attention_mask: ``[B, T]`` bool or 0/1, True for real tokens; None means all real.
-            output_columns: ``[B, W]`` ints in ``[0, T)``: return only the hidden states at these columns,
-                ``[B, W, D]``. The last block then runs its queries, attention output and MLP at those columns
-                alone (its keys and values at every token), saving ``1 - W / T`` of its work; an RL loss that
-                scores only the completion (`learner.logprobs`, scored window) needs no more.
+            output_window: ``(first, W)``, ``first`` ``[B]`` ints with ``first[b] + W <= T``: return only the
+                hidden states at columns ``first[b] + [0, W)``, ``[B, W, D]`` (`take_window`). The last block then
+                runs its queries, attention output and MLP at those columns alone (its keys and values at every
+                token), saving ``1 - W / T`` of its work; an RL loss that scores only the completion
+                (`learner.logprobs`, scored window) needs no more.
         """
         t = tokens.shape[1]
         key_valid = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
@@ -435,9 +486,11 @@ class Transformer(nnx.Module):
         *body, last = self.layers
         for block in body:
             x, _ = block(x, positions, allowed)
-        if output_columns is not None:  # causal by column index: the rows of ``allowed`` at the columns
-            allowed = (output_columns[:, :, None] >= jnp.arange(t)) & key_valid[:, None, :]
-        x, _ = last(x, positions, allowed, query_columns=output_columns)
+        if output_window is not None:  # causal by column index: the rows of ``allowed`` at the window's columns
+            first, size = output_window
+            columns = first[:, None] + jnp.arange(size)
+            allowed = (columns[:, :, None] >= jnp.arange(t)) & key_valid[:, None, :]
+        x, _ = last(x, positions, allowed, query_window=output_window)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, cache_valid: jax.Array,

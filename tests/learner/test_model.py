@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.model import (Llama3RopeScaling, Transformer, cast_model, count_params, model_config, rope_frequencies,
-                          take_columns)
+from learner.model import (Llama3RopeScaling, Transformer, cast_model, count_params, model_config, place_window,
+                          rope_frequencies, take_window)
 
 PROMPT_LENS = np.array([3, 6, 1])  # right-padded rows of different lengths
 TOTAL_LENS = PROMPT_LENS + 4  # each row decodes 4 more tokens
@@ -72,23 +72,23 @@ def test_causal_future_tokens_do_not_change_past(tiny_model):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"num_layers": 1, "qk_norm": True, "qkv_bias": False}])
-def test_output_columns_equal_the_full_forward_there_with_the_same_gradients(overrides):
+def test_output_window_equals_the_full_forward_there_with_the_same_gradients(overrides):
     """The last block run only at some columns (its queries, attention output and MLP; keys and values everywhere)
     gives the full forward's hidden states there, and a loss on them the same parameter gradients; with one layer
     the only block is the last. Columns include padded positions (row 1). Tolerance: the same float32 math on
     other shapes, which XLA may sum in another order, hence 1e-5 (of a gradient leaf's largest entry)."""
     model = Transformer(model_config("tiny", **overrides), rngs=nnx.Rngs(1))
     tokens, positions, mask = _right_padded_batch([9, 5, 12], 12, 128, seed=3)
-    columns = jnp.array([[2, 3, 4, 5], [3, 4, 5, 6], [8, 9, 10, 11]])
-    weights = jax.random.normal(jax.random.key(0), columns.shape + (model.config.hidden_size,))
+    first = jnp.array([2, 3, 8])  # windows of 4 columns
+    weights = jax.random.normal(jax.random.key(0), (3, 4, model.config.hidden_size))
     graphdef, params = nnx.split(model)
 
     def loss(params, at_columns):
         model = nnx.merge(graphdef, params)
         if at_columns:
-            hidden = model(tokens, positions, mask, output_columns=columns)
+            hidden = model(tokens, positions, mask, output_window=(first, 4))
         else:
-            hidden = take_columns(model(tokens, positions, mask), columns)
+            hidden = model(tokens, positions, mask)[jnp.arange(3)[:, None], first[:, None] + jnp.arange(4)]
         return jnp.sum(hidden * weights), hidden
 
     (_, full), full_grads = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, False)
@@ -99,6 +99,38 @@ def test_output_columns_equal_the_full_forward_there_with_the_same_gradients(ove
                                       strict=True):
         scale = float(np.abs(expected).max())  # gradients sum many terms: compare relative to the leaf's largest
         np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_window_take_and_place_are_each_others_transpose_and_differentiate_without_a_scatter():
+    """take_window / place_window against NumPy indexing (float64 reference), their VJPs against each other's
+    forward (the transpose of a selection is the placement), and the compiled gradient holds no scatter."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 7, 2)).astype(np.float32)
+    first, size = np.array([0, 2, 4]), 3
+    taken = np.stack([x[b, first[b]:first[b] + size] for b in range(3)])
+    placed = np.zeros_like(x)
+    for b in range(3):
+        placed[b, first[b]:first[b] + size] = taken[b]
+    np.testing.assert_array_equal(take_window(x, jnp.asarray(first), size), taken)
+    np.testing.assert_array_equal(place_window(jnp.asarray(taken), jnp.asarray(first), 7), placed)
+
+    cotangent_taken = rng.normal(size=taken.shape).astype(np.float32)
+    cotangent_full = rng.normal(size=x.shape).astype(np.float32)
+    _, take_vjp = jax.vjp(lambda a: take_window(a, jnp.asarray(first), size), x)
+    _, place_vjp = jax.vjp(lambda a: place_window(a, jnp.asarray(first), 7), taken)
+    expected_place = np.zeros_like(x)
+    for b in range(3):
+        expected_place[b, first[b]:first[b] + size] = cotangent_taken[b]
+    np.testing.assert_array_equal(take_vjp(cotangent_taken)[0], expected_place)
+    np.testing.assert_array_equal(place_vjp(cotangent_full)[0],
+                                  np.stack([cotangent_full[b, first[b]:first[b] + size] for b in range(3)]))
+
+    def loss(a):
+        return jnp.sum(place_window(take_window(a, jnp.asarray(first), size) ** 2, jnp.asarray(first), 7))
+
+    np.testing.assert_allclose(jax.grad(loss)(x), 2 * placed, rtol=1e-6)
+    hlo = jax.jit(jax.grad(loss)).lower(x).compile().as_text()
+    assert " scatter(" not in hlo and " gather(" in hlo
 
 
 def test_logits_are_float32_with_vocab_axis(tiny_model):
