@@ -20,8 +20,9 @@ half). One timed call is one whole update of the batch:
 Both workers build and compile (the first call) one after the other, then the parent alternates them, ``--calls``
 updates per turn, which side goes first swapping every round, so that load from other processes on a shared machine
 hits both alike; the table gives the median seconds per update, tokens per second and the ratio. First calls (trace,
-compile and run, JAX's persistent compilation cache off in both) are timed the same way: the first one and
-``--compiles`` more after `jax.clear_caches`, alternated; the median. "Warm" is Tether's first call in a new process
+compile and run, JAX's persistent compilation cache off in both) are timed the same way, once everything a worker's
+build dispatched (parameter and optimizer init, the batch) has finished: the first one and ``--compiles`` more after
+`jax.clear_caches`, alternated; the median. "Warm" is Tether's first call in a new process
 whose persistent cache (on by default in ``python -m learner.train``) an earlier process filled. With
 ``--cost-analysis`` each worker also compiles its programs through ``lower().compile()`` and reports XLA's FLOP and
 byte counts (summed over the programs of one update).
