@@ -16,15 +16,16 @@ logits for the backward pass: the memory of the unchunked computation).
 Scored window: an RL loss reads logprobs only at the completion's tokens, yet the output head is a quarter of a
 small model's FLOPs and, with long prompts, most of them. With ``window_size=W`` (static) and ``window_start``
 (``[B]``, traced) only the tokens ``t`` in ``[window_start[b], window_start[b] + W)`` are scored: the hidden states
-at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]`` (`learner.model.take_window`), the head runs on those
-alone, and the results are placed back at their ``[B, T]`` columns (`learner.model.place_window`; both directions and
-their gradients are gathers, no scatter). Each row's window is shifted as little as needed to lie inside ``[1, T)``, so it covers every requested
-token that exists; tokens outside the request are 0 like unscored ones. A window covering ``[1, T)``
-(``W >= T - 1``) runs the whole-sequence path and masks it. A token outside its row's window silently gets 0:
-callers check that every trained token lies in it (`learner.rl.batches.check_scored_window`). `token_logprobs`
-goes one step further: the model's last block runs its queries, attention output and MLP only at the window
-(``Transformer(..., output_window=...)``; keys and values everywhere): with W = T / 2 that is about half the last
-block's work (~4% of the blocks' FLOPs in a twelve-layer model).
+at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]`` (`learner.model.take_window`), the head runs on
+those alone, and the results are placed back at their ``[B, T]`` columns (`learner.model.place_window`; both
+directions and their gradients are gathers, no scatter). Each row's window is shifted as little as needed to lie
+inside ``[1, T)``, so it covers every requested token that exists; tokens outside the request are 0 like unscored
+ones. A window covering ``[1, T)`` (``W >= T - 1``) runs the whole-sequence path and masks it. A token outside its
+row's window silently gets 0: callers check that every trained token lies in it
+(`learner.rl.batches.check_scored_window`). `token_logprobs` goes one step further: the model's last block runs its
+queries, attention output and MLP only at the window (``Transformer(..., output_window=...)``; keys and values
+everywhere): with W = T / 2 that is about half the last block's work (~4% of the blocks' FLOPs in a twelve-layer
+model).
 
 Alignment: outputs are aligned with the scored token. ``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``, the
 probability the model gave (at hidden position ``t - 1``) to the token that sits at ``t``. This lines up with token

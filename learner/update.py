@@ -16,6 +16,9 @@ Inside the call:
    shards the denominator is global too. Batch normalisation of decoupled weights divides by the whole rollout
    batch's mean weight (`whole_batch_weight_scale`).
 
+A scan of one step (one epoch, one mini-batch, one micro-batch) runs as a plain call: the same math in a shorter
+program to trace and compile.
+
 Rows are split into mini- and micro-batches by stride (part ``i`` holds rows ``i, i + n, i + 2n, ...``), so every
 part keeps the batch's ``("data", "fsdp")`` sharding and no rows move between devices except in the shuffle.
 Metrics are device arrays of shape ``[ppo_epochs * num_minibatches]`` (one entry per optimizer update); the

@@ -86,7 +86,8 @@ def _row_stats_corrections(corrections):
     them (the per-sequence reductions stay, the batch combination goes)."""
     import types
 
-    return types.SimpleNamespace(compute=corrections.compute, metrics_from_row_stats=lambda row_stats, config: row_stats,
+    return types.SimpleNamespace(compute=corrections.compute,
+                                 metrics_from_row_stats=lambda row_stats, config: row_stats,
                                  CorrectionConfig=corrections.CorrectionConfig)
 
 
