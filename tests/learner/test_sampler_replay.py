@@ -27,7 +27,7 @@ from learner.train_state import create_sharded_train_state
 from learner.truncation_bias import log_kept_mass, truncation_bias_metrics
 from learner.update import UpdateConfig, make_update_fn
 from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
-from tests.learner.test_sampling_transform import full_sort_cut
+from tests.learner.sort_reference import full_sort_cut
 from tests.learner.update_problem import FAST_COMPILE
 from tests.rollout_client.conftest import ServerProcess
 

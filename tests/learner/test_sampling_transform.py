@@ -12,15 +12,7 @@ from hypothesis import assume, given, settings
 
 from learner.sampler_replay import SamplerParams, replayed_thresholds
 from learner.sampling_transform import NETWORK_MAX_VOCAB, descending, kept_threshold, top_candidates
-
-# The references run jitted: eagerly, every op of the bitonic network compiles on its own for each new vocabulary.
-descending_jitted = jax.jit(descending)
-
-
-@jax.jit
-def full_sort_cut(scaled, log_normalizer, top_k, top_p, min_p):
-    """`kept_threshold` of the whole vocabulary in descending order (the full-sort path)."""
-    return kept_threshold(descending(scaled), log_normalizer, top_k, top_p, min_p)
+from tests.learner.sort_reference import descending_jitted, full_sort_cut
 
 
 def reference_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, float]:
