@@ -16,9 +16,12 @@ import shlex
 from typing import Any, Mapping
 
 HYDRA_COMMANDS = {
-    "verl": "python -m verl.trainer.main_ppo --config-path {folder} --config-name {name} --cfg job --resolve > resolved.yaml",
-    "skyrl": "python -m skyrl_train.entrypoints.main_base --config-path {folder} --config-name {name} --cfg job "
-             "--resolve > resolved.yaml",
+    "verl": "python -m verl.trainer.main_ppo --config-path {folder} --config-name {name} --cfg job --resolve "
+            "> resolved.yaml",
+    # SkyRL's YAMLs are legacy (its configs are dataclasses since #1684): Hydra's own compose API resolves them.
+    "skyrl": "python -c \"from hydra import compose, initialize_config_dir; from omegaconf import OmegaConf; "
+             "initialize_config_dir('{folder}', version_base=None); "
+             "print(OmegaConf.to_yaml(compose('{name}'), resolve=True))\" > resolved.yaml",
 }
 
 

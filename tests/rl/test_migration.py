@@ -86,7 +86,8 @@ def test_precedence_toml_then_framework_file_then_set(tmp_path):
     sets = [f"corrections.from_verl={json.dumps(path)}", "rollout.num_samples=4", "rollout.max_new_tokens=4"]
     config = load_config(DEFAULT_CONFIG, sets)
     assert config.update.ppo_epochs == 1 and config.optimizer.learning_rate == 1e-6
-    assert config.corrections.overrides == {} and correction_config(config) == migration.migrate("verl", path).corrections
+    assert config.corrections.overrides == {}
+    assert correction_config(config) == migration.migrate("verl", path).corrections
     config = load_config(DEFAULT_CONFIG, [*sets, "update.ppo_epochs=3", "corrections.overrides={kl_coef = 0.2}"])
     assert config.update.ppo_epochs == 3 and correction_config(config).kl_coef == 0.2
     assert correction_config(config).denominator == "kept"  # the rest stays verl's
