@@ -1,8 +1,9 @@
 """Off-policy corrections for RL on language models: pure, jit-able JAX on [T] / [B, T] arrays.
 
 Importance weights, rejection masks, policy objectives, reductions, advantages, diagnostics, presets, and
-``compute``, the pipeline that composes them. No model, no sharding, no I/O. ``from_verl``, ``from_skyrl``,
-``from_slime`` and ``from_areal`` (and ``config_from_dict``) read those frameworks' own config blocks.
+``compute``, the pipeline that composes them. No model, no sharding. ``from_verl``, ``from_skyrl``,
+``from_slime`` and ``from_areal`` (and ``config_from_dict``) read those frameworks' own config blocks, and
+``read_file`` their config files (a YAML file with its Hydra composition, a slime launch script).
 """
 
 from corrections._advantages import broadcast_to_tokens
@@ -37,6 +38,8 @@ from corrections._objectives import ppo_clip_loss
 from corrections._objectives import reinforce_loss
 from corrections._objectives import rollout_is_loss
 from corrections._objectives import sapo_loss
+from corrections._files import read_file
+from corrections._keys import UnknownKeyWarning
 from corrections._migration import config_from_dict
 from corrections._pipeline import Corrected
 from corrections._pipeline import check_batch
@@ -108,6 +111,7 @@ __all__ = (
     "preset",
     "PRESETS",
     "product_sequence_mask",
+    "read_file",
     "reduce_loss",
     "reinforce_loss",
     "reinforce_pp_advantages",
@@ -123,6 +127,7 @@ __all__ = (
     "token_mask",
     "token_tis_weights",
     "unbounded_ratios",
+    "UnknownKeyWarning",
     "VERL_PRESETS",
     "verl_importance",
     "verl_rejection_rules",

@@ -87,8 +87,9 @@ def broadcast_to_tokens(advantages, mask) -> jax.Array:
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator: str = "low_var_kl", importance_ratio=None) -> jax.Array:
-    """Per-token KL(pi || ref) estimate with ``l = lp - ref`` (clamped to [-20, 20]): k1 ``l``, k2 ``l^2/2``,
-    k3 ``exp(-l) - 1 + l``, low_var_kl the same clamped to [-10, 10] (verl). ``importance_ratio`` (slime's
+    """Per-token KL(pi || ref) estimate with ``l = lp - ref``: k1 ``l``, k2 ``l^2/2``, k3 ``exp(-l) - 1 + l`` (``l``
+    clamped to [-20, 20] before the exp, as verl, SkyRL and slime; k1 and k2 take no exp and are not clamped),
+    low_var_kl the same as k3, the result clamped to [-10, 10] (verl). ``importance_ratio`` (slime's
     ``use_unbiased_kl``: ``pi / pi_old``) multiplies the estimate before low_var_kl's clamp, as slime does.
 
     >>> import numpy as np
@@ -96,13 +97,16 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str = "low_var_kl", importance
     [0.1931]
     >>> np.asarray(kl_penalty(np.log([0.5]), np.log([0.25]), "k3", importance_ratio=2.0), float).round(4).tolist()
     [0.3863]
+    >>> kl_penalty(np.array([0.0]), np.array([-25.0]), "k2").tolist()
+    [312.5]
     """
-    l = clamp_log_ratio(jnp.asarray(logprobs, jnp.float32) - jnp.asarray(ref_logprobs, jnp.float32))
+    l = jnp.asarray(logprobs, jnp.float32) - jnp.asarray(ref_logprobs, jnp.float32)
     if estimator == "k1":
         kl = l
     elif estimator == "k2":
         kl = 0.5 * l * l
     elif estimator in ("k3", "low_var_kl"):
+        l = clamp_log_ratio(l)
         kl = jnp.expm1(-l) + l
     else:
         raise ValueError(f"kl estimator={estimator!r} is not an option; use k1, k2, k3 or low_var_kl.")

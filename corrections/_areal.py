@@ -12,7 +12,7 @@ import math
 from typing import Any, Mapping
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown_key, unsupported
+from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
 
 ACTOR = dict(
     eps_clip=0.2, eps_clip_higher=None, c_clip=None, m2_threshold=None, use_sapo_loss=False, sapo_tau_pos=1.0,
@@ -64,10 +64,13 @@ def _rejection_sampling(rs: dict, where: str) -> tuple[ImportanceWeights, tuple[
         if lower is not None:
             raise unsupported(where, "lower", lower, "k2 rules here keep stat <= upper only.")
         return weights, (RejectionRule(f"{aggregate}_k2", None, upper),)
-    if aggregate == "seq_max":
-        raise unsupported(where, "agg", rs["agg"], "a sequence max of the log-ratio is not implemented.")
     if metric == "kl_k1":  # k1 = prox - old: bounds on the log-ratio are ratio bounds exp(lower), exp(upper)
         lower, upper = _log_bound(lower), _log_bound(upper)
+    if aggregate == "seq_max":  # the largest ratio <= upper: no token above it, the outlier veto
+        if lower is not None:
+            raise unsupported(where, "lower", rs["lower"], "with agg='max' AReaL keeps a sequence whose LARGEST "
+                              "ratio is >= lower (one token suffices); no rule bounds that from below.")
+        return weights, (RejectionRule("outlier", None, upper),)
     return weights, (RejectionRule(f"{aggregate}_k1", lower, upper),)
 
 
@@ -79,7 +82,8 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     defaults. Read: ``eps_clip``, ``eps_clip_higher``, ``c_clip``, ``use_decoupled_loss``, ``recompute_logprob``,
     ``rejection_sampling`` (level, action, metric, agg, upper, lower), ``importance_sampling_level`` (GSPO),
     ``use_sapo_loss`` with its temperatures, ``prox_logp_method`` and ``m2_threshold``. Keys that do not touch the
-    loss are accepted and ignored; unknown keys raise, naming the nearest match. docs/migrating.md has the table.
+    loss are accepted and ignored; unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest
+    match, inside a loss block or close to a loss key. docs/migrating.md has the table.
 
     Without ``use_decoupled_loss`` AReaL's PPO is anchored on the recomputed logprobs (``recompute_logprob``) or on
     the inference engine's (bypass mode here).
@@ -97,12 +101,14 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     for key, value in data.items():
         if key == "actor":
             given = merge_disjoint(given, section(value, "areal.actor"), "areal.actor")
+        elif "actor" in data and key in IGNORED:
+            continue  # a whole AReaL config: its top-level keys (experiment_name, ...) are not the actor's
         elif key in ACTOR or key in IGNORED:
             given = merge_disjoint(given, {key: value}, "areal.actor")
-        else:
-            raise unknown_key("areal", key, set(ACTOR) | IGNORED | {"actor"})
+        elif key != "_target_":
+            unknown("areal", key, set(ACTOR) | IGNORED | {"actor"}, set(ACTOR) | {"actor"})
     where = "areal.actor"
-    check_keys(given, set(ACTOR) | IGNORED, where)
+    check_keys(given, set(ACTOR) | IGNORED, where, ACTOR)
     actor = {**ACTOR, **{k: v for k, v in given.items() if k in ACTOR}}
     if actor["m2_threshold"] is not None:
         raise unsupported(where, "m2_threshold", actor["m2_threshold"], "M2PO masking is not implemented.")

@@ -1,22 +1,36 @@
 """Reading another framework's configuration: dotted keys nested, every key checked against that framework's own
 key names, an unknown key named with its nearest match, an unsupported value named with the reason.
 
+A key the framework's reader does not know is an error in a block that sets the loss, and where it is close to a
+key that sets the loss (a misspelt loss key would silently keep the default); elsewhere (a newer framework's key, a
+section outside the loss) it is listed with an ``UnknownKeyWarning`` and not used.
+
 Shared by the front doors ``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal``.
 """
 
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Any, Iterable, Mapping
 
+from corrections._files import entry_package, hydra_command
 
-def nearest(key: str, known: Iterable[str]) -> str | None:
-    """The known key closest to ``key`` (difflib), or None when nothing is close.
+
+TYPO = 0.8  # difflib ratio above which an unknown key is taken for a misspelt loss key (clip_ratio_hgh: 0.97)
+
+
+class UnknownKeyWarning(UserWarning):
+    """A key a front door does not know and does not need for the loss: listed, not used."""
+
+
+def nearest(key: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The known key closest to ``key`` (difflib ratio >= ``cutoff``), or None when nothing is close.
 
     >>> nearest("clip_ratio_hgh", ["clip_ratio_high", "clip_ratio_low", "loss_agg_mode"])
     'clip_ratio_high'
     """
-    matches = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    matches = difflib.get_close_matches(key, sorted(known), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 
@@ -75,12 +89,43 @@ def merge_disjoint(first: dict, second: dict, where: str) -> dict:
     return out
 
 
-def check_keys(block: Mapping[str, Any], known: Iterable[str], where: str) -> None:
-    """Raises for the first key of ``block`` not in ``known`` (Hydra's ``_target_`` is always allowed)."""
+def check_keys(block: Mapping[str, Any], known: Iterable[str], where: str, read: Iterable[str] | None = None) -> None:
+    """Checks the keys of ``block`` against ``known`` (Hydra's ``_target_`` is always allowed). ``read``: the keys
+    that set the loss; an unknown key raises when ``read`` is None (the whole block sets the loss) or the key is
+    close to one of them, and is otherwise listed (``UnknownKeyWarning``)."""
     known = set(known) | {"_target_"}
     for key in block:
         if key not in known:
-            raise unknown_key(where, key, known - {"_target_"})
+            unknown(where, key, known - {"_target_"}, read)
+
+
+def unknown(where: str, key: str, known: Iterable[str], read: Iterable[str] | None) -> None:
+    """Raises for an unknown key that may set the loss (see ``check_keys``); warns for any other."""
+    if read is None or nearest(key, read, cutoff=TYPO) is not None:
+        raise unknown_key(where, key, known)
+    warnings.warn(UnknownKeyWarning(f"{where}.{key}: not a key this reader knows; not used."), stacklevel=3)
+
+
+def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[str], loss_packages: Iterable[str],
+                   package: str = "") -> None:
+    """Hydra ``defaults`` left in a config (their files were not composed): an entry that fills a package outside
+    the loss is listed; one that fills a loss package must be the framework's stock entry (whose values the front
+    door takes as its defaults), else the composition is refused, naming the command that resolves it."""
+    if not isinstance(entries, list):
+        raise ValueError(f"{where}.defaults must be a Hydra defaults list, got {entries!r}.")
+    stock = {repr(entry) for entry in stock}
+    for entry in entries:
+        target = entry_package(entry, package)
+        if target is None or repr(entry) in stock:
+            continue
+        touches = [p for p in loss_packages if not target or p == target or p.startswith(f"{target}.")
+                   or target.startswith(f"{p}.")]
+        if touches:
+            raise ValueError(f"{where}.defaults: {entry!r} composes {target or 'the whole config'} (which sets the "
+                             f"loss) from a file that was not read; compose and resolve the config first: "
+                             f"{hydra_command(framework)}")
+        warnings.warn(UnknownKeyWarning(f"{where}.defaults: {entry!r} fills {target}, outside the loss; not used."),
+                      stacklevel=2)
 
 
 def section(value: Any, where: str) -> dict:

@@ -52,6 +52,8 @@ def detect_framework(data: Mapping[str, Any]) -> str | None:
         return "slime"
     data = nest(data, "config")
     names = [key.replace("-", "_") for key in data]
+    if "actor_rollout_ref" in names:  # verl's alone (its algorithm block may come from Hydra defaults)
+        return "verl"
     if "actor" in names:  # verl's flat "actor" section and AReaL's: verl's actor has loss_agg_mode and clip_ratio*
         actor = data.get("actor")
         verl_like = isinstance(actor, Mapping) and any(k in _verl.ACTOR or k in _verl.ACTOR_IGNORED for k in actor)

@@ -59,7 +59,7 @@ def reinforce_loss(logprobs, advantages, old_logprobs=None):
     ([1.3863], [-0.6931])
     """
     lp, adv = _f32(logprobs, advantages)
-    aux = {} if old_logprobs is None else {"ppo_kl": -clamp_log_ratio(lp - _f32(old_logprobs)[0])}
+    aux = {} if old_logprobs is None else {"ppo_kl": _f32(old_logprobs)[0] - lp}  # no exp: not clamped (verl)
     return -adv * lp, aux
 
 

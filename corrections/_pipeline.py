@@ -53,7 +53,7 @@ class Corrected(NamedTuple):
     ([[1.0, 0.0]], -1.0, 1.0, 1.0)
     """
 
-    weights: jax.Array  # [B, T] stop-gradient behaviour weights; 0 at padding and at tokens dropped before step 4
+    weights: jax.Array  # [B, T] stop-gradient behaviour weights; 0 at padding and at every rejected token
     # (1 at the other tokens when none are configured).
     mask: jax.Array  # [B, T] float32 final loss mask: the response mask AND every rejection rule.
     per_token_loss: jax.Array  # [B, T] weighted per-token loss, 0 outside the final mask.
@@ -286,7 +286,7 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         extra.append(config.kl_coef * kl)
     if clean["entropy"] is not None:
         extra.append(-config.entropy_coef * clean["entropy"])
-    weights = sg(weights)
+    weights = sg(jnp.where(keep, weights, 0.0))  # a token rejected after the weights step weighs 0 too (AReaL)
     policy_loss = jnp.where(keep, loss * weights, 0.0)
     per_token = {"weights": weights, "mask": keep.astype(jnp.float32), "policy_loss": policy_loss}
     stats["loss"] = _loss_row_stats(valid, keep, aux, config.objective.spec.original_mask_metrics, kl,

@@ -14,14 +14,17 @@ import jax.numpy as jnp
 from corrections._masked import masked_count, masked_sum
 
 
-def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_len: int | None = None):
+def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_len: int | None = None,
+               count_rows: bool = False):
     """Returns ``(numerator, denominator)`` of a reduction; the reduced loss is ``numerator / max(denominator, 1)``.
 
     Modes: ``token-mean`` sum(loss*m) / sum(m_den); ``seq-mean-token-mean`` sum over rows of
     sum_t(loss*m) / sum_t(m_den), over the rows with a non-empty ``m_den``; ``seq-mean-token-sum`` row sums over
     the same row count; ``seq-mean-token-sum-norm`` (Dr. GRPO) sum(loss*m) / (B * max_len), max_len defaulting
     to T; ``token-sum`` sum(loss*m) with denominator 0 (so that summing denominators over micro-batches keeps it
-    undivided; the reduced loss divides by ``max(denominator, 1)``).
+    undivided; the reduced loss divides by ``max(denominator, 1)``). ``count_rows=True`` makes
+    ``seq-mean-token-sum-norm`` divide by the rows with a non-empty ``m_den`` times max_len instead of B * max_len:
+    verl's Dr. GRPO (``compute``'s ``denominator="kept"``), for weights and masks computed elsewhere.
 
     >>> import numpy as np
     >>> loss, m = np.array([[1.0, 3.0], [5.0, np.nan]]), np.array([[1, 1], [1, 0]])
@@ -29,12 +32,15 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
     [9.0, 3.0]
     >>> [float(x) for x in loss_terms(loss, m, mode="seq-mean-token-mean")]
     [7.0, 2.0]
+    >>> [float(x) for x in loss_terms(loss, np.array([[1, 1], [0, 0]]), mode="seq-mean-token-sum-norm", count_rows=True)]
+    [4.0, 2.0]
     """
     loss = jnp.asarray(loss, jnp.float32)
     mask = jnp.asarray(mask)
     denominator_mask = mask if denominator_mask is None else jnp.asarray(denominator_mask)
     row_sums = masked_sum(loss, mask, axis=-1)
-    return loss_terms_from_rows(row_sums, masked_count(denominator_mask, axis=-1), mode, max_len or loss.shape[-1])
+    return loss_terms_from_rows(row_sums, masked_count(denominator_mask, axis=-1), mode, max_len or loss.shape[-1],
+                                count_rows)
 
 
 def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_rows: bool = False):
@@ -64,11 +70,12 @@ def divide_loss(numerator, denominator) -> jax.Array:
     return numerator / jnp.maximum(jax.lax.stop_gradient(denominator), 1.0)
 
 
-def reduce_loss(loss, mask, denominator_mask=None, mode: str = "token-mean", max_len: int | None = None):
-    """The scalar loss of ``loss_terms``.
+def reduce_loss(loss, mask, denominator_mask=None, mode: str = "token-mean", max_len: int | None = None,
+                count_rows: bool = False):
+    """The scalar loss of ``loss_terms`` (``count_rows``: verl's seq-mean-token-sum-norm, see there).
 
     >>> import numpy as np
     >>> float(reduce_loss(np.array([[1.0, 3.0], [5.0, 0.0]]), np.array([[1, 1], [1, 0]])))
     3.0
     """
-    return divide_loss(*loss_terms(loss, mask, denominator_mask, mode, max_len))
+    return divide_loss(*loss_terms(loss, mask, denominator_mask, mode, max_len, count_rows))

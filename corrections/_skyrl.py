@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown_key, unsupported
+from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
 
 OFF_POLICY_CORRECTION = dict(
     tis_ratio_type=None, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0, sequence_mask_metric=None,
@@ -73,16 +73,18 @@ def _skyrl_algorithm(data: dict) -> dict:
     for key, value in data.items():
         if key == "trainer":
             trainer = section(value, "skyrl.trainer")
-            check_keys(trainer, TRAINER_IGNORED | {"algorithm"}, "skyrl.trainer")
+            check_keys(trainer, TRAINER_IGNORED | {"algorithm"}, "skyrl.trainer", {"algorithm"})
             part = section(trainer.get("algorithm"), "skyrl.trainer.algorithm")
             algorithm = merge_disjoint(algorithm, part, "skyrl.trainer.algorithm")
         elif key == "algorithm":
             algorithm = merge_disjoint(algorithm, section(value, "skyrl.algorithm"), "skyrl.trainer.algorithm")
         elif key in known:
             algorithm = merge_disjoint(algorithm, {key: value}, "skyrl.trainer.algorithm")
-        else:
-            raise unknown_key("skyrl", key, known | {"trainer", "algorithm"})
-    check_keys(algorithm, known, "skyrl.trainer.algorithm")
+        elif key == "defaults":
+            check_defaults(value, "skyrl", "skyrl", (), ("trainer.algorithm",))
+        elif key != "_target_":
+            unknown("skyrl", key, known | {"trainer", "algorithm"}, set(ALGORITHM) | {"trainer", "algorithm"})
+    check_keys(algorithm, known, "skyrl.trainer.algorithm", ALGORITHM)
     return algorithm
 
 
@@ -120,8 +122,9 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ``kl_loss_coef=0.001``. Read: ``policy_loss_type`` with its sub-blocks (``sapo``, ``clip_cov``, ``kl_cov``,
     ``cispo``), ``eps_clip_low/high``, ``clip_ratio_c``, ``loss_reduction``, the whole ``off_policy_correction``
     block (and the deprecated ``use_tis`` / ``tis_imp_ratio_cap``), the KL loss and the entropy bonus. Keys that
-    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and ignored; unknown keys raise,
-    naming the nearest match. docs/migrating.md has the key-by-key table.
+    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and ignored; unknown keys are
+    listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key.
+    docs/migrating.md has the key-by-key table.
 
     >>> config = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {"tis_ratio_type": "token"}}}})
     >>> config.importance.high, config.objective.dual_clip, config.denominator, config.kl_coef

@@ -13,7 +13,7 @@ import shlex
 from typing import Any, Mapping, Sequence
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective
-from corrections._keys import check_keys, choice, merge_disjoint, unknown_key, unsupported
+from corrections._keys import check_keys, choice, merge_disjoint, unsupported
 
 ARGUMENTS = dict(
     advantage_estimator="grpo", loss_type="policy_loss", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
@@ -62,14 +62,17 @@ def _parse_argv(tokens: Sequence[str]) -> dict:
         if not token.startswith("--"):
             raise ValueError(f"slime: {token!r} is not an argument; arguments start with '--'.")
         name = _name(token.split("=", 1)[0])
+        values, i = [], i + 1
+        while "=" not in token and name not in FLAGS and i < len(tokens) and not tokens[i].startswith("--"):
+            values, i = values + [tokens[i]], i + 1  # an nargs='+' argument takes several
         if "=" in token:
-            value, i = token.split("=", 1)[1], i + 1
-        elif name in FLAGS:
-            value, i = True, i + 1
-        elif i + 1 < len(tokens):
-            value, i = tokens[i + 1], i + 2
-        else:
+            value = token.split("=", 1)[1]
+        elif name in ARGUMENTS and name not in FLAGS and not values:
             raise ValueError(f"slime: {token} needs a value.")
+        elif name in FLAGS or not values:
+            value = True  # a flag: slime's store_true arguments (those of other groups are read the same way)
+        else:
+            value = values[0] if len(values) == 1 else values
         out = merge_disjoint(out, {name: _value(value)}, "slime")
     return out
 
@@ -119,7 +122,8 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     ``--calculate-per-token-loss``, ``--use-tis`` with ``--tis-clip``, ``--tis-clip-low`` and
     ``--custom-tis-function-path`` (slime's vanilla TIS, IcePop, or PR #2084's off_policy_is_function), ``--use-rollout-logprobs``, ``--use-opsm``,
     ``--opsm-delta``, the KL loss and ``--entropy-coef``. Arguments of slime's algorithm group that do not touch
-    the loss are accepted and ignored; unknown ones raise, naming the nearest match. docs/migrating.md has the table.
+    the loss are accepted and ignored; unknown ones are listed (``UnknownKeyWarning``), or raise, naming the
+    nearest match, when close to a loss argument. docs/migrating.md has the table.
 
     OPSM here is the sequence-level decision of slime PR #1917 (slime 624b824a decides per token).
 
@@ -133,7 +137,7 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     """
     where = "slime"
     given = merge_disjoint(_arguments(config), _arguments(keys), where)
-    check_keys(given, set(ARGUMENTS) | IGNORED, where)
+    check_keys(given, set(ARGUMENTS) | IGNORED, where, ARGUMENTS)
     args = {**ARGUMENTS, **{k: v for k, v in given.items() if k in ARGUMENTS}}
     for key in ("custom_loss_function_path", "custom_pg_loss_reducer_function_path"):
         if args[key] is not None:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from corrections._config import (K1_RULES, REDUCTIONS, REJECTION_RULES, CorrectionConfig, ImportanceWeights, Objective,
                                  RejectionRule)
-from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown_key, unsupported
+from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
 
 
 def _positive(field: str, text) -> float:
@@ -128,6 +128,10 @@ ALGORITHM_IGNORED = frozenset((
     "use_pf_ppo", "pf_ppo", "filter_groups", "gdpo_reward_keys", "gdpo_reward_weights",
 ))
 ACTOR_ROLLOUT_REF_IGNORED = frozenset(("model", "rollout", "ref", "hybrid_engine", "nccl_timeout"))
+# Hydra defaults entries of verl's own config folder that fill the loss blocks: their values are the defaults above.
+STOCK_DEFAULTS = ({"actor@actor_rollout_ref.actor": "dp_actor"}, {"actor@actor_rollout_ref.actor": "megatron_actor"},
+                  {"algorithm@algorithm.rollout_correction": "rollout_correction"}, "actor")
+LOSS_PACKAGES = ("algorithm.rollout_correction", "actor_rollout_ref.actor.policy_loss")  # and the actor's own keys
 KL_LOSS_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "low_var_kl", "k3": "low_var_kl"}
 KL_LOSS_TYPES_UNSUPPORTED = {
     "abs": "Tether has no |lp - ref| estimator.",
@@ -149,12 +153,12 @@ def _verl_blocks(data: dict) -> tuple[dict, dict]:
     for key, value in data.items():
         if key == "algorithm":
             algorithm = section(value, "verl.algorithm")
-            check_keys(algorithm, ALGORITHM_IGNORED | {"rollout_correction"}, "verl.algorithm")
+            check_keys(algorithm, ALGORITHM_IGNORED | {"rollout_correction"}, "verl.algorithm", {"rollout_correction"})
             part = section(algorithm.get("rollout_correction"), "verl.algorithm.rollout_correction")
             rollout_correction = merge_disjoint(rollout_correction, part, "verl.algorithm.rollout_correction")
         elif key == "actor_rollout_ref":
             block = section(value, "verl.actor_rollout_ref")
-            check_keys(block, ACTOR_ROLLOUT_REF_IGNORED | {"actor"}, "verl.actor_rollout_ref")
+            check_keys(block, ACTOR_ROLLOUT_REF_IGNORED | {"actor"}, "verl.actor_rollout_ref", {"actor"})
             actor = merge_disjoint(actor, section(block.get("actor"), "verl.actor_rollout_ref.actor"),
                                    "verl.actor_rollout_ref.actor")
         elif key == "rollout_correction":
@@ -166,10 +170,16 @@ def _verl_blocks(data: dict) -> tuple[dict, dict]:
             rollout_correction = merge_disjoint(rollout_correction, {key: value}, "verl.rollout_correction")
         elif key in ACTOR or key in ACTOR_IGNORED:
             actor = merge_disjoint(actor, {key: value}, "verl.actor")
-        else:
-            raise unknown_key(where, key, sections | set(ROLLOUT_CORRECTION) | set(ACTOR) | ACTOR_IGNORED)
+        elif key == "defaults":
+            check_defaults(value, where, "verl", STOCK_DEFAULTS, LOSS_PACKAGES)
+        elif key != "_target_":
+            unknown(where, key, sections | set(ROLLOUT_CORRECTION) | set(ACTOR) | ACTOR_IGNORED,
+                    sections | set(ROLLOUT_CORRECTION) | set(ACTOR))
+    if "defaults" in actor:  # left by a composed actor file whose own defaults (optim, engine) were not read
+        check_defaults(actor.pop("defaults"), "verl.actor_rollout_ref.actor", "verl", STOCK_DEFAULTS, LOSS_PACKAGES,
+                       package="actor_rollout_ref.actor")
     check_keys(rollout_correction, ROLLOUT_CORRECTION, "verl.algorithm.rollout_correction")
-    check_keys(actor, set(ACTOR) | ACTOR_IGNORED, "verl.actor_rollout_ref.actor")
+    check_keys(actor, set(ACTOR) | ACTOR_IGNORED, "verl.actor_rollout_ref.actor", ACTOR)
     return rollout_correction, actor
 
 
@@ -213,8 +223,9 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ``algorithm.rollout_correction`` (all keys) and the actor's ``clip_ratio*``, ``policy_loss``, ``tau_*``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
-    estimator) are accepted and ignored. Unknown keys raise, naming the nearest match. docs/migrating.md has the
-    key-by-key table.
+    estimator) are accepted and ignored. Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the
+    nearest match, inside a loss block or close to a loss key; Hydra's ``_target_`` and ``defaults`` are
+    understood (``corrections._keys.check_defaults``). docs/migrating.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl
     checks k1 bounds inverted (see ``verl_rejection_rules``): ``reproduce_inverted_k1=True`` reproduces that.

@@ -14,6 +14,7 @@ created. Every error names the key the user wrote (``optimizer.warmup_steps``, n
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import pathlib
@@ -28,6 +29,7 @@ import corrections
 
 from learner.checkpoints import CheckpointConfig
 from learner.optimizer import OptimizerConfig
+from learner.rl import migration
 from learner.update import UpdateConfig
 from rollout_client import ClientConfig, SamplingParams, ValidationConfig
 
@@ -149,6 +151,12 @@ class CorrectionsSection:
 
     preset: str = "decoupled_token_is"  # corrections.PRESETS name.
     overrides: dict = dataclasses.field(default_factory=dict)  # preset(name, **overrides), e.g. {kl_coef = 0.05}.
+    # A verl / SkyRL / AReaL YAML or a slime launch script (path; at most one): its loss replaces the preset, its
+    # training settings set the run's keys below --set (learner.rl.migration; docs/migrating.md).
+    from_verl: str | None = None
+    from_skyrl: str | None = None
+    from_slime: str | None = None
+    from_areal: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +231,8 @@ class RunConfig:
 
 def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
     """The preset with its overrides; errors name ``corrections.preset`` or ``corrections.overrides``."""
+    if migration.framework_file(config.corrections) is not None:
+        return migration.correction_config(config.corrections)
     if config.corrections.preset not in corrections.PRESETS:
         raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS "
                          f"({', '.join(corrections.PRESETS)})")
@@ -458,10 +468,23 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     ...
     ValueError: optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates (loop.steps x update.num_minibatches x update.ppo_epochs)
     """
-    data = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    base = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    overrides = [parse_override(override) for override in overrides]
+    data = copy.deepcopy(base)
     for override in overrides:
-        _apply(data, *parse_override(override))
-    return _build(RunConfig, data, "")
+        _apply(data, *override)
+    framework_file = migration.framework_file(data.get("corrections", {}))
+    if framework_file is None:
+        return _build(RunConfig, data, "")
+    data = migration.with_framework_file(base, *framework_file)  # the TOML file < the framework file < --set
+    for override in overrides:
+        _apply(data, *override)
+    try:
+        return _build(RunConfig, data, "")
+    except ValueError as error:
+        name, path = framework_file
+        raise ValueError(f"{error} (with corrections.from_{name}={path!r}, which sets "
+                         f"{', '.join(migration.migrate(name, path).run)}; --set a key to replace its value)") from None
 
 
 def to_dict(config: RunConfig) -> dict:

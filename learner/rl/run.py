@@ -43,6 +43,7 @@ from learner.checkpoints import Checkpointer
 from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity, sampler_order
+from learner.rl import migration
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.trainer import Trainer
@@ -118,6 +119,8 @@ class Run:
     def _set_up(self, stack: contextlib.ExitStack) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.leader:
+            migration.report(config.corrections, self.run_dir)
         self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "

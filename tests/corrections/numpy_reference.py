@@ -433,11 +433,13 @@ def reinforce_pp(token_rewards, m, gamma=1.0, eps=1e-8):
 
 
 def kl_estimate(lp, ref, estimator):
-    l = clamp(f64(lp) - f64(ref))
+    """k1 and k2 take no exp and are not clamped; k3 clamps the log-ratio before its exp."""
+    l = f64(lp) - f64(ref)
     if estimator == "k1":
         return l
     if estimator == "k2":
         return 0.5 * l * l
+    l = clamp(l)
     k3_ = np.exp(-l) - 1.0 + l
     if estimator == "k3":
         return k3_
@@ -703,6 +705,7 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
     if imp is not None and imp["batch_normalize"]:
         metrics[P + "rollout_is_batch_norm_factor"] = batch_norm_factor(weights, mm, imp["level"])
         weights = batch_normalize(weights, mm, imp["level"])
+    weights = np.where(keep, weights, 0.0)  # every rejected token weighs 0 in the output (as AReaL's weights)
     if imp is not None and imp["overflow"] == "mask":  # verl's "lo_up" metric: raw ratios outside the bounds
         high = np.inf if imp["high"] is None else imp["high"]
         outside = (f64(raw) < imp["low"]) | (f64(raw) > high)

@@ -1095,7 +1095,7 @@ def test_areal_rejection_sampling_rows(name):
         np.testing.assert_array_equal(mask, valid)
     if config.rejection:
         same_mask(got.mask, mask)
-        close(got.weights, bw, where=mask, what="weights on kept tokens")
+        close(got.weights, bw, where=valid, what="weights (0 at the tokens AReaL rejects)")
     else:  # no rule: AReaL's rejected tokens are Tether's zero weights (overflow="mask") in the same loss
         same_mask(got.mask, valid)
         close(got.weights, bw, where=valid, what="weights (0 where AReaL rejects)")

@@ -137,6 +137,8 @@ def ppo_actor_loss_fn_mode(logprobs, proximal_logprobs, old_logprobs, advantages
 def apply_rejection_sampling(proximal_logprobs, old_logprobs, loss_mask, cu_seqlens=None, *, metric="ratio",
                              level="token", agg="mean", action="mask", upper=5.0, lower=None):
     """Port of functional.apply_rejection_sampling (newest, 2-D path) -> (loss_mask, behave_imp_weight, frac).
+    Re-checked for issue 30 against areal/utils/functional/functional.py:347-420 at 4aef98d8 (the ``agg == "max"``
+    branch; ``behave_imp_weight = torch.where(updated_mask.bool(), behave_imp_weight, 0.0)``).
 
     metric ratio: aggregated in LOG space (sequence 'mean' = geometric mean, and the sequence weight becomes the
     geometric mean); kl_k*: FROM THE SPEC (KLEstimator not read). Bounds inclusive: lower <= x <= upper.

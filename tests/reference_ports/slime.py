@@ -39,7 +39,9 @@ _ERR = dict(over="ignore", invalid="ignore")
 
 def compute_approx_kl(log_probs, log_probs_base, kl_loss_type, importance_ratio=None):
     """Port of ppo_utils.compute_approx_kl (k1, k2, k3/low_var_kl = exp(-l)-1+l; clamp only low_var_kl, after the
-    ``importance_ratio`` product: ``use_unbiased_kl`` passes exp(log_probs - old_log_probs), with gradient)."""
+    ``importance_ratio`` product: ``use_unbiased_kl`` passes exp(log_probs - old_log_probs), with gradient).
+    Re-checked for issue 30 against slime/utils/ppo_utils.py:12-48 at 624b824a: k1 and k2 take the log-ratio
+    unclamped."""
     lr = np.asarray(log_probs, dtype=np.float64) - np.asarray(log_probs_base, dtype=np.float64)
     if kl_loss_type == "k1":
         kl = lr

@@ -631,7 +631,8 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
 
 def compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, response_mask,
                                   loss_agg_mode="seq-mean-token-sum", rollout_is_weights=None, global_batch_info=None):
-    """Port of core_algos.compute_policy_loss_reinforce: -A * log_prob * w (default seq-mean-token-sum)."""
+    """Port of core_algos.compute_policy_loss_reinforce: -A * log_prob * w (default seq-mean-token-sum). Re-checked
+    for issue 30 against verl/trainer/ppo/core_algos.py:2033-2060 at b178a3cd: ``actor/ppo_kl`` is unclamped."""
     A = np.asarray(advantages, dtype=np.float64)
     lp = np.asarray(log_prob, dtype=np.float64)
     pg = -A * lp * rollout_is_weights if rollout_is_weights is not None else -A * lp
@@ -665,7 +666,8 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
 
 # ----------------------------------------------------------------------------- core_algos: KL + advantages
 def kl_penalty_forward(logprob, ref_logprob, kl_penalty):
-    """Port of core_algos.kl_penalty_forward (k1/kl, abs, k2/mse, k3/low_var_kl clamped)."""
+    """Port of core_algos.kl_penalty_forward (k1/kl, abs, k2/mse, k3/low_var_kl clamped). Re-checked for issue 30
+    against verl/trainer/ppo/core_algos.py:1867-1897 at b178a3cd: only k3/low_var_kl clamps."""
     lp, ref = np.asarray(logprob, dtype=np.float64), np.asarray(ref_logprob, dtype=np.float64)
     if kl_penalty in ("kl", "k1"):
         return lp - ref

@@ -1,0 +1,223 @@
+"""A framework's config file as its users keep it: a verl, SkyRL or AReaL YAML, or a slime launch script.
+
+YAML files are read with PyYAML. Hydra's ``defaults`` list is composed against the file's own config folder (each
+entry ``group@package: option`` or a plain config name, ``_self_`` where the file's own keys go); an entry whose
+file is not in the folder stays in ``defaults`` for the front door, which accepts the framework's stock entries and
+refuses others, naming the command that composes the file. ``${a.b}``, ``${.sibling}`` and
+``${oc.select:a.b,default}`` interpolations are resolved; others (``${oc.env:HOME}``) stay text. A slime launch
+script gives the arguments of its bash arrays (``GRPO_ARGS=( --eps-clip 0.2 ... )``) and of its ``train.py`` line.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shlex
+from typing import Any, Mapping
+
+HYDRA_COMMANDS = {
+    "verl": "python -m verl.trainer.main_ppo --config-path {folder} --config-name {name} --cfg job --resolve "
+            "> resolved.yaml",
+    # SkyRL's YAMLs are legacy (its configs are dataclasses since #1684): Hydra's own compose API resolves them.
+    "skyrl": "python -c \"from hydra import compose, initialize_config_dir; from omegaconf import OmegaConf; "
+             "initialize_config_dir('{folder}', version_base=None); "
+             "print(OmegaConf.to_yaml(compose('{name}'), resolve=True))\" > resolved.yaml",
+}
+
+
+def hydra_command(framework: str, path: str = "DIR/NAME.yaml") -> str:
+    """The command that composes and resolves a framework's Hydra config (what to run when a file's ``defaults``
+    name files this reader does not have)."""
+    path = pathlib.PurePath(path)
+    template = HYDRA_COMMANDS.get(framework, HYDRA_COMMANDS["verl"])
+    return template.format(folder=path.parent, name=path.stem)
+
+
+def read_file(path: str | pathlib.Path) -> Any:
+    """The config in a file: a mapping for a YAML file, the argument tokens (a list) for a slime shell script.
+
+    >>> import tempfile, os
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     _ = pathlib.Path(folder, "run.sh").write_text("ARGS=(\\n  --eps-clip 0.2  # PPO\\n  --use-tis\\n)\\n")
+    ...     read_file(os.path.join(folder, "run.sh"))
+    ['--eps-clip', '0.2', '--use-tis']
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file.")
+    if path.suffix in (".sh", ".bash"):
+        return launch_script_arguments(path.read_text())
+    if path.suffix not in (".yaml", ".yml"):
+        raise ValueError(f"{path}: give a .yaml file (verl, SkyRL, AReaL) or a slime launch script (.sh).")
+    data = _compose(path, package="", seen=())
+    return resolve_interpolations(data)
+
+
+def _load_yaml(path: pathlib.Path) -> dict:
+    import yaml  # a dependency of the run config's framework files only
+
+    data = yaml.safe_load(path.read_text())
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: the file holds {type(data).__name__}, not a mapping of keys.")
+    return dict(data)
+
+
+def _entry(entry: Any) -> tuple[str, str | None, str | None] | None:
+    """A defaults entry as (group or config path, package or None, option or None); None for ``_self_``."""
+    if entry == "_self_":
+        return None
+    if isinstance(entry, str):
+        name, _, package = entry.partition("@")
+        return name, package or None, None
+    if isinstance(entry, Mapping) and len(entry) == 1:
+        ((key, option),) = entry.items()
+        name, _, package = str(key).removeprefix("override ").partition("@")
+        return name, package or None, None if option is None else str(option)
+    raise ValueError(f"defaults: {entry!r} is not a Hydra defaults entry.")
+
+
+def entry_package(entry: Any, package: str) -> str | None:
+    """The package (dotted key) a defaults entry fills, inside a config at ``package``; None for ``_self_``.
+
+    >>> entry_package({"actor@actor_rollout_ref.actor": "dp_actor"}, ""), entry_package("actor", "a.b")
+    ('actor_rollout_ref.actor', 'a.b')
+    >>> entry_package({"../optim@optim": "fsdp"}, "actor_rollout_ref.actor"), entry_package({"data": "x"}, "")
+    ('actor_rollout_ref.actor.optim', 'data')
+    """
+    parsed = _entry(entry)
+    if parsed is None:
+        return None
+    name, own, option = parsed
+    relative = own if own is not None else (name.rsplit("/", 1)[-1] if option is not None else "")
+    return ".".join(part for part in (package, relative) if part)
+
+
+def _compose(path: pathlib.Path, package: str, seen: tuple) -> dict:
+    """The file's keys with its ``defaults`` merged in, in Hydra's order; unresolved entries stay in ``defaults``."""
+    if path in seen:
+        raise ValueError(f"{path}: its defaults include itself.")
+    own = _load_yaml(path)
+    entries = own.pop("defaults", None) or []
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: defaults must be a list, got {entries!r}.")
+    if "_self_" not in entries:
+        entries = [*entries, "_self_"]
+    out: dict = {}
+    unresolved = []
+    for entry in entries:
+        parsed = _entry(entry)
+        if parsed is None:
+            out = _merge(out, _at(own, ""))
+            continue
+        name, _, option = parsed
+        file = path.parent / (f"{name}/{option}.yaml" if option is not None else f"{name}.yaml")
+        if not file.is_file():
+            unresolved.append(entry)
+            continue
+        target = entry_package(entry, package)
+        relative = target[len(package):].lstrip(".") if target.startswith(package) else target
+        out = _merge(out, _at(_compose(file, target, seen + (path,)), relative))
+    if unresolved:
+        out["defaults"] = unresolved
+    return out
+
+
+def _at(data: dict, package: str) -> dict:
+    for part in reversed([p for p in package.split(".") if p]):
+        data = {part: data}
+    return data
+
+
+def _merge(base: dict, update: dict) -> dict:
+    """Hydra's merge: mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), dict(value))
+        else:
+            out[key] = value
+    return out
+
+
+_INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")
+
+
+def resolve_interpolations(data: dict) -> dict:
+    """``data`` with ``${a.b}``, ``${.sibling}``, ``${..uncle}`` and ``${oc.select:a.b,default}`` replaced by the
+    values they name (a whole-string interpolation keeps the value's type); others are left as text.
+
+    >>> resolve_interpolations({"a": {"n": 4, "m": "${.n}"}, "b": "${oc.select:a.n,1}", "c": "${oc.select:x.y,7}"})
+    {'a': {'n': 4, 'm': 4}, 'b': 4, 'c': 7}
+    """
+
+    def lookup(path: list[str], node_path: tuple[str, ...]):
+        if path and path[0] == "":  # relative: ${.x} is a sibling, ${..x} the parent's
+            depth = 0
+            while path and path[0] == "":
+                path, depth = path[1:], depth + 1
+            path = list(node_path[:len(node_path) - depth + 1]) + path
+        node: Any = data
+        for part in path:
+            if not isinstance(node, Mapping) or part not in node:
+                raise KeyError(part)
+            node = node[part]
+        return node
+
+    def value_of(expression: str, node_path: tuple[str, ...], depth: int):
+        if expression.startswith("oc.select:"):
+            target, _, default = expression.removeprefix("oc.select:").partition(",")
+            try:
+                return resolve(lookup(target.strip().split("."), node_path), node_path, depth + 1)
+            except KeyError:
+                return _scalar(default.strip()) if default else None
+        if ":" in expression:
+            raise KeyError(expression)  # a resolver this reader does not run (oc.env, ...)
+        return resolve(lookup(expression.strip().split("."), node_path), node_path, depth + 1)
+
+    def resolve(value, node_path: tuple[str, ...], depth: int = 0):
+        if depth > 20:
+            raise ValueError(f"{'.'.join(node_path)}: interpolations loop.")
+        if isinstance(value, Mapping):
+            return {k: resolve(v, node_path + (str(k),), depth) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v, node_path, depth) for v in value]
+        if not isinstance(value, str) or "${" not in value:
+            return value
+        parent = node_path[:-1]
+        whole = _INTERPOLATION.fullmatch(value)
+        try:
+            if whole:
+                return value_of(whole.group(1), parent, depth)
+            return _INTERPOLATION.sub(lambda m: str(value_of(m.group(1), parent, depth)), value)
+        except KeyError:
+            return value
+
+    return resolve(data, ())
+
+
+def _scalar(text: str):
+    """A Hydra default value as YAML reads it (``1`` -> 1, ``null`` -> None, ``false`` -> False)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def launch_script_arguments(script: str) -> list[str]:
+    """The ``--arguments`` of a slime launch script: the contents of its bash arrays (``NAME=( ... )``) and the
+    tokens after ``train.py`` (or ``train_async.py``) on its launch line; comments, ``${ARRAY[@]}`` expansions
+    and line continuations dropped.
+
+    >>> launch_script_arguments('A=(\\n --lr 1e-6 # x\\n)\\npython3 train.py ${A[@]} \\\\\\n  --use-tis\\n')
+    ['--lr', '1e-6', '--use-tis']
+    """
+    tokens: list[str] = []
+    text = script.replace("\\\n", " ")
+    for body in re.findall(r"^\s*\w+=\(\s*(.*?)^\s*\)", text, flags=re.S | re.M):
+        tokens += shlex.split(body, comments=True)
+    for line in text.splitlines():
+        match = re.search(r"\btrain(?:_async)?\.py\b(.*)", line)
+        if match:
+            tokens += [t for t in shlex.split(match.group(1), comments=True) if not re.fullmatch(r"\$\{\w+\[@\]\}", t)]
+    return tokens

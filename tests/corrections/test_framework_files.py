@@ -1,0 +1,138 @@
+"""The front doors read the frameworks' own config files unedited (tests/fixtures/frameworks, README there names
+repository, path and commit): verl's resolved ``_generated_ppo_trainer.yaml``, its Hydra composition files
+``ppo_trainer.yaml``, ``actor/actor.yaml``, ``actor/dp_actor.yaml`` and ``algorithm/rollout_correction.yaml``,
+SkyRL's ``ppo_base_config.yaml``, a slime launch script and an AReaL example. Keys outside the loss and keys newer
+than the reader's framework commit are listed (``UnknownKeyWarning``), not fatal; a misspelt loss key and an
+unknown key inside a loss block still raise; a Hydra ``defaults`` entry that composes a loss block from a file
+that was not read is refused with the command that resolves it. Two files' losses are compared with the reference
+ports on the batch of test_front_doors.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import numpy as np
+import pytest
+import yaml
+
+import corrections
+from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
+from corrections._files import read_file
+from corrections import UnknownKeyWarning
+from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
+from tests.reference_ports import areal, verl
+
+FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
+VERL_DEFAULT = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept")
+EXPECTED = {
+    "verl/_generated_ppo_trainer.yaml": VERL_DEFAULT,
+    "verl/ppo_trainer.yaml": VERL_DEFAULT,
+    "verl/actor/actor.yaml": VERL_DEFAULT,
+    "verl/actor/dp_actor.yaml": VERL_DEFAULT,
+    "verl/algorithm/rollout_correction.yaml": VERL_DEFAULT,
+    "skyrl/ppo_base_config.yaml": CorrectionConfig(kl_coef=0.001),  # SkyRL's KL loss is on by default
+    "areal/gsm8k_grpo.yaml": CorrectionConfig(objective=Objective("ppo", clip_low=0.4, clip_high=0.4),
+                                              importance=ImportanceWeights("token", high=None),
+                                              rejection=(RejectionRule("token_k1", None, 5.0),)),
+    "slime/run-qwen3-4B.sh": CorrectionConfig(objective=Objective("ppo", clip_low=0.2, clip_high=0.28),
+                                              reduction="seq-mean-token-mean"),
+}
+
+
+def read_through_door(name: str):
+    """(config, listed keys) of a fixture file read and given to its framework's front door."""
+    door = getattr(corrections, f"from_{name.split('/')[0]}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnknownKeyWarning)
+        config = door(read_file(FILES / name))
+    return config, [str(w.message).split(":", 1)[0] for w in caught if w.category is UnknownKeyWarning]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_file_gives_the_frameworks_loss_config(name):
+    """Each file through its front door, and (YAML) through config_from_dict's recognition: the loss config of the
+    file's settings (the defaults of verl's files are verl's defaults: PPO with dual clip 3.0 over kept tokens)."""
+    config, _ = read_through_door(name)
+    assert config == EXPECTED[name]
+    data = read_file(FILES / name)
+    if isinstance(data, dict):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnknownKeyWarning)
+            assert corrections.config_from_dict(data) == config
+
+
+def test_keys_outside_the_loss_and_newer_keys_are_listed():
+    """The resolved verl config: its ten sections and keys the reader does not know (verl's data, critic, ... and
+    ``sum_pi_squared_checkpointing``, newer than verl 1dda039b) are listed once each, not fatal."""
+    _, listed = read_through_door("verl/_generated_ppo_trainer.yaml")
+    assert listed == ["verl.data", "verl.reward_manager", "verl.critic", "verl.reward_model",
+                      "verl.custom_reward_function", "verl.trainer", "verl.global_profiler", "verl.transfer_queue",
+                      "verl.ray_kwargs", "verl.actor_rollout_ref.actor.sum_pi_squared_checkpointing"]
+    _, listed = read_through_door("slime/run-qwen3-4B.sh")
+    assert "slime.tensor_model_parallel_size" in listed and "slime.eps_clip" not in listed
+
+
+@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
+def test_uncomposed_hydra_file_is_verls_by_its_sections():
+    """ppo_trainer.yaml as yaml.safe_load reads it (no composition): its algorithm block has no
+    rollout_correction (that comes from defaults), yet it is verl's (actor_rollout_ref), and verl's stock defaults
+    entries carry verl's defaults."""
+    data = yaml.safe_load((FILES / "verl/ppo_trainer.yaml").read_text())
+    assert corrections.config_from_dict(data) == VERL_DEFAULT
+
+
+@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
+def test_a_misspelt_loss_key_or_an_unknown_key_in_a_loss_block_still_raises():
+    data = read_file(FILES / "verl/_generated_ppo_trainer.yaml")
+    data["actor_rollout_ref"]["actor"]["clip_ratio_hgh"] = 0.28
+    with pytest.raises(ValueError, match="unknown key 'clip_ratio_hgh'; did you mean 'clip_ratio_high'"):
+        corrections.from_verl(data)
+    data = read_file(FILES / "verl/_generated_ppo_trainer.yaml")
+    data["algorithm"]["rollout_correction"]["rollout_is_new_option"] = True  # a newer verl's loss setting
+    with pytest.raises(ValueError, match="rollout_correction: unknown key 'rollout_is_new_option'"):
+        corrections.from_verl(data)
+
+
+def test_hydra_composition_is_resolved_against_its_folder():
+    """ppo_trainer.yaml's defaults pull actor/dp_actor.yaml (which pulls actor/actor.yaml) into
+    actor_rollout_ref.actor and algorithm/rollout_correction.yaml into algorithm.rollout_correction, the file's own
+    keys last (``_self_``); entries whose files are not in the folder stay listed under ``defaults``."""
+    data = read_file(FILES / "verl/ppo_trainer.yaml")
+    actor = data["actor_rollout_ref"]["actor"]
+    assert actor["clip_ratio_c"] == 3.0 and actor["strategy"] == "fsdp"  # actor.yaml's, then dp_actor's own
+    assert actor["_target_"] == "verl.workers.config.FSDPActorConfig"  # dp_actor's _self_ after actor.yaml
+    assert actor["rollout_n"] == 1  # ${oc.select:actor_rollout_ref.rollout.n,1}: no rollout block, the default
+    assert data["algorithm"]["rollout_correction"]["loss_type"] == "ppo_clip"
+    assert data["algorithm"]["adv_estimator"] == "gae"
+    assert {"critic@critic": "dp_critic"} in data["defaults"]
+
+
+def test_composition_of_a_loss_block_from_a_missing_file_is_refused_with_the_command(tmp_path):
+    """A user's composition whose actor comes from their own file, not given: the loss cannot be known, so the
+    front door names the command that composes and resolves the config."""
+    (tmp_path / "my_ppo.yaml").write_text("defaults:\n  - actor@actor_rollout_ref.actor: my_actor\n  - _self_\n"
+                                          "algorithm:\n  adv_estimator: grpo\n")
+    with pytest.raises(ValueError, match=r"my_actor.*python -m verl\.trainer\.main_ppo .*--cfg job --resolve"):
+        corrections.from_verl(read_file(tmp_path / "my_ppo.yaml"))
+
+
+def test_areal_example_gives_areals_loss():
+    """AReaL's gsm8k_grpo.yaml (decoupled PPO, eps_clip 0.4, rejection_sampling ratio <= 5): compute's loss on the
+    front-door batch equals the AReaL port's ppo_actor_loss_fn with that rejection sampling."""
+    n = batch().n
+    config, _ = read_through_door("areal/gsm8k_grpo.yaml")
+    want, _ = areal.ppo_actor_loss_fn_rs(n["lp"], n["old"], n["roll"], n["A"], 0.4, n["m"],
+                                         rejection_sampling=dict(metric="ratio", upper=5.0, level="token",
+                                                                 action="mask", agg="mean", lower=None))
+    np.testing.assert_allclose(run(config).loss, want, rtol=RTOL, atol=ATOL)
+
+
+def test_verl_resolved_config_gives_verls_loss():
+    """verl's resolved defaults: vanilla PPO, clip 0.2, dual clip 3.0, token-mean, no KL loss; verl's port."""
+    n = batch().n
+    config, _ = read_through_door("verl/_generated_ppo_trainer.yaml")
+    want, _ = verl.compute_policy_loss_vanilla(n["old"], n["lp"], n["A"], n["m"], "token-mean", clip_ratio_low=0.2,
+                                               clip_ratio_high=0.2, clip_ratio_c=3.0)
+    np.testing.assert_allclose(run(config).loss, want, rtol=RTOL, atol=ATOL)

@@ -1,0 +1,131 @@
+"""A run from a framework's config file: ``corrections.from_verl = "path"`` (and from_skyrl, from_slime,
+from_areal). Every key of the file gets one row (their key, their value, Tether's key, "not used" or "not applied"
+with the reason); the settings Tether has elsewhere become run-config keys, between the TOML file and ``--set``;
+a real training subprocess prints the mapping once, writes it into the run directory and trains with it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import yaml
+
+import corrections
+from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.rl import load_config
+from learner.rl import migration
+from learner.rl.config import correction_config
+from tests.test_main_job import DEFAULT_CONFIG, run_training
+
+FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
+
+
+def rows(m: migration.Migration) -> dict:
+    return {row.key: (row.value, row.tether) for row in m.rows}
+
+
+@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
+@pytest.mark.parametrize("framework, name, run", [
+    ("verl", "verl/_generated_ppo_trainer.yaml", {
+        "update.ppo_epochs": 1, "update.num_minibatches": 4, "optimizer.learning_rate": 1e-6,
+        "optimizer.weight_decay": 0.01, "optimizer.warmup_steps": 0, "optimizer.end_learning_rate": None,
+        "optimizer.max_grad_norm": 1.0, "rollout.num_samples": 1, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
+        "rollout.top_k": 0, "rollout.prompts_per_step": 1024, "rollout.max_new_tokens": 512}),
+    ("skyrl", "skyrl/ppo_base_config.yaml", {
+        "update.ppo_epochs": 1, "update.num_minibatches": 4, "optimizer.learning_rate": 1e-6,
+        "optimizer.weight_decay": 0.01, "optimizer.warmup_steps": 0, "optimizer.end_learning_rate": None,
+        "optimizer.max_grad_norm": 1.0, "rollout.num_samples": 5, "rollout.temperature": 1.0, "rollout.top_p": 1.0,
+        "rollout.top_k": 0, "rollout.min_p": 0.0, "rollout.prompts_per_step": 1024, "rollout.max_new_tokens": 1024}),
+    ("slime", "slime/run-qwen3-4B.sh", {
+        "loop.steps": 3000, "rollout.prompts_per_step": 32, "rollout.num_samples": 8, "rollout.max_new_tokens": 8192,
+        "rollout.temperature": 1.0, "update.num_minibatches": 1, "optimizer.learning_rate": 1e-6,
+        "optimizer.end_learning_rate": None, "optimizer.weight_decay": 0.1}),
+    ("areal", "areal/gsm8k_grpo.yaml", {
+        "update.num_minibatches": 1, "optimizer.learning_rate": 1.7e-5, "optimizer.weight_decay": 0.017,
+        "optimizer.max_grad_norm": 1.0, "optimizer.end_learning_rate": None, "rollout.num_samples": 4,
+        "rollout.temperature": 1.0, "rollout.max_new_tokens": 1024, "rollout.prompts_per_step": 256}),
+])
+def test_training_settings_map_to_run_keys(framework, name, run):
+    """The real files' training settings as run-config values (verl: 1024 prompts / 256 per mini-batch = 4
+    updates; slime: 32 prompts x 8 samples / global batch 256 = 1; top_k -1 is Tether's 0; a constant schedule is
+    end_learning_rate None), and the loss as the front door gives it."""
+    m = migration.migrate(framework, str(FILES / name))
+    assert m.run == run
+    assert m.corrections == getattr(corrections, f"from_{framework}")(corrections.read_file(FILES / name))
+
+
+def test_every_key_gets_one_row():
+    """verl's resolved config: the loss keys name their CorrectionConfig field, mapped keys their run key, settings
+    Tether does otherwise say why, whole sections outside the loss are one row each, unknown keys are marked."""
+    m = migration.migrate("verl", str(FILES / "verl/_generated_ppo_trainer.yaml"))
+    table = rows(m)
+    assert len(table) == len(m.rows)  # each key once
+    assert table["actor_rollout_ref.actor.clip_ratio_c"] == (3.0, "corrections.objective.dual_clip")
+    assert table["algorithm.rollout_correction.rollout_is"] == (None, "corrections.importance.level")
+    assert table["actor_rollout_ref.actor.ppo_epochs"] == (1, "update.ppo_epochs")
+    assert table["algorithm.adv_estimator"] == ("gae", f"not applied: {migration.GRPO}")
+    assert table["algorithm.use_kl_in_reward"] == (False, "not used (Tether does the same)")
+    assert table["critic"][1] == "not used (unknown to Tether's reader)"
+    assert table["actor_rollout_ref.actor.sum_pi_squared_checkpointing"][1] == "not used (unknown to Tether's reader)"
+    assert table["trainer.total_training_steps"] == (None, "not used (null: Tether's loop.steps stays)")
+    assert table["actor_rollout_ref.actor.strategy"] == ("fsdp", "not used")
+    slime = rows(migration.migrate("slime", str(FILES / "slime/run-qwen3-4B.sh")))
+    assert slime["--eps-clip-high"] == (0.28, "corrections.objective.clip_high")
+    assert slime["--adam-beta2"] == (0.98, f"not applied: {migration.BETAS}")
+    areal = rows(migration.migrate("areal", str(FILES / "areal/gsm8k_grpo.yaml")))
+    assert areal["actor.optimizer.warmup_steps_proportion"][1].startswith("not applied: set optimizer.warmup_steps")
+    assert m.table().splitlines()[1] == "their key\ttheir value\tTether"
+
+
+def test_precedence_toml_then_framework_file_then_set(tmp_path):
+    """configs/default.toml sets ppo_epochs 2, learning rate 1e-3 and the corrections preset with kl_coef 0.05; the
+    verl file replaces them (epochs 1, 1e-6, verl's loss); --set replaces the file's values in turn."""
+    path = str(FILES / "verl/_generated_ppo_trainer.yaml")
+    sets = [f"corrections.from_verl={json.dumps(path)}", "rollout.num_samples=4", "rollout.max_new_tokens=4"]
+    config = load_config(DEFAULT_CONFIG, sets)
+    assert config.update.ppo_epochs == 1 and config.optimizer.learning_rate == 1e-6
+    assert config.corrections.overrides == {}
+    assert correction_config(config) == migration.migrate("verl", path).corrections
+    config = load_config(DEFAULT_CONFIG, [*sets, "update.ppo_epochs=3", "corrections.overrides={kl_coef = 0.2}"])
+    assert config.update.ppo_epochs == 3 and correction_config(config).kl_coef == 0.2
+    assert correction_config(config).denominator == "kept"  # the rest stays verl's
+
+
+def test_bad_mapped_value_names_the_file_and_the_fix():
+    path = str(FILES / "verl/_generated_ppo_trainer.yaml")
+    with pytest.raises(ValueError, match=r"rollout.num_samples=1: must be >= 2 \(with corrections.from_verl=.*--set"):
+        load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(path)}"])
+    with pytest.raises(ValueError, match="from_verl and from_areal are both set"):
+        load_config(None, [f"corrections.from_verl={json.dumps(path)}", "corrections.from_areal='x.yaml'"])
+
+
+@pytest.mark.slow  # a real training subprocess: ~1 min on a quiet 2-core machine, 3 on a loaded one
+def test_run_from_a_verl_config(tmp_path):
+    """A user's verl config (verl's resolved defaults with their edits: GRPO, 4 prompts x 4 samples, 2 mini-batches,
+    learning rate 5e-4, KL loss 0.02, clip-higher 0.28) trains in a real subprocess: the mapping is printed once
+    and written to run_dir/framework_config.tsv, and the run's saved config holds the mapped values."""
+    user = yaml.safe_load((FILES / "verl/_generated_ppo_trainer.yaml").read_text())
+    user["algorithm"]["adv_estimator"] = "grpo"
+    user["data"].update(train_batch_size=4, max_response_length=4)
+    user["actor_rollout_ref"]["rollout"]["n"] = 4
+    user["actor_rollout_ref"]["actor"].update(ppo_mini_batch_size=2, use_kl_loss=True, kl_loss_coef=0.02,
+                                              clip_ratio_high=0.28)
+    user["actor_rollout_ref"]["actor"]["optim"]["lr"] = 5e-4
+    path = tmp_path / "my_verl.yaml"
+    path.write_text(yaml.safe_dump(user))
+    run_dir = tmp_path / "run"
+    stdout = run_training(run_dir, f"corrections.from_verl={json.dumps(str(path))}", "loop.steps=2")
+    table = (run_dir / migration.MAPPING_FILE).read_text()
+    assert stdout.count("their key\ttheir value\tTether") == 1 and table in stdout
+    assert "actor_rollout_ref.actor.optim.lr\t0.0005\toptimizer.learning_rate" in table
+    assert "actor_rollout_ref.actor.kl_loss_coef\t0.02\tcorrections.kl_coef" in table
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
+        assert checkpointer.latest_step() == 2
+        saved = checkpointer.read_metadata()["config"]
+    assert saved["update"]["num_minibatches"] == 2 and saved["update"]["ppo_epochs"] == 1
+    assert saved["optimizer"]["learning_rate"] == 5e-4 and saved["optimizer"]["end_learning_rate"] is None
+    assert saved["rollout"]["max_new_tokens"] == 4 and saved["corrections"]["from_verl"] == str(path)
+    config = correction_config(load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(str(path))}"]))
+    assert config.kl_coef == 0.02 and config.objective.clip_high == 0.28 and config.denominator == "kept"
