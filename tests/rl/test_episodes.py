@@ -315,9 +315,11 @@ class Recording(Engine):
     def info(self):
         return self.engine.info()
 
-    def submit(self, request):
-        future = self.engine.submit(request)
-        future.add_done_callback(lambda f: self.calls.append((request, f.result())))
+    def submit(self, request):  # synchronous: the call is recorded before the episode sees its samples
+        samples = self.engine.submit(request).result(timeout=60)
+        self.calls.append((request, samples))
+        future = concurrent.futures.Future()
+        future.set_result(samples)
         return future
 
     def publish(self, policy_version, weights):
@@ -360,3 +362,72 @@ def test_over_the_wire_the_trained_ids_are_the_ids_the_server_was_given_and_retu
         position = given.size + returned_ids.size
     assert position == trained.size - 0 and policy.sum() == 15
     assert episode.policy_versions[episode.completion_mask == 1].tolist() == [0] * 5 + [1] * 10
+
+
+def test_the_rollout_log_keeps_episode_masks_and_per_token_versions_and_recompute_diagnostics_reads_episodes(
+        tmp_path):
+    from learner.rollout_log import LoggedBatch, RolloutLogReader, RolloutLogWriter
+    from tests.learner.test_recompute_diagnostics import SCRIPT
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("recompute_diagnostics", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    engine = CountingEngine()
+
+    class PublishAfterFirstTurn(Echo):
+        def step(self, generated):
+            if self.turn == 0 and self.task.publish_once.acquire(blocking=False):
+                engine.publish(engine.version + 1, {})
+            return super().step(generated)
+
+    task = EchoTask(done_after=3, environment=PublishAfterFirstTurn)
+    task.publish_once = threading.Semaphore(1)
+    episodes = EpisodeEngine(engine, task).submit(EpisodeRequest(task.prompts()[0], SamplingParams(temperature=1.0),
+                                                                 num_samples=2)).result(60)
+    spec = PayloadSpec(rows=2, length=32, sampling=False, raw=False)
+    batch = assemble_payload([episodes], task.prompts()[:1], task, spec, 2, "processed")[0].batch
+    logged = LoggedBatch(step=1, tokens=batch.tokens, loss_mask=batch.loss_mask,
+                         rollout_logprobs=batch.rollout_logprobs, proximal_logprobs=batch.rollout_logprobs,
+                         rewards=np.full(2, 3.0, np.float32), advantages=batch.advantages,
+                         policy_version=batch.policy_version)
+    with RolloutLogWriter(tmp_path / "rollout_log", max_length=32) as writer:
+        writer.append(logged)
+    (read,) = RolloutLogReader(tmp_path / "rollout_log").batches()
+    np.testing.assert_array_equal(read.loss_mask, batch.loss_mask)
+    np.testing.assert_array_equal(read.policy_version, batch.policy_version)
+    (record,) = script.recompute(tmp_path)
+    expected = episode_metrics(episodes)
+    assert record["multiturn/turns_mean"] == expected["multiturn/turns_mean"] == 3
+    assert record["multiturn/env_tokens_fraction"] == pytest.approx(expected["multiturn/env_tokens_fraction"])
+    assert record["multiturn/versions_per_episode_max"] == 2  # the publish fell between turns of an episode
+    assert script.episode_statistics(dataclasses.replace(read, loss_mask=(read.loss_mask.cumsum(1) > 0) * 1.0)) == {}
+
+
+def docs_environment_source() -> str:
+    """The Python block under docs/multiturn.md's "A 30-line environment"."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "multiturn.md").read_text()
+    (source,) = re.findall(r"## A 30-line environment.*?```python\n(.*?)```", text, re.S)
+    return source
+
+
+def Guess(**args):  # the docs' task as an import path, for load_task
+    namespace = {}
+    exec(compile(docs_environment_source(), "docs/multiturn.md", "exec"), namespace)
+    return namespace["Guess"](**args)
+
+
+def test_the_30_line_environment_of_docs_multiturn_runs():
+    assert len([line for line in docs_environment_source().splitlines() if line.strip()]) <= 32
+    task = load_task("tests.rl.test_episodes:Guess", {"num_prompts": 3})
+    assert isinstance(task, EnvironmentTask)
+    env, record = task.environment(), task.prompts()[0]
+    tok = task.tokenizer
+    np.testing.assert_array_equal(env.reset(record), [tok.bos_id, tok.sep_id])
+    low = env.step(tok.encode(f"{record['secret'] + 1};"))
+    assert low.observation == "<" and low.reward == -0.1 and not low.done
+    assert env.step(tok.encode(f"{record['secret']};")) == StepResult(reward=1.0, done=True)
