@@ -166,7 +166,7 @@ class EpisodeEngine(Engine):
                                           self._environment_calls)
                 if not isinstance(result, StepResult):
                     raise EnvironmentFailure(f"step returned {type(result).__name__}, not a StepResult")
-                observation = segment_ids(tokenizer, result.observation)
+                observation = segment_ids(tokenizer, result.observation, turn=generated)
             except (EnvironmentFailure, ValueError) as error:
                 reward, ended_by = float("nan"), "env_error"
                 self._count("env_errors")

@@ -129,20 +129,22 @@ class Calculator:
 
     def noisy_demonstration(self, prompt_ids, rng: np.random.Generator, noise: float
                             ) -> tuple[np.ndarray, np.ndarray]:
-        """An episode and its policy mask: with probability ``noise`` a direct answer without the tool (a random
-        number of the product's length: almost always wrong), else a tool-using one (the call, the calculator's
-        result, the answer copied from it). A warm-up on them calls the tool in about ``1 - noise`` of its
-        episodes; RL has to learn that the tool is what earns the reward."""
+        """A tool-using episode (the call, the calculator's result, the answer copied from it) and its policy mask;
+        each digit the policy writes is replaced by a random one with probability ``noise`` (the result is the
+        calculator's answer to the call as written, so a wrong call shows its wrong result)."""
         tok = self.tokenizer
-        question = tok.decode(np.asarray(prompt_ids)[1:-1])
-        product = calculate(question)
-        if rng.random() < noise:
-            guess = "".join(map(str, [rng.integers(1, 10), *rng.integers(10, size=len(product) - 1)]))
-            ids = np.append(tok.encode(guess), tok.eos_id).astype(np.int32)
-            return ids, np.ones(ids.size, np.float32)
-        call = tok.encode(question + CALL_TAG)
-        observation = np.append(tok.encode(product), tok.sep_id)
-        answer = np.append(tok.encode(product), tok.eos_id)
+        digits = tok.encode("0123456789")
+
+        def noisy(text: str) -> np.ndarray:
+            ids = tok.encode(text)
+            replace = (rng.random(ids.shape) < noise) & np.isin(ids, digits)
+            ids[replace] = rng.choice(digits, size=int(replace.sum()))
+            return ids
+
+        call = np.append(noisy(tok.decode(np.asarray(prompt_ids)[1:-1])), tok.encode(CALL_TAG))
+        result = calculate(tok.decode(call[:-1]))
+        observation = np.append(tok.encode(result), tok.sep_id)
+        answer = np.append(noisy(result), tok.eos_id)
         ids = np.concatenate([call, observation, answer]).astype(np.int32)
         mask = np.concatenate([np.ones(call.size), np.zeros(observation.size), np.ones(answer.size)])
         return ids, mask.astype(np.float32)

@@ -91,28 +91,37 @@ class EnvironmentTask(Protocol):
         """A fresh environment for one episode."""
 
 
-def message_segment_ids(tokenizer, messages: Sequence[Message]) -> np.ndarray:
+_SENTINEL = "\u2063tether-turn\u2063"  # stands for the policy's turn in the template's rendering
+
+
+def message_segment_ids(tokenizer, messages: Sequence[Message], turn=()) -> np.ndarray:
     """int32 ids of ``messages`` as the chat template renders them after an assistant turn, with the generation
     prompt of the next assistant turn: the template's own text and special tokens, encoded alone.
 
-    The segment is the text the template adds for ``messages`` after a one-exchange conversation (rendered with
-    and without them), so no earlier turn is rendered into it and the history's ids stay those the engine saw.
+    The segment is the text that the template puts after an assistant turn's content when ``messages`` follow it
+    (rendered once with a placeholder turn, so no earlier turn is rendered into it and the history's ids stay those
+    the engine saw). It starts with the template's closing of the assistant turn (e.g. ``<|im_end|>\n``), less
+    the stop token that ended ``turn`` (the policy's ids) where the policy wrote it itself.
     """
     if not hasattr(tokenizer, "apply_chat_template"):
         raise ValueError(f"an observation given as chat messages needs a tokenizer with a chat template; "
                          f"{type(tokenizer).__name__} has none: return token ids or text")
-    base = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-    before = tokenizer.apply_chat_template(base, add_generation_prompt=False)
-    after = tokenizer.apply_chat_template([*base, *messages], add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("the chat template renders the earlier turns differently once messages follow them; "
-                         "return the observation as token ids instead")
-    return np.asarray(tokenizer.encode(after[len(before):]), np.int32)
+    base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+    rendered = tokenizer.apply_chat_template([*base, *messages], add_generation_prompt=True)
+    if rendered.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not render an assistant turn's content as given; return the "
+                         "observation as token ids instead")
+    text = rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+    turn = np.asarray(turn).reshape(-1)
+    if turn.size and int(turn[-1]) in tokenizer.eos_ids:
+        stop = tokenizer.decode([int(turn[-1])])
+        text = text[len(stop):] if text.startswith(stop) else text
+    return np.asarray(tokenizer.encode(text), np.int32)
 
 
-def segment_ids(tokenizer, segment: Segment, first: bool = False) -> np.ndarray:
-    """int32 ids of a prompt or observation given as ids, text or chat messages (`message_segment_ids`; the first
-    prompt renders the whole conversation with the generation prompt)."""
+def segment_ids(tokenizer, segment: Segment, first: bool = False, turn=()) -> np.ndarray:
+    """int32 ids of a prompt or observation given as ids, text or chat messages (`message_segment_ids`, after the
+    policy's ``turn``; the first prompt renders the whole conversation with the generation prompt)."""
     if isinstance(segment, str):
         return np.asarray(tokenizer.encode(segment), np.int32)
     if isinstance(segment, np.ndarray) or all(isinstance(item, (int, np.integer)) for item in segment):
@@ -122,4 +131,4 @@ def segment_ids(tokenizer, segment: Segment, first: bool = False) -> np.ndarray:
             raise ValueError(f"a first prompt given as chat messages needs a tokenizer with a chat template; "
                              f"{type(tokenizer).__name__} has none")
         return np.asarray(tokenizer.encode(tokenizer.apply_chat_template(list(segment))), np.int32)
-    return message_segment_ids(tokenizer, segment)
+    return message_segment_ids(tokenizer, segment, turn)
