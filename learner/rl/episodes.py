@@ -112,14 +112,20 @@ class EpisodeEngine(Engine):
         group: concurrent.futures.Future = concurrent.futures.Future()
         episodes = [self._episodes.submit(self.run_episode, request, index) for index in range(request.num_samples)]
 
+        finishing = threading.Lock()  # the last two episodes may end at once, on two threads
+
         def finish(_):
-            if group.done() or not all(episode.done() for episode in episodes):
-                return
-            errors = [episode.exception() for episode in episodes if episode.exception() is not None]
-            if errors:
-                group.set_exception(errors[0])
-            else:
-                group.set_result([e for e in (episode.result() for episode in episodes) if e is not None])
+            with finishing:
+                if group.done() or not all(episode.done() for episode in episodes):
+                    return
+                if any(episode.cancelled() for episode in episodes):  # closed before it ran
+                    group.cancel()
+                    return
+                errors = [episode.exception() for episode in episodes if episode.exception() is not None]
+                if errors:
+                    group.set_exception(errors[0])
+                else:
+                    group.set_result([e for e in (episode.result() for episode in episodes) if e is not None])
 
         for episode in episodes:
             episode.add_done_callback(finish)
@@ -133,7 +139,7 @@ class EpisodeEngine(Engine):
         try:
             prompt = segment_ids(tokenizer, call_environment(environment.reset, request.record, limits.step_timeout_s,
                                                              self._environment_calls), first=True)
-        except EnvironmentFailure as error:
+        except (EnvironmentFailure, ValueError) as error:  # ValueError: a prompt that cannot be rendered
             return self._failed_reset(request, index, error)
         if not 0 < prompt.size <= self.task.max_prompt_tokens:
             return self._failed_reset(request, index, EnvironmentFailure(

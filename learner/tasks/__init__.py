@@ -56,6 +56,7 @@ from learner.tasks._environment import EpisodeLimits
 from learner.tasks._environment import StepResult
 from learner.tasks._environment import message_segment_ids
 from learner.tasks._environment import segment_ids
+from learner.tasks._environment import turn_end_id
 from learner.tasks._evaluation import evaluation_metrics
 from learner.tasks._evaluation import pass_at_k
 from learner.tasks._hf_tokenizer import HFTokenizer
@@ -119,4 +120,5 @@ __all__ = (
     "render_chat",
     "segment_ids",
     "task_names",
+    "turn_end_id",
 )

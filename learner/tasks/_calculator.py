@@ -7,22 +7,28 @@ An episode (character tokenizer)::
     3108 [sep]                 observation: the calculator's result (masked, never trained)
     3108 [eos]                 policy turn 2: the answer
 
-The reward is 1 when the episode's answer (a turn ending with eos) is the product, else 0. A turn ending with eos
-answers directly (the tiny model cannot multiply: that scores ~0); a call the calculator cannot read is a tool
-error, answered with ``?``.
+The reward is 1 when the episode's answer (a turn ending with a stop id of the tokenizer) is the product, else 0.
+A turn ending with a stop id answers directly (the tiny model cannot multiply: that scores ~0); a call the
+calculator cannot read is a tool error, answered with ``?``.
+
+With ``chat = true`` the task uses the checkpoint's tokenizer and chat template (``model.hf_path``): the question is
+a user message, the calculator's result a ``tool`` message rendered by the template after the policy's turn
+(`learner.tasks.message_segment_ids`), and the answer ends with the template's end of turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from learner.tasks._environment import EpisodeLimits, StepResult
-from learner.tasks._tokenizer import TOKENIZER, CharTokenizer
+from learner.tasks._environment import EpisodeLimits, Segment, StepResult, segment_ids, turn_end_id
+from learner.tasks._hf_tokenizer import HFTokenizer
+from learner.tasks._tokenizer import TOKENIZER
 
 CALL_TAG = "="  # ends a tool call: a stop id of every policy turn
 _EXPRESSION = re.compile(r"(\d{1,6})([*+-])(\d{1,6})")
@@ -42,11 +48,11 @@ def calculate(expression: str) -> str | None:
 
 
 class CalculatorEnvironment:
-    """One episode: the policy may call the calculator (``"<expression>="``), and answers with ``"<number>"`` and
-    eos."""
+    """One episode: the policy may call the calculator (``"<expression>="``), and answers with ``"<number>"`` and a
+    stop id."""
 
-    def __init__(self, tokenizer: CharTokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, task: Calculator):
+        self.task = task
         self.answer = ""
 
     def reset(self, record: Mapping[str, Any]) -> np.ndarray:
@@ -54,23 +60,24 @@ class CalculatorEnvironment:
         return record["prompt_ids"]
 
     def step(self, generated: np.ndarray) -> StepResult:
-        tok = self.tokenizer
-        if generated.size and generated[-1] == tok.eos_id:  # an answer
-            return StepResult(reward=float(self._text(generated[:-1]) == self.answer), done=True)
-        text = self._text(generated)
+        tok = self.task.tokenizer
+        if generated.size and int(generated[-1]) in tok.eos_ids:  # an answer
+            return StepResult(reward=float(_text(tok, generated[:-1]) == self.answer), done=True)
+        text = _text(tok, generated)
         if text is None or not text.endswith(CALL_TAG):  # neither an answer nor a call: the turn ran out of tokens
             return StepResult(done=True)
         value = calculate(text[:-1])
-        observation = np.append(tok.encode("?" if value is None else value), tok.sep_id).astype(np.int32)
-        return StepResult(observation=observation, info={"tool_call": True, "tool_error": value is None})
+        return StepResult(observation=self.task.observation("?" if value is None else value),
+                          info={"tool_call": True, "tool_error": value is None})
 
-    def _text(self, ids: np.ndarray) -> str | None:
-        """The characters of ``ids``; None if one is a special id or beyond the tokenizer (the model's vocabulary
-        is larger)."""
-        try:
-            return self.tokenizer.decode(ids)
-        except ValueError:
-            return None
+
+def _text(tokenizer, ids: np.ndarray) -> str | None:
+    """The text of ``ids``; None if the character tokenizer cannot decode them (a special id, or an id beyond it:
+    the model's vocabulary is larger)."""
+    try:
+        return tokenizer.decode(ids)
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,34 +97,66 @@ class Calculator:
     max_turns: int = 3
     max_turn_tokens: int = 8
     step_timeout_s: float = 10.0
+    chat: bool = False  # the checkpoint's tokenizer and chat template (model_path) instead of the character one
+    model_path: str | None = None  # a checkpoint directory with tokenizer files (default: the run's model.hf_path)
 
     name = "tool_calculator"
-    tokenizer = TOKENIZER
+
+    def __post_init__(self):
+        if self.chat and self.model_path is None:
+            raise ValueError("task.args: chat = true renders messages with a checkpoint's chat template: set "
+                             "model.hf_path (or task.args.model_path) to a directory with tokenizer files")
+        if self.tokenizer.encode(CALL_TAG).size != 1:
+            raise ValueError(f"task.args: the tokenizer encodes the tool-call tag {CALL_TAG!r} as several tokens; "
+                             "it must be one (a turn's stop id)")
+
+    @functools.cached_property
+    def tokenizer(self):
+        return HFTokenizer.from_directory(self.model_path) if self.chat else TOKENIZER
 
     @property
     def limits(self) -> EpisodeLimits:
         return EpisodeLimits(max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
-                             max_observation_tokens=2 * self.digits + 2,
+                             max_observation_tokens=self._observation_tokens,
                              stop_ids=tuple(self.tokenizer.encode(CALL_TAG).tolist()),
                              step_timeout_s=self.step_timeout_s)
 
     @property
     def max_prompt_tokens(self) -> int:
-        return 2 * self.digits + 3  # bos, a, *, b, sep
+        return self.prompt_ids(f"{'9' * self.digits}*{'9' * self.digits}").size
 
     @property
     def max_completion_tokens(self) -> int:
         """The episode budget after the first prompt: every turn at its limit, observations between them."""
-        return self.max_turns * self.max_turn_tokens + (self.max_turns - 1) * (2 * self.digits + 2)
+        return self.max_turns * self.max_turn_tokens + (self.max_turns - 1) * self._observation_tokens
+
+    @functools.cached_property
+    def _observation_tokens(self) -> int:
+        """The longest observation: the largest product's, after a turn the template has to close."""
+        return segment_ids(self.tokenizer, self.observation("9" * (2 * self.digits + 1))).size
+
+    def observation(self, result: str) -> Segment:
+        """The calculator's answer as the policy sees it: the result and sep, or a tool message."""
+        tok = self.tokenizer
+        if self.chat:
+            return [{"role": "tool", "content": result}]
+        return np.append(tok.encode(result), tok.sep_id).astype(np.int32)
+
+    def prompt_ids(self, question: str) -> np.ndarray:
+        """The first prompt: ``[bos] question [sep]``, or the question as a user message with the generation
+        prompt."""
+        tok = self.tokenizer
+        if self.chat:
+            return np.asarray(tok.encode(tok.apply_chat_template([{"role": "user", "content": question}])), np.int32)
+        return np.concatenate([[tok.bos_id], tok.encode(question), [tok.sep_id]]).astype(np.int32)
 
     def environment(self) -> CalculatorEnvironment:
-        return CalculatorEnvironment(self.tokenizer)
+        return CalculatorEnvironment(self)
 
     def make_prompt(self, rng: np.random.Generator) -> tuple[np.ndarray, str]:
         """A new prompt: its int32 ids and the product as text."""
         a, b = rng.integers(10 ** (self.digits - 1), 10**self.digits, size=2)
-        tok = self.tokenizer
-        return np.concatenate([[tok.bos_id], tok.encode(f"{a}*{b}"), [tok.sep_id]]).astype(np.int32), str(a * b)
+        return self.prompt_ids(f"{a}*{b}"), str(a * b)
 
     def prompts(self) -> list[dict[str, Any]]:
         """``{"prompt_ids", "answer"}`` record ``i`` from the generator ``(seed, i)``."""
@@ -136,15 +175,16 @@ class Calculator:
         digits = tok.encode("0123456789")
 
         def noisy(text: str) -> np.ndarray:
-            ids = tok.encode(text)
+            ids = np.array(tok.encode(text), np.int32)
             replace = (rng.random(ids.shape) < noise) & np.isin(ids, digits)
             ids[replace] = rng.choice(digits, size=int(replace.sum()))
             return ids
 
-        call = np.append(noisy(tok.decode(np.asarray(prompt_ids)[1:-1])), tok.encode(CALL_TAG))
+        question = _EXPRESSION.search(tok.decode(prompt_ids, skip_special_tokens=True))[0]
+        call = np.append(noisy(question), tok.encode(CALL_TAG))
         result = calculate(tok.decode(call[:-1]))
-        observation = np.append(tok.encode(result), tok.sep_id)
-        answer = np.append(noisy(result), tok.eos_id)
+        observation = segment_ids(tok, self.observation(result), turn=call)
+        answer = np.append(noisy(result), turn_end_id(tok))
         ids = np.concatenate([call, observation, answer]).astype(np.int32)
         mask = np.concatenate([np.ones(call.size), np.zeros(observation.size), np.ones(answer.size)])
         return ids, mask.astype(np.float32)

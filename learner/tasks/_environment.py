@@ -94,6 +94,21 @@ class EnvironmentTask(Protocol):
 _SENTINEL = "\u2063tether-turn\u2063"  # stands for the policy's turn in the template's rendering
 
 
+def _closing(tokenizer) -> str:
+    """The text the chat template puts right after an assistant turn's content (e.g. ``<|im_end|>\n``)."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                              {"role": "assistant", "content": _SENTINEL}], add_generation_prompt=False)
+    return rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+
+
+def turn_end_id(tokenizer) -> int:
+    """The stop id that ends an assistant turn: the eos id the chat template closes a turn with (e.g. Qwen's
+    ``<|im_end|>``), else the first eos id."""
+    closing = _closing(tokenizer) if getattr(tokenizer, "chat_template", None) else ""
+    return next((i for i in tokenizer.eos_ids if closing and closing.startswith(tokenizer.decode([i]))),
+                tokenizer.eos_ids[0])
+
+
 def message_segment_ids(tokenizer, messages: Sequence[Message], turn=()) -> np.ndarray:
     """int32 ids of ``messages`` as the chat template renders them after an assistant turn, with the generation
     prompt of the next assistant turn: the template's own text and special tokens, encoded alone.

@@ -431,3 +431,61 @@ def test_the_30_line_environment_of_docs_multiturn_runs():
     low = env.step(tok.encode(f"{record['secret'] + 1};"))
     assert low.observation == "<" and low.reward == -0.1 and not low.done
     assert env.step(tok.encode(f"{record['secret']};")) == StepResult(reward=1.0, done=True)
+
+
+@pytest.mark.slow  # a whole run (compiles, warm-up, engine process): ~1-2.5 min on 2 loaded cores
+def test_a_short_calculator_run_trains_on_episodes_and_logs_their_masks_and_metrics(tmp_path):
+    import json
+
+    from learner.rl import Run, load_config
+    from learner.rollout_log import RolloutLogReader
+
+    config = load_config("configs/tool_calculator.toml", [
+        "warmup.steps=2", "warmup.batch_size=8", "rollout.prompts_per_step=2", "rollout.num_samples=2",
+        "server.max_batch_size=8", "update.fast_compile=true", "loop.steps=2", "update.num_minibatches=1",
+        "update.ppo_epochs=1", f"run_dir={json.dumps(str(tmp_path))}"])
+    with Run(config) as run:
+        records = list(run.steps())
+    assert [r.step for r in records] == [1, 2]
+    for record in records:
+        metrics = record.metrics
+        assert 1 <= metrics["multiturn/turns_mean"] <= 3 and metrics["multiturn/env_errors"] == 0
+        assert 0 <= metrics["multiturn/env_tokens_fraction"] < 1
+        assert record.batch.tokens.shape == records[0].batch.tokens.shape  # one shape, one compile
+    logged = list(RolloutLogReader(tmp_path / "rollout_log").batches())
+    assert [b.step for b in logged] == [1, 2]
+    for batch, record in zip(logged, records):
+        np.testing.assert_array_equal(batch.loss_mask, record.batch.loss_mask[:record.samples])
+        trained = batch.loss_mask == 1
+        assert (batch.policy_version[trained] >= 0).all()
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=4: task 'tool_calculator' is multi-turn"):
+        with Run(load_config("configs/tool_calculator.toml", ["rollout.max_new_tokens=4",
+                                                              f"run_dir={json.dumps(str(tmp_path / 'b'))}"])):
+            pass
+
+
+@pytest.fixture(scope="module")
+def hf_calculator_files(tmp_path_factory):
+    from tests.tasks.test_hf_tiny_run import _load_script
+
+    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_calc") / "files", tool_calculator=True)
+
+
+def test_the_chat_calculator_renders_tool_messages_with_the_checkpoints_template(hf_calculator_files):
+    task = load_task("tool_calculator", {"num_prompts": 2, "chat": True}, model_path=str(hf_calculator_files.model))
+    tok, record = task.tokenizer, task.prompts()[0]
+    env = task.environment()
+    question = tok.decode(env.reset(record)).split("\n")[1].removesuffix("<|im_end|>")
+    assert tok.decode(record["prompt_ids"]) == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    call = env.step(tok.encode(question + "="))
+    assert call.observation == [{"role": "tool", "content": record["answer"]}] and task.limits.stop_ids == (
+        tok.encode("=")[0],)
+    ids, mask = task.noisy_demonstration(record["prompt_ids"], np.random.default_rng(0), noise=0.0)
+    assert tok.decode(ids) == (f"{question}=<|im_end|>\n<|im_start|>tool\n{record['answer']}<|im_end|>\n"
+                               f"<|im_start|>assistant\n{record['answer']}<|im_end|>")
+    assert tok.decode(ids[mask == 1]) == f"{question}={record['answer']}<|im_end|>"
+    assert env.step(ids[mask == 1][-(len(record["answer"]) + 1):]) == StepResult(reward=1.0, done=True)
+    full = len(record["prompt_ids"]) + len(ids)
+    assert full <= task.max_prompt_tokens + task.max_completion_tokens
+    with pytest.raises(ValueError, match="task.args: chat = true"):
+        load_task("tool_calculator", {"chat": True})
