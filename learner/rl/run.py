@@ -149,7 +149,9 @@ class Run:
         if self.leader:
             weights = self.trainer.host_weights()
             engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
-            self.engine = stack.enter_context(EpisodeEngine(engine, self.task) if self.episodic else engine)
+            rollout = config.rollout
+            episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
+            self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic else engine)
             check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                            config.server.address or "the embedded server")
             self.server_version = self.engine.publish(self.trainer.policy_version, weights)

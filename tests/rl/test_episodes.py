@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from learner.rl.batches import PayloadSpec, assemble_payload
-from learner.rl.episodes import Episode, EpisodeEngine, EpisodeRequest, episode_metrics
+from learner.rl.episodes import EpisodeEngine, EpisodeRequest, episode_metrics
 from learner.tasks import EnvironmentTask, EpisodeLimits, StepResult, load_task
 from rollout_client import (ClientConfig, Engine, LogprobMode, RolloutBuffer, Sample, SamplingParams, TetherEngine,
                             collate)
@@ -489,3 +489,19 @@ def test_the_chat_calculator_renders_tool_messages_with_the_checkpoints_template
     assert full <= task.max_prompt_tokens + task.max_completion_tokens
     with pytest.raises(ValueError, match="task.args: chat = true"):
         load_task("tool_calculator", {"chat": True})
+
+
+@pytest.mark.slow  # a whole run against the MLX engine (warm-up compile, engine restarts): minutes on 2 cores
+def test_the_chat_calculator_runs_against_the_mlx_engine(hf_calculator_files, tmp_path):
+    import json
+
+    from learner.rl import Run, load_config
+
+    config = load_config("configs/tool_calculator_hf.toml", [
+        f"model.hf_path={json.dumps(str(hf_calculator_files.model))}", "warmup.steps=20", "warmup.batch_size=16",
+        "rollout.prompts_per_step=2", "rollout.num_samples=2", "update.fast_compile=true", "loop.steps=2",
+        "update.num_minibatches=1", "update.ppo_epochs=1", f"run_dir={json.dumps(str(tmp_path))}"])
+    with Run(config) as run:
+        records = list(run.steps())
+    assert [r.step for r in records] == [1, 2] and all(r.metrics["multiturn/env_errors"] == 0 for r in records)
+    assert all(r.metrics["multiturn/turns_mean"] >= 1 for r in records)
