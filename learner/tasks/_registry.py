@@ -75,7 +75,9 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
     if "tokenizer" not in missing:
         missing += [f"tokenizer.{member}" for member in missing_members(task.tokenizer, Tokenizer)]
     if missing:
-        raise ValueError(f"task.name={name!r}: {type(task).__name__} is not a{'n' if protocol is EnvironmentTask else ''} {protocol.__name__}: it lacks {', '.join(missing)}")
+        article = "an" if protocol is EnvironmentTask else "a"
+        raise ValueError(f"task.name={name!r}: {type(task).__name__} is not {article} {protocol.__name__}: it lacks "
+                         f"{', '.join(missing)}")
     return task
 
 

@@ -274,6 +274,21 @@ def test_episodes_make_a_fixed_shape_payload_with_env_tokens_masked_and_the_envi
     assert (batch.loss_mask[4:] == 0).all()
 
 
+def test_an_environment_task_missing_a_member_is_refused_naming_it():
+    with pytest.raises(ValueError, match="is not an EnvironmentTask: it lacks limits"):
+        load_task("tests.rl.test_episodes:NoLimitsTask")
+
+
+class NoLimitsTask:  # an environment task without its limits (the test above)
+    name, tokenizer, max_prompt_tokens, max_completion_tokens = "no_limits", Tokens(), 4, 8
+
+    def prompts(self):
+        return []
+
+    def environment(self):
+        return Echo(self)
+
+
 def test_the_calculator_is_an_environment_task_and_its_episode_scores_the_copied_result():
     task = load_task("tool_calculator", {"num_prompts": 4})
     assert isinstance(task, EnvironmentTask)
