@@ -66,6 +66,26 @@ class EnvironmentFailure(RuntimeError):
     """An environment's reset or step raised or timed out (the episode ends; the run goes on)."""
 
 
+def stop_string_end(tokenizer, ids, stop_strings: Sequence[str]) -> int:
+    """How many of a turn's ``ids`` to keep: up to the first token whose text completes one of ``stop_strings``
+    (all of them when none appears).
+
+    >>> from learner.tasks import CharTokenizer
+    >>> tokenizer = CharTokenizer()
+    >>> stop_string_end(tokenizer, tokenizer.encode("12</call>34"), ["</call>"]), stop_string_end(tokenizer, [], [])
+    (9, 0)
+    """
+    if stop_strings:
+        for end in range(1, len(ids) + 1):
+            try:
+                text = tokenizer.decode(ids[:end])
+            except ValueError:  # an id the tokenizer cannot decode (the character one's specials): no text there
+                continue
+            if any(stop in text for stop in stop_strings):
+                return end
+    return len(ids)
+
+
 def call_environment(function: Callable, argument, timeout_s: float, pool: concurrent.futures.Executor):
     """``function(argument)``, sync or async, within ``timeout_s``; raises `EnvironmentFailure` on any failure."""
     try:
@@ -161,11 +181,14 @@ class EpisodeEngine(Engine):
                 self._count("lost")
                 return None
             sample = samples[0]
-            generated = np.asarray(sample.completion_token_ids, np.int32)
+            kept = stop_string_end(tokenizer, sample.completion_token_ids, limits.stop_strings)
+            if kept < sample.completion_token_ids.size:
+                self._count("stop_string_cuts")
+            generated = np.asarray(sample.completion_token_ids[:kept], np.int32)
             ids += generated.tolist()
             mask += [1.0] * generated.size
-            logprobs += np.asarray(sample.logprobs, np.float32).tolist()
-            versions += np.asarray(sample.policy_versions, np.int64).tolist()
+            logprobs += np.asarray(sample.logprobs[:kept], np.float32).tolist()
+            versions += np.asarray(sample.policy_versions[:kept], np.int64).tolist()
             turns += 1
             try:
                 result = call_environment(environment.step, generated.copy(), limits.step_timeout_s,
@@ -225,12 +248,13 @@ class EpisodeEngine(Engine):
 
     def metrics(self) -> dict[str, float]:
         """The engine's counters and the episodes' (cumulative): environment errors, lost episodes, how episodes
-        ended (each limit hit) and observations cut."""
+        ended (each limit hit), observations cut and turns cut at a stop string."""
         with self._lock:
             counts = dict(self._counts)
         return {**self.engine.metrics(), "multiturn/env_errors": counts.get("env_errors", 0),
                 "multiturn/episodes_lost": counts.get("lost", 0),
                 "multiturn/observations_cut": counts.get("observations_cut", 0),
+                "multiturn/stop_string_cuts": counts.get("stop_string_cuts", 0),
                 **{f"multiturn/ended_by/{name}": counts.get(name, 0) for name in ENDINGS[:3]}}
 
     def close(self) -> None:

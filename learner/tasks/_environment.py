@@ -47,6 +47,8 @@ class EpisodeLimits:
     max_turn_tokens: int = 64  # new tokens per policy turn (fewer when the episode's budget is nearly spent)
     max_observation_tokens: int = 64  # an observation longer than this is cut to it
     stop_ids: tuple[int, ...] = ()  # ids that end a policy turn besides the tokenizer's eos ids (tool-call tags)
+    stop_strings: tuple[str, ...] = ()  # texts that end a turn (a tag of several tokens): the turn is cut after the
+    # first token whose text completes one (the engine's later tokens are dropped, never trained)
     step_timeout_s: float = 30.0  # a reset or step taking longer ends its episode as an environment error
 
     def __post_init__(self):

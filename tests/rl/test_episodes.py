@@ -197,6 +197,17 @@ def test_the_turn_budget_shrinks_to_what_the_episode_has_left():
     assert episode.completion_token_ids.size == 7
 
 
+def test_a_stop_string_cuts_the_turn_after_the_token_completing_it_and_the_episode_continues_from_there():
+    task = EchoTask(done_after=2, stop_strings=("de",))
+    task.tokenizer = Tokens()  # decode: chr of each id, so the first turn's 100, 101, 102 is "def"
+    (episode,), episodes, engine = run_group(task)
+    assert task.seen == [[100, 101], [101, 102, 103]]  # "de" | "efg": the second turn has no stop string
+    np.testing.assert_array_equal(engine.requests[1].prompt_token_ids, [10, 20, 100, 101, 901, 901])
+    np.testing.assert_array_equal(episode.completion_token_ids, [100, 101, 901, 901, 101, 102, 103])
+    np.testing.assert_array_equal(episode.logprobs, [-1, -1, 0, 0, -2, -2, -2])
+    assert episodes.metrics()["multiturn/stop_string_cuts"] == 1
+
+
 def test_stop_ids_of_the_task_end_every_turn_besides_eos():
     _, _, engine = run_group(EchoTask(done_after=1, stop_ids=(61, EOS)))
     assert engine.requests[0].sampling.stop_token_ids == (EOS, 61)
