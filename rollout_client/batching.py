@@ -19,7 +19,8 @@ class RolloutBatch:
 
     Attributes:
       tokens: int32 [B, T], padded with `pad_token_id`.
-      loss_mask: float32 [B, T], 1 on completion tokens, 0 on prompt and padding.
+      loss_mask: float32 [B, T], 1 on completion tokens the policy sampled, 0 on prompt, padding and a sample's
+        masked tokens (`Sample.completion_mask`).
       rollout_logprobs: float32 [B, T], 0 where loss_mask is 0.
       policy_versions: int32 [B, T], -1 where loss_mask is 0.
       prompt_lengths: int32 [B].
@@ -72,9 +73,10 @@ def collate(samples: Sequence[Sample], pad_to_multiple: int = 64, pad_token_id: 
         end = start + sample.completion_token_ids.size
         tokens[row, :start] = sample.prompt_token_ids
         tokens[row, start:end] = sample.completion_token_ids
-        loss_mask[row, start:end] = 1.0
-        logprobs[row, start:end] = sample.logprobs
-        versions[row, start:end] = sample.policy_versions
+        policy = 1.0 if sample.completion_mask is None else sample.completion_mask
+        loss_mask[row, start:end] = policy
+        logprobs[row, start:end] = np.where(policy != 0, sample.logprobs, 0.0)
+        versions[row, start:end] = np.where(policy != 0, sample.policy_versions, -1)
     return RolloutBatch(
         tokens=tokens,
         loss_mask=loss_mask,

@@ -13,9 +13,14 @@ Nothing is downloaded. ``OUT_DIR`` (default ``runs/hf_tiny_files``, where the co
   ``test.jsonl`` holds the 50 of the 1000 questions left out of training (the validation split: a model that learnt
   to reverse, rather than memorised answers, solves them too).
 
+With ``--tool-calculator`` (``tool_calculator=True``) the tokenizer also learns the text of the multi-turn calculator
+episodes (`learner.tasks.Calculator` with ``chat = true``: ``37*84=``, the ``tool`` message of the result, ``?``),
+so that ``configs/tool_calculator_hf.toml`` can train on this checkpoint (default directory
+``runs/hf_tiny_calculator_files``).
+
 Usage::
 
-    python scripts/make_hf_tiny.py [OUT_DIR] [--overwrite]
+    python scripts/make_hf_tiny.py [OUT_DIR] [--overwrite] [--tool-calculator]
 
 or from Python, ``make_hf_tiny(out_dir)``.
 """
@@ -31,15 +36,18 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = [
+    "CALCULATOR_DIR",
     "CHAT_TEMPLATE",
     "DEFAULT_DIR",
     "HfTinyFiles",
+    "calculator_texts",
     "make_hf_tiny",
     "model_config",
     "reversal_rows",
 ]
 
 DEFAULT_DIR = pathlib.Path("runs/hf_tiny_files")
+CALCULATOR_DIR = pathlib.Path("runs/hf_tiny_calculator_files")  # --tool-calculator's default
 # ChatML as Qwen2.5 writes it, without the default system message (short prompts).
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
                  "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
@@ -115,14 +123,31 @@ def _random_weights(config, seed: int) -> dict[str, np.ndarray]:
     return weights
 
 
-def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, overwrite: bool = False
-                 ) -> HfTinyFiles:
+def calculator_texts() -> list[str]:
+    """Text of the chat calculator's episodes for the tokenizer: questions, calls, tool messages, answers."""
+    from learner.tasks import render_chat
+
+    texts = []
+    for a in range(10, 100, 7):
+        for b in range(10, 100, 11):
+            question, result = f"{a}*{b}", str(a * b)
+            texts.append(render_chat(CHAT_TEMPLATE, [{"role": "user", "content": question},
+                                                     {"role": "assistant", "content": question + "="},
+                                                     {"role": "tool", "content": result},
+                                                     {"role": "assistant", "content": result},
+                                                     {"role": "tool", "content": "?"}]))
+    return texts
+
+
+def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, overwrite: bool = False,
+                 tool_calculator: bool = False) -> HfTinyFiles:
     """Writes the checkpoint with its tokenizer and the two dataset files under ``out_dir`` (module docstring).
 
     Args:
         out_dir: the directory to write into (created if missing).
         seed: of the weights and of which questions are held out.
         overwrite: replace files of an earlier call; False refuses them.
+        tool_calculator: the tokenizer also covers the chat calculator's text (`calculator_texts`).
 
     Returns:
         The paths written (`HfTinyFiles`).
@@ -140,7 +165,8 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
     for path, keep in ((files.train, lambda i: i not in held_out), (files.test, lambda i: i in held_out)):
         path.write_text("".join(json.dumps(row) + "\n" for i, row in enumerate(rows) if keep(i)))
 
-    tokenizer = _train_tokenizer([_render(row["question"]) + row["answer"] for row in rows])
+    tokenizer = _train_tokenizer([_render(row["question"]) + row["answer"] for row in rows]
+                                 + (calculator_texts() if tool_calculator else []))
     stop_ids = (tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>"))
     vocab_size = -(-tokenizer.get_vocab_size() // 16) * 16 + 16  # unused rows, as Qwen2.5's 151936 > 151665
     config = model_config(vocab_size)
@@ -158,12 +184,16 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python scripts/make_hf_tiny.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", nargs="?", type=pathlib.Path, default=DEFAULT_DIR,
-                        help=f"directory to write into (default: {DEFAULT_DIR}, where configs/hf_tiny.toml looks)")
+    parser.add_argument("out_dir", nargs="?", type=pathlib.Path,
+                        help=f"directory to write into (default: {DEFAULT_DIR}, where configs/hf_tiny.toml looks; "
+                             f"with --tool-calculator {CALCULATOR_DIR}, where configs/tool_calculator_hf.toml looks)")
     parser.add_argument("--seed", type=int, default=0, help="of the weights and of the held-out questions")
     parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier call")
+    parser.add_argument("--tool-calculator", action="store_true",
+                        help="the tokenizer also covers the chat calculator's text (configs/tool_calculator_hf.toml)")
     args = parser.parse_args(argv)
-    files = make_hf_tiny(args.out_dir, seed=args.seed, overwrite=args.overwrite)
+    out_dir = args.out_dir or (CALCULATOR_DIR if args.tool_calculator else DEFAULT_DIR)
+    files = make_hf_tiny(out_dir, seed=args.seed, overwrite=args.overwrite, tool_calculator=args.tool_calculator)
     for name, path in files._asdict().items():
         print(f"{name}: {path}")
 

@@ -3,7 +3,10 @@
 Reads RUN/rollout_log and computes, per logged batch, ``corrections.mismatch_metrics`` of the logged proximal
 (learner) against rollout (server) logprobs; with ``--preset``, also the metrics of ``corrections.compute`` under
 that preset, with the logged proximal logprobs as both current and proximal (the state before the update), so the
-importance weights and rejections are those the update saw first. Prints a table; ``--jsonl`` writes all metrics.
+importance weights and rejections are those the update saw first. A batch of multi-turn episodes (rows whose
+trained tokens have observations, mask 0, between them: `learner.rl.episodes`) also gets its episode statistics
+(`episode_statistics`): policy turns per episode, the observations' share of the tokens, and how many policy
+versions sampled one episode. Prints a table; ``--jsonl`` writes all metrics.
 
     python scripts/recompute_diagnostics.py RUN [--preset decoupled_geo_rs_token_tis] [--jsonl out.jsonl]
 """
@@ -29,6 +32,8 @@ COLUMNS = (
     ("lp_diff", "rollout_corr/logprob_abs_diff_mean"),
     ("rejected", "rollout_corr/rollout_rs_masked_fraction"),
     ("is_mean", "rollout_corr/rollout_is_mean"),
+    ("turns", "multiturn/turns_mean"),
+    ("env_frac", "multiturn/env_tokens_fraction"),
 )
 
 
@@ -55,10 +60,35 @@ def batch_diagnostics(batch: LoggedBatch, length: int, preset: str | None = None
     return host_scalars(_diagnostics(*(np.pad(a, padding) for a in arrays), preset=preset))
 
 
+def episode_statistics(batch: LoggedBatch) -> dict[str, float]:
+    """Episode statistics of a batch of multi-turn episodes; empty for single-turn rows (no observation inside).
+
+    Per row, the episode's completion runs from its first trained token to its last; its turns are the runs of
+    trained tokens, its observations the untrained tokens between them (the run's ``multiturn/turns_mean`` and
+    ``multiturn/env_tokens_fraction``). ``multiturn/versions_per_episode_max``: the most policy versions that
+    sampled one episode's tokens (above 1 when a publish fell between its turns).
+    """
+    mask = np.asarray(batch.loss_mask) != 0
+    rows = np.flatnonzero(mask.any(axis=1))
+    turns, env_tokens, completion, versions = [], 0, 0, []
+    for row in rows:
+        trained = np.flatnonzero(mask[row])
+        span = mask[row, trained[0]:trained[-1] + 1]
+        turns.append(int(span[0]) + int(np.sum(span[1:] & ~span[:-1])))
+        env_tokens += int((~span).sum())
+        completion += span.size
+        versions.append(np.unique(batch.policy_version[row][mask[row]]).size)
+    if not env_tokens:
+        return {}
+    return {"multiturn/turns_mean": float(np.mean(turns)), "multiturn/env_tokens_fraction": env_tokens / completion,
+            "multiturn/versions_per_episode_max": float(max(versions))}
+
+
 def recompute(run_dir: str | pathlib.Path, preset: str | None = None) -> list[dict[str, float]]:
     """``{"step": step, **metrics}`` for every batch of ``run_dir``'s rollout log, in log order."""
     reader = RolloutLogReader(pathlib.Path(run_dir) / "rollout_log")
-    return [{"step": batch.step, **batch_diagnostics(batch, reader.max_length, preset)} for batch in reader.batches()]
+    return [{"step": batch.step, **batch_diagnostics(batch, reader.max_length, preset), **episode_statistics(batch)}
+            for batch in reader.batches()]
 
 
 def format_table(records: list[dict[str, float]]) -> str:

@@ -24,6 +24,7 @@ from learner.batch import TrainBatch
 from learner.bucketing import BucketConfig, pad_batch
 from learner.logprob_mode import replay_params
 from learner.sampler_replay import SamplerParams, transforms
+from learner.tasks import EnvironmentTask
 from rollout_client import RolloutBatch, collate
 from rollout_client.sampling_params import SamplerOrder
 
@@ -146,13 +147,17 @@ def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[M
     Groups with fewer than ``num_samples`` samples (dropped as stale or invalid) are left out; missing rows are
     fully masked padding. Rewards come from ``task.rewards`` with each group's prompt record
     (``rows_of_groups[g]``); a group with a NaN reward (a reward the task skipped, e.g. one that raised) is left out
-    too. Advantages are GRPO's, per group, broadcast over each sample's completion tokens.
+    too; an environment task's rewards are its episodes' (`learner.rl.episodes.Episode.reward`: NaN after an
+    environment error). Advantages are GRPO's, per group, broadcast over each sample's trained tokens (an episode's
+    observations are masked: `rollout_client.Sample.completion_mask`).
     """
     complete = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group) == num_samples]
     if not complete:
         raise NoUsableRolloutsError("every group of this rollout batch was dropped (stale or invalid samples)")
     records = [row for group, row in complete for _ in group]
-    rewards = np.asarray(task.rewards(records, [s.completion_token_ids for group, _ in complete for s in group]),
+    flat = [s for group, _ in complete for s in group]
+    rewards = np.asarray([s.reward for s in flat] if isinstance(task, EnvironmentTask)  # episodes: the env's
+                         else task.rewards(records, [s.completion_token_ids for s in flat]),
                          np.float32).reshape(len(complete), num_samples)
     scored = ~np.isnan(rewards).any(axis=1)
     if not scored.any():
@@ -184,7 +189,9 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
     Needs a task with ``make_prompt`` and ``noisy_demonstration`` (`learner.tasks.Demonstrations`): fresh prompts,
     not the RL prompt stream. Host NumPy ``[size', length]``. The loss covers every completion token, the stop id
     included, also when it is the pad id (rows end where their tokens do, whatever their ids); a demonstration
-    longer than the row is cut there, as a rollout at its length limit. ``scored_window``: the update's
+    longer than the row is cut there, as a rollout at its length limit. A multi-turn task's demonstration may be
+    ``(ids, mask)``: the loss then covers the completion tokens where ``mask`` is 1 (its policy turns, not the
+    observations). ``scored_window``: the update's
     (`check_scored_window`); a longer demonstration raises.
     """
     tokens = np.full((size, length), task.tokenizer.pad_id, np.int32)
@@ -192,10 +199,12 @@ def demonstration_batch(task, rng: np.random.Generator, size: int, noise: float,
     lengths = np.zeros(size, np.int32)  # real tokens per row (not `tokens != pad_id`: pad may equal eos)
     for row in range(size):
         prompt = np.asarray(task.make_prompt(rng)[0], np.int32)
-        completion = np.asarray(task.noisy_demonstration(prompt, rng, noise), np.int32)
-        completion = completion[:max(length - len(prompt), 0)]  # cut at the row's end
+        completion = task.noisy_demonstration(prompt, rng, noise)
+        completion, trained = completion if isinstance(completion, tuple) else (completion, np.ones(len(completion)))
+        keep = max(length - len(prompt), 0)  # cut at the row's end
+        completion, trained = np.asarray(completion, np.int32)[:keep], np.asarray(trained, np.float32)[:keep]
         tokens[row, :len(prompt) + len(completion)] = np.concatenate([prompt, completion])
-        loss_mask[row, len(prompt):len(prompt) + len(completion)] = 1.0
+        loss_mask[row, len(prompt):len(prompt) + len(completion)] = trained
         lengths[row] = len(prompt) + len(completion)
     zeros = np.zeros_like(loss_mask)
     check_scored_window(loss_mask, scored_window)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from learner.data import prompt_dataset, prompt_iterator
+from learner.rl.episodes import EpisodeRequest
 from rollout_client import LogprobMode, RolloutRequest, SamplingParams
 
 
@@ -36,15 +37,17 @@ class PromptStream:
     walks the whole stream (process 0 issues the requests). ``position(n)`` is the iterator state before the
     ``n``-th batch pulled: after ``n`` trained batches, the position to resume from. `next_record` gives the
     prompt records of the issued requests in issue order (the order `rollout_client.RolloutBuffer` returns them).
+    ``episodes``: the requests are `learner.rl.episodes.EpisodeRequest` of the records (an environment task's).
     """
 
     def __init__(self, records, batch_size: int, seed: int, sampling: SamplingParams, num_samples: int,
-                 logprob_mode: LogprobMode):
+                 logprob_mode: LogprobMode, episodes: bool = False):
         self._records = records
         dataset = prompt_dataset(np.arange(len(records)), lambda index: {"index": np.int64(index)},
                                  global_batch_size=batch_size, seed=seed, process_index=0, process_count=1)
         self._iterator = prompt_iterator(dataset)
         self._sampling, self._num_samples, self._mode = sampling, num_samples, logprob_mode
+        self._episodes = episodes
         self._positions: list[dict] = []
         self._issued: collections.deque[Mapping[str, Any]] = collections.deque()
 
@@ -68,8 +71,12 @@ class PromptStream:
             self._positions.append(self.get_state())
             for index in next(self._iterator)["index"]:
                 record = self._records[int(index)]
-                request = RolloutRequest(np.asarray(record["prompt_ids"], np.int32), sampling=self._sampling,
-                                         num_samples=self._num_samples, logprob_mode=self._mode)
+                if self._episodes:
+                    request = EpisodeRequest(record, sampling=self._sampling, num_samples=self._num_samples,
+                                             logprob_mode=self._mode)
+                else:
+                    request = RolloutRequest(np.asarray(record["prompt_ids"], np.int32), sampling=self._sampling,
+                                             num_samples=self._num_samples, logprob_mode=self._mode)
                 self._issued.append(record)
                 yield request
 

@@ -44,11 +44,12 @@ from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, asse
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity, sampler_order
 from learner.rl import migration
+from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.trainer import Trainer
 from learner.logprob_mode import check_logprob_mode
-from learner.tasks import Demonstrations, load_task
+from learner.tasks import Demonstrations, EnvironmentTask, load_task
 from rollout_client import LogprobMode, RolloutBuffer
 
 
@@ -125,13 +126,19 @@ class Run:
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
+        self.episodic = isinstance(self.task, EnvironmentTask)  # multi-turn: `learner.rl.episodes`
+        if self.episodic and config.rollout.max_new_tokens:
+            raise ValueError(f"rollout.max_new_tokens={config.rollout.max_new_tokens}: task {config.task.name!r} "
+                             "is multi-turn; its turns and episodes are bounded by its own limits (task.args "
+                             "max_turn_tokens and the task's max_completion_tokens); unset rollout.max_new_tokens")
         self.trainer = Trainer(config, self.task)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
         stop_ids = self.task.tokenizer.eos_ids
         self.stream = PromptStream(self.task.prompts(), config.rollout.prompts_per_step, config.task.seed,
                                    sampling_params(config, self.trainer.max_new_tokens, stop_ids),
-                                   config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()])
+                                   config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()],
+                                   episodes=self.episodic)
         self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config),
                                        scored_window=self.trainer.update_config.scored_window)
         if self.checkpointer.latest_step() is not None:
@@ -144,7 +151,10 @@ class Run:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
             weights = self.trainer.host_weights()
-            self.engine = stack.enter_context(build_engine(config, self.trainer, stop_ids, self.run_dir, weights))
+            engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
+            rollout = config.rollout
+            episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
+            self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic else engine)
             check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                            config.server.address or "the embedded server")
             self.server_version = self.engine.publish(self.trainer.policy_version, weights)
@@ -246,7 +256,8 @@ class Run:
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
                 "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
-                **(self.task.metrics() if hasattr(self.task, "metrics") else {})})
+                **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
+                **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
         return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
                           proximal_logprobs=proximal[:samples], policy_version=trainer.policy_version,
                           server_version=server_version)

@@ -6,7 +6,7 @@ function (``rewards(rows, completions)``). The loop loads it from the run config
 ``"package.module:attribute"``, and ``task.args`` are the keyword arguments of that class or factory. The loop
 shuffles, batches and checkpoints its position in ``prompts()``, so a task knows nothing of epochs or processes.
 A task that also has ``make_prompt`` and ``noisy_demonstration`` (`Demonstrations`) can feed the supervised
-warm-up.
+warm-up. A multi-turn task is an `EnvironmentTask`: its ``environment()`` answers each policy turn (docs/multiturn.md).
 
 A task is any class with these members; no base class is needed. Copy a digit string:
 
@@ -41,6 +41,7 @@ and ``save_to_disk`` data (`read_rows`), renders prompts with the checkpoint's t
 docs/data.md.
 """
 
+from learner.tasks._calculator import Calculator
 from learner.tasks._chat_template import ChatTemplateError
 from learner.tasks._chat_template import render_chat
 from learner.tasks._dataset_files import read_rows
@@ -49,6 +50,13 @@ from learner.tasks._dataset_task import decode_completion
 from learner.tasks._digit_tasks import Addition
 from learner.tasks._digit_tasks import ReverseDigits
 from learner.tasks._digit_tasks import SortDigits
+from learner.tasks._environment import Environment
+from learner.tasks._environment import EnvironmentTask
+from learner.tasks._environment import EpisodeLimits
+from learner.tasks._environment import StepResult
+from learner.tasks._environment import message_segment_ids
+from learner.tasks._environment import segment_ids
+from learner.tasks._environment import turn_end_id
 from learner.tasks._evaluation import evaluation_metrics
 from learner.tasks._evaluation import pass_at_k
 from learner.tasks._hf_tokenizer import HFTokenizer
@@ -77,11 +85,15 @@ __all__ = (
     "Addition",
     "BOS_ID",
     "BUILTIN_REWARDS",
+    "Calculator",
     "CharTokenizer",
     "ChatTemplateError",
     "DatasetTask",
     "Demonstrations",
     "EOS_ID",
+    "Environment",
+    "EnvironmentTask",
+    "EpisodeLimits",
     "HFTokenizer",
     "PAD_ID",
     "ReverseDigits",
@@ -91,6 +103,7 @@ __all__ = (
     "RewardSet",
     "SEP_ID",
     "SortDigits",
+    "StepResult",
     "TOKENIZER",
     "Task",
     "TextTask",
@@ -100,9 +113,12 @@ __all__ = (
     "load_function",
     "load_task",
     "make_reward",
+    "message_segment_ids",
     "pass_at_k",
     "read_rows",
     "register_task",
     "render_chat",
+    "segment_ids",
     "task_names",
+    "turn_end_id",
 )

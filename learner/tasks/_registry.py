@@ -8,8 +8,10 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from learner.tasks._calculator import Calculator
 from learner.tasks._dataset_task import DatasetTask
 from learner.tasks._digit_tasks import Addition, ReverseDigits, SortDigits
+from learner.tasks._environment import EnvironmentTask
 from learner.tasks._protocols import Task, Tokenizer, missing_members
 
 _FACTORIES: dict[str, Callable[..., Task]] = {}
@@ -40,6 +42,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
       model_path: the run's ``model.hf_path``, passed as ``model_path`` to a class or factory that takes one
         (the ``dataset`` task's default tokenizer directory) unless ``args`` set it.
 
+    A task with an ``environment`` method is checked as an `learner.tasks.EnvironmentTask` (multi-turn).
+
     Raises:
       ValueError: naming the config key at fault (``task.name`` or ``task.args``) and the reason.
 
@@ -66,11 +70,14 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
         raise ValueError(f"task.args: {name!r} is a task instance, which takes no args; got {sorted(args)}")
     else:
         task = target
-    missing = missing_members(task, Task)
+    protocol = EnvironmentTask if hasattr(task, "environment") else Task  # a multi-turn task, or a single-turn one
+    missing = missing_members(task, protocol)
     if "tokenizer" not in missing:
         missing += [f"tokenizer.{member}" for member in missing_members(task.tokenizer, Tokenizer)]
     if missing:
-        raise ValueError(f"task.name={name!r}: {type(task).__name__} is not a Task: it lacks {', '.join(missing)}")
+        article = "an" if protocol is EnvironmentTask else "a"
+        raise ValueError(f"task.name={name!r}: {type(task).__name__} is not {article} {protocol.__name__}: it lacks "
+                         f"{', '.join(missing)}")
     return task
 
 
@@ -103,3 +110,4 @@ register_task("addition_2digit", functools.partial(Addition, digits=2))
 register_task("dataset", DatasetTask)
 register_task("sort_digits", SortDigits)
 register_task("reverse_digits", ReverseDigits)
+register_task("tool_calculator", Calculator)
