@@ -53,6 +53,10 @@ class ModelSection:
     name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
     hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
     param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
+    # Precision of every matmul of the learner's passes and the embedded server (learner.precision): "highest",
+    # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
+    # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
+    matmul_precision: str = _bounded("auto", choices=("auto", "highest", "high", "default"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,6 +479,7 @@ def from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollout.logprob_mode")
+RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU run may resume on a GPU.
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:
@@ -485,7 +490,7 @@ def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence
     """
     old, new = dict(_flat(saved)), dict(_flat(to_dict(current)))
     return sorted(key for key in old.keys() | new.keys()
-                  if key.startswith(tuple(watched)) and old.get(key) != new.get(key))
+                  if key.startswith(tuple(watched)) and key not in RESUME_FREE_KEYS and old.get(key) != new.get(key))
 
 
 def _flat(data: Mapping[str, Any]):

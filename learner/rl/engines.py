@@ -64,7 +64,7 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
     return [*model, "--param-dtype", config.model.param_dtype, "--dtype", config.server.dtype,
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
-            "--seed", str(config.loop.seed)]
+            "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision]
 
 
 def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]
