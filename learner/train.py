@@ -24,7 +24,7 @@ import jax
 
 from learner.distributed import initialize
 from learner.rl import NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig, load_config
-from rollout_client import EngineCapabilityError
+from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
 
 
 def parse_args(argv=None) -> tuple[pathlib.Path | None, list[str]]:
@@ -77,6 +77,8 @@ def main(argv=None) -> None:
             run.train()
     except (ResumeConfigError, EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError) as error:
         sys.exit(f"error: {error}")
+    except (EngineExitedError, EnginesDownError) as error:  # one line: it names the engine's log and exit code
+        sys.exit(f"error: {str(error).splitlines()[0].rstrip(':')}")
 
 
 if __name__ == "__main__":
