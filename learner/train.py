@@ -24,6 +24,7 @@ import jax
 
 from learner.distributed import initialize
 from learner.rl import NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig, load_config
+from learner.rl.devices import configure_learner
 from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
 
 
@@ -65,6 +66,7 @@ def main(argv=None) -> None:
     config_path, overrides = parse_args(argv)
     try:
         config = load_config(config_path, overrides)
+        configure_learner(config)  # memory budget and visible GPUs: before JAX starts its backends
     except ValueError as error:
         sys.exit(f"error: {error}")
     enable_compilation_cache()
