@@ -5,7 +5,7 @@ corrections with recompute, the completion half of every row trained), ``--rows`
 
 * ``--compare`` (qwen2-0.5b): Tether against google-tunix, alternated in two worker processes that share the device
   (``--memory-fraction`` each), if this interpreter can import tunix; else Tether alone.
-* ``--mfu`` (llama-1b): Tether alone; model-FLOPs utilisation = model FLOPs per second over the bfloat16 matmul peak
+* ``--mfu`` (llama-1b): Tether alone (``--mfu-memory-fraction``); model-FLOPs utilisation = model FLOPs per second over the bfloat16 matmul peak
   measured by the same worker (``--peak-size``). Model FLOPs per update: tokens x (6N + 12·L·H·Dh·T) for the training
   pass plus tokens x (2N + 4·L·H·Dh·T) for the recompute pass, N the matmul parameters including the output head.
 
@@ -125,15 +125,16 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=3, help="timed updates per turn")
     parser.add_argument("--peak-size", type=int, default=8192, help="N of the N x N bfloat16 matmul peak")
     parser.add_argument("--memory-fraction", type=float, default=0.45,
-                        help="each worker's share of the accelerator's memory (two share one device)")
+                        help="each comparing worker's share of the accelerator's memory (two share one device)")
+    parser.add_argument("--mfu-memory-fraction", type=float, default=0.9,
+                        help="the MFU worker's share (it runs alone)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."), help="where results are written")
     args = parser.parse_args(argv)
-    env = worker_env(memory_fraction=args.memory_fraction)
     results = {}
     if args.compare:
-        results["compare"] = compare(args, env)
+        results["compare"] = compare(args, worker_env(memory_fraction=args.memory_fraction))
     if args.mfu:
-        results["mfu"] = mfu(args, env)
+        results["mfu"] = mfu(args, worker_env(memory_fraction=args.mfu_memory_fraction))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
     text = table(results)
