@@ -24,7 +24,8 @@ import jax
 
 from learner.distributed import initialize
 from learner.rl import NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig, load_config
-from rollout_client import EngineCapabilityError
+from learner.rl.devices import configure_learner
+from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
 
 
 def parse_args(argv=None) -> tuple[pathlib.Path | None, list[str]]:
@@ -65,6 +66,7 @@ def main(argv=None) -> None:
     config_path, overrides = parse_args(argv)
     try:
         config = load_config(config_path, overrides)
+        configure_learner(config)  # memory budget and visible GPUs: before JAX starts its backends
     except ValueError as error:
         sys.exit(f"error: {error}")
     enable_compilation_cache()
@@ -77,6 +79,8 @@ def main(argv=None) -> None:
             run.train()
     except (ResumeConfigError, EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError) as error:
         sys.exit(f"error: {error}")
+    except (EngineExitedError, EnginesDownError) as error:  # one line: it names the engine's log and exit code
+        sys.exit(f"error: {str(error).splitlines()[0].rstrip(':')}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from learner.batch import TrainBatch
 from learner.logprobs import token_logprobs
 from learner.optimizer import skipped_updates
+from learner.precision import with_matmul_precision
 from learner.sharding import BATCH_AXES, batch_sharding
 from learner.train_state import TrainState
 
@@ -389,7 +390,8 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
 
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
-                   mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None):
+                   mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None,
+                   matmul_precision: str = "default"):
     """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params) -> (state, metrics, proximal_logprobs)``.
 
     The state is donated and keeps ``shardings`` (from `learner.train_state.train_state_shardings`); batch leaves
@@ -397,9 +399,11 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     and the proximal logprobs come back replicated. Each new batch shape compiles a new program: bucket them
     (`learner.bucketing`). ``compiler_options`` are XLA options for this program (e.g.
     ``{"xla_backend_optimization_level": 0}`` trades CPU run time for a faster compile in tests).
+    ``matmul_precision``: the precision of every dot of the program (`learner.precision`).
     """
-    step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
-                             param_shardings=shardings.params)
+    step = with_matmul_precision(functools.partial(update_step, graphdef=graphdef, optimizer=optimizer,
+                                                   config=config, mesh=mesh, param_shardings=shardings.params),
+                                 matmul_precision)
     ref_shardings = shardings.params if config.corrections.kl_coef > 0 else None
     jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings),
                      out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),

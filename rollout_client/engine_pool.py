@@ -99,6 +99,18 @@ def engine_address(engine: Engine, default: str) -> str:
     return getattr(engine, "address", None) or getattr(process, "address", None) or default
 
 
+def describe_error(error: BaseException) -> str:
+    """One line: the error's type and its first line (a gRPC error's status code and details).
+
+    >>> describe_error(RuntimeError("the engine exited\\nend of its log: ..."))
+    'RuntimeError: the engine exited'
+    """
+    if isinstance(error, grpc.RpcError) and callable(getattr(error, "code", None)):
+        return f"{type(error).__name__}: {error.code().name}: {error.details()}"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def _engine_down(error: BaseException) -> bool:
     """Whether a request failed because its engine is unreachable (not because of the request or its samples)."""
     if isinstance(error, (errors.RolloutUnavailableError, errors.RolloutDeadlineError)):
@@ -198,7 +210,7 @@ class EnginePool(Engine):
             # A launched engine whose process runs was restarting (or was briefly unreachable): resend, a few times.
             alive = getattr(engine, "process", None) is not None and not self._dead(engine)
             if not cut_by_update and not (alive and resends < _RESENDS_TO_A_LIVE_ENGINE):
-                self._take_out(member, engine, f"{type(error).__name__}: {error}")
+                self._take_out(member, engine, describe_error(error))
             with self._lock:
                 self._counts["engines/redispatched"] += 1
             self._dispatch(request, outer, resends + 1)
@@ -264,7 +276,7 @@ class EnginePool(Engine):
             try:
                 engine = member.relaunch(current)
             except Exception as error:  # noqa: BLE001 - counted as a failed relaunch; the message keeps why
-                member.last_failure = f"relaunch {member.relaunches} failed: {error}"
+                member.last_failure = f"relaunch {member.relaunches} failed: {describe_error(error)}"
                 return
             member.address = engine_address(engine, member.address)
         else:
@@ -279,7 +291,7 @@ class EnginePool(Engine):
             if current is not None:
                 engine.publish(*current)
         except Exception as error:  # noqa: BLE001 - not back yet
-            member.last_failure = f"republishing the weights failed: {error}"
+            member.last_failure = f"republishing the weights failed: {describe_error(error)}"
             if member.relaunch is not None:
                 member.engine = engine  # closed on the next relaunch
             return
@@ -299,15 +311,15 @@ class EnginePool(Engine):
                 return None
             if member.relaunch is None and now - member.down_since < self.config.give_up_after_s:
                 return None
-        lines = []
+        parts = []
         for member in self.members:
             if member.relaunch is not None:
-                lines.append(f"- the launched engine at {member.address}{member.process_state()} was relaunched "
+                parts.append(f"the launched engine at {member.address}{member.process_state()} was relaunched "
                              f"{member.relaunches} times (max_relaunches) and is down: {member.last_failure}")
             else:
-                lines.append(f"- the engine at {member.address} has been unreachable for "
+                parts.append(f"the engine at {member.address} has been unreachable for "
                              f"{now - member.down_since:.0f} s: {member.last_failure}")
-        return "no inference engine is serving:\n" + "\n".join(lines)
+        return "no inference engine is serving: " + "; ".join(parts)  # one line: the run's last words
 
     # Weights and identity.
 
@@ -338,7 +350,7 @@ class EnginePool(Engine):
             if error is None:
                 confirmed.append(future.result())
             elif _engine_down(error) or self._dead(engine):
-                self._take_out(member, engine, f"publish failed: {type(error).__name__}: {error}")
+                self._take_out(member, engine, f"publish failed: {describe_error(error)}")
             else:
                 raise error
         if not confirmed:

@@ -84,6 +84,7 @@ class RolloutClient:
         """Closes the channel and stops the loop thread."""
         if self._loop.is_closed():
             return
+        self._run(_cancel_pending_tasks())  # requests still retrying end now, not as "Task was destroyed" at exit
         if hasattr(self, "_client"):
             self._run(self._client.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -96,3 +97,11 @@ class RolloutClient:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+async def _cancel_pending_tasks() -> None:
+    """Cancels every other task of the running loop and waits for them to end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

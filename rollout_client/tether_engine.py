@@ -50,6 +50,7 @@ class TetherEngine(Engine):
             self.client = RolloutClient(config)
         except BaseException:
             if process is not None:
+                process.check_alive()  # it died while the client waited: EngineExitedError names its code and log
                 process.stop()
             raise
 

@@ -66,12 +66,15 @@ class Case:
     epochs: int = 1
     minibatches: int = 1
     scored_window: bool = True  # Tether's logprobs over the completion only (tunix computes every position)
+    dtype: str = "float32"  # compute dtype (parameters stay float32)
 
     @property
     def label(self) -> str:
         loop = f", {self.epochs}x{self.minibatches}" if self.epochs * self.minibatches > 1 else ""
         window = "" if self.scored_window else ", Tether window off"
-        return f"{self.model} {self.rows}x{self.length}{loop}, recompute {'on' if self.recompute else 'off'}{window}"
+        compute = "" if self.dtype == "float32" else f", {self.dtype} compute"
+        return (f"{self.model} {self.rows}x{self.length}{loop}, recompute {'on' if self.recompute else 'off'}{window}"
+                f"{compute}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -105,7 +108,9 @@ def cost_totals(compiled_programs) -> dict:
 def serve(build) -> None:
     """Worker loop: build (``build()`` returns the update, the parameter count, the cost analysis and the arrays it
     made, which are waited for), time the first call, then answer lines on stdin: ``time N`` (N calls), ``first`` (one
-    call after `jax.clear_caches`: trace and compile again), ``cost`` and ``quit``."""
+    call after `jax.clear_caches`: trace and compile again), ``cost``, ``memory`` (the device's peak bytes in use,
+    None where the backend does not say), ``peak N`` (TFLOP/s of an N x N bfloat16 matmul, best of 10) and
+    ``quit``."""
     import jax
 
     def timed_calls(count):
@@ -128,8 +133,29 @@ def serve(build) -> None:
             _reply({"seconds": timed_calls(1)})
         elif command[0] == "cost":
             _reply(cost())
+        elif command[0] == "memory":
+            stats = jax.devices()[0].memory_stats() or {}
+            _reply({"peak_bytes": stats.get("peak_bytes_in_use")})
+        elif command[0] == "peak":
+            _reply({"tflops": matmul_tflops(int(command[1]))})
         else:
             return
+
+
+def matmul_tflops(size: int, repeats: int = 10) -> float:
+    """The device's bfloat16 matmul rate: ``2 size^3`` FLOPs over the best of ``repeats`` timed calls, in TFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    matmul = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(matmul(a, a))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a, a))
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best / 1e12
 
 
 def _reply(message: dict) -> None:
@@ -152,7 +178,7 @@ def tether_worker(case: Case) -> None:
     from learner.update import UpdateConfig, make_update_fn
 
     def build():
-        config = model_config(case.model)
+        config = model_config(case.model, dtype=case.dtype)
         mesh = make_mesh(data=-1)
         optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=LEARNING_RATE, total_steps=TOTAL_STEPS,
                                                    max_grad_norm=MAX_GRAD_NORM))
@@ -197,6 +223,8 @@ TUNIX_SHAPES = {
                  head_dim=16, qkv_bias=True, tied=False),
     "100m": dict(vocab_size=32_000, embed_dim=768, hidden_dim=2048, num_layers=12, num_heads=12, num_kv_heads=4,
                  head_dim=64, qkv_bias=False, tied=True),
+    "qwen2-0.5b": dict(vocab_size=151_936, embed_dim=896, hidden_dim=4864, num_layers=24, num_heads=14,
+                       num_kv_heads=2, head_dim=64, qkv_bias=True, tied=True, rope_theta=1_000_000, norm_eps=1e-6),
 }
 
 
@@ -213,10 +241,13 @@ def tunix_worker(case: Case) -> None:
     def make_model():
         shape = dict(TUNIX_SHAPES[case.model])
         qkv_bias, tied = shape.pop("qkv_bias"), shape.pop("tied")
-        common_fields = dict(rope_theta=10_000, norm_eps=1e-6, **shape)
+        common_fields = dict(rope_theta=10_000, norm_eps=1e-6) | shape
         if qkv_bias:  # Qwen2 has q/k/v biases, Llama3 none
             from tunix.models.qwen2 import model as qwen2
-            return qwen2.Qwen2(qwen2.ModelConfig(use_tied_embedding=tied, **common_fields), rngs=nnx.Rngs(0))
+            return qwen2.Qwen2(qwen2.ModelConfig(use_tied_embedding=tied, dtype=jnp.dtype(case.dtype),
+                                                 param_dtype=jnp.float32, **common_fields), rngs=nnx.Rngs(0))
+        if case.dtype != "float32":
+            raise ValueError(f"{case.model}: tunix's Llama3 config has no compute dtype; use a Qwen2 shape")
         from tunix.models.llama3 import model as llama3
         return llama3.Llama3(llama3.ModelConfig(weight_tying=tied, **common_fields), rngs=nnx.Rngs(0))
 
@@ -342,10 +373,13 @@ class Worker:
         self.process.wait()
 
 
-def worker_env(cache_dir: pathlib.Path | None = None) -> dict:
+def worker_env(cache_dir: pathlib.Path | None = None, memory_fraction: float | None = None) -> dict:
     """The workers' environment: the same threads; JAX's persistent compilation cache in ``cache_dir``, or off
-    (first calls compile from scratch)."""
+    (first calls compile from scratch); ``memory_fraction``: each worker's share of an accelerator's memory (two
+    workers share one GPU)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("JAX_COMPILATION_CACHE")}
+    if memory_fraction is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_fraction:g}"
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false" if cache_dir is None else "true"
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)

@@ -55,6 +55,10 @@ class ModelSection:
     name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
     hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
     param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
+    # Precision of every matmul of the learner's passes and the embedded server (learner.precision): "highest",
+    # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
+    # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
+    matmul_precision: str = _bounded("auto", choices=("auto", "highest", "high", "default"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +119,11 @@ class ServerSection:
     max_relaunches: int = _non_negative(3)  # a launched engine that dies is relaunched (current weights) this often.
     probe_interval_s: float = _positive(2.0)  # between attempts to reach an engine that is down.
     give_up_after_s: float = _positive(120.0)  # the run ends when no engine has served for this long.
+    # The embedded server's share of each accelerator's memory (learner.rl.devices); None: 0.25 while it shares the
+    # learner's devices, else JAX's default. External engines are untouched.
+    device_memory_fraction: float | None = _bounded(None, 0, 1, strict_low=True)
+    # Local GPU index the embedded server runs on alone; the learner's mesh leaves it out. None: shares the learner's.
+    device: int | None = _non_negative(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +176,9 @@ class MeshSection:
     fsdp: int = 1
     tensor: int = 1
     cpu_devices: int = _non_negative(0)  # > 0: simulate this many CPU devices per process; CPU only.
+    # The learner's share of each accelerator's memory (learner.rl.devices); None: 0.65 while the embedded server
+    # shares its devices, else JAX's default (75%, or XLA_PYTHON_CLIENT_MEM_FRACTION).
+    device_memory_fraction: float | None = _bounded(None, 0, 1, strict_low=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +237,7 @@ class RunConfig:
         sampling_params(self, max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=())
         for address in engine_addresses(self) or ["127.0.0.1:0"]:
             client_config(self, address, auth_token=None)
+        memory_fractions(self)
 
 
 # --- Library configs, each built from the sections by one function ----------------------------------------------
@@ -337,6 +350,41 @@ def engine_addresses(config: RunConfig) -> list[str]:
     if len(set(addresses)) < len(addresses):
         raise ValueError(f"server.address={addresses}: an address is listed twice")
     return addresses
+
+
+SHARED_DEVICE_FRACTIONS = (0.65, 0.25)  # learner, embedded server: the defaults while they share a device.
+MAX_SHARED_FRACTION = 0.95  # the rest is each process's own CUDA context and workspaces.
+
+
+def embedded_server(config: RunConfig) -> bool:
+    """Whether the run launches the reference server itself (on this host)."""
+    return config.server.engine == "tether" and config.server.address is None
+
+
+def memory_fractions(config: RunConfig) -> tuple[float | None, float | None]:
+    """The learner's and the embedded server's share of each device's memory (None: JAX's default).
+
+    >>> memory_fractions(load_config(None))
+    (0.65, 0.25)
+    >>> memory_fractions(load_config(None, ["server.address='10.0.0.1:50051'"]))
+    (None, None)
+    """
+    learner, server = config.mesh.device_memory_fraction, config.server.device_memory_fraction
+    if not embedded_server(config):
+        for key, value in (("server.device_memory_fraction", server), ("server.device", config.server.device)):
+            if value is not None:
+                raise ValueError(f"{key}={value!r}: applies to the reference server the run launches "
+                                 "(server.engine = \"tether\" without server.address); unset it")
+        return learner, None
+    if config.server.device is not None:  # each on its own devices
+        return learner, server
+    learner = SHARED_DEVICE_FRACTIONS[0] if learner is None else learner
+    server = SHARED_DEVICE_FRACTIONS[1] if server is None else server
+    if round(learner + server, 6) > MAX_SHARED_FRACTION:
+        raise ValueError(f"mesh.device_memory_fraction={learner:g} + server.device_memory_fraction={server:g}: the "
+                         f"learner and the embedded server share each device, so together they must stay <= "
+                         f"{MAX_SHARED_FRACTION:g}; lower one, or give the server its own GPU (server.device)")
+    return learner, server
 
 
 def client_config(config: RunConfig, target: str, auth_token: str | None, vocab_size: int | None = None
@@ -498,6 +546,7 @@ def from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollout.logprob_mode")
+RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU run may resume on a GPU.
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:
@@ -508,7 +557,7 @@ def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence
     """
     old, new = dict(_flat(saved)), dict(_flat(to_dict(current)))
     return sorted(key for key in old.keys() | new.keys()
-                  if key.startswith(tuple(watched)) and old.get(key) != new.get(key))
+                  if key.startswith(tuple(watched)) and key not in RESUME_FREE_KEYS and old.get(key) != new.get(key))
 
 
 def _flat(data: Mapping[str, Any]):

@@ -35,6 +35,7 @@ from rollout_client.server.cli import AUTH_TOKEN_ENV
 
 from learner.hf_checkpoint import write_hf_checkpoint
 from learner.rl.config import RunConfig, client_config, engine_addresses
+from learner.rl.devices import engine_environment
 from learner.safetensors_io import config_to_hf
 
 ENGINES = {"tether": TetherEngine, "mlx": MlxEngine, "sglang": SGLangEngine, "vllm": VllmEngine}  # server.engine
@@ -64,7 +65,7 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
     return [*model, "--param-dtype", config.model.param_dtype, "--dtype", config.server.dtype,
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
-            "--seed", str(config.loop.seed)]
+            "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision]
 
 
 def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]
@@ -126,7 +127,8 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
 
     def launch(current=None) -> TetherEngine:  # the pool publishes the current weights to it before use
         process = EngineProcess("learner.serving", reference_server_args(config, trainer, eos_ids),
-                                run_dir / "server.log", config.server.start_timeout_s, env={AUTH_TOKEN_ENV: token})
+                                run_dir / "server.log", config.server.start_timeout_s,
+                                env={AUTH_TOKEN_ENV: token, **engine_environment(config)})
         return TetherEngine(client_config(config, process.address, auth_token=token, vocab_size=vocab_size),
                             process=process)
 

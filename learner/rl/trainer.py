@@ -20,6 +20,7 @@ from learner.logprob_mode import rebuild_batch_logprobs
 from learner.model import Transformer, model_config
 from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
+from learner.precision import resolve_matmul_precision, with_matmul_precision
 from learner.rl.batches import demonstration_batch
 from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
                                warmup_optimizer_config)
@@ -70,13 +71,17 @@ class Trainer:
             self.model_config, self.optimizer, self.mesh, seed=config.loop.seed)
         self.reference = None  # frozen parameters of the KL reference policy, when kl_coef > 0
         self.compiler_options = {"xla_backend_optimization_level": 0} if config.update.fast_compile else None
+        # Every pass below (training, proximal, reference, sampler replay) traces its dots at this precision.
+        self.matmul_precision = resolve_matmul_precision(config.model.matmul_precision, self.model_config.dtype)
         self.update_fn = make_update_fn(self.graphdef, self.optimizer, self.update_config, self.mesh,
-                                        self.shardings, compiler_options=self.compiler_options)
+                                        self.shardings, compiler_options=self.compiler_options,
+                                        matmul_precision=self.matmul_precision)
         replicated = NamedSharding(self.mesh, P())
-        self.proximal_fn = jax.jit(
+        self.proximal_fn = jax.jit(with_matmul_precision(
             lambda params, batch: recompute_logprobs(self.graphdef, params, batch, self.update_config, self.mesh),
-            out_shardings=replicated, compiler_options=self.compiler_options)
-        self.rebuild_fn = jax.jit(self._rebuild, out_shardings=(batch_sharding(self.mesh), replicated),
+            self.matmul_precision), out_shardings=replicated, compiler_options=self.compiler_options)
+        self.rebuild_fn = jax.jit(with_matmul_precision(self._rebuild, self.matmul_precision),
+                                  out_shardings=(batch_sharding(self.mesh), replicated),
                                   compiler_options=self.compiler_options)
 
     @property
@@ -191,7 +196,7 @@ class Trainer:
         state = self.state.replace(opt_state=optimizer.init(self.state.params))
         update = make_update_fn(self.graphdef, optimizer, sft_config, self.mesh,
                                 train_state_shardings(state, optimizer, self.mesh),
-                                compiler_options=self.compiler_options)
+                                compiler_options=self.compiler_options, matmul_precision=self.matmul_precision)
         rng = np.random.default_rng((self.config.task.seed, 1))
         losses = []
         for _ in range(warmup.steps):

@@ -14,6 +14,8 @@ from flax import nnx
 from learner.hf_checkpoint import model_config_from_checkpoint
 from learner.model import Transformer
 from learner.model import model_config
+from learner.precision import MATMUL_PRECISIONS
+from learner.precision import resolve_matmul_precision
 from learner.safetensors_io import load_safetensors
 from learner.serving.model_generator import ModelGenerator
 from rollout_client.protocol import pb
@@ -34,6 +36,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     parser.add_argument("--decode-steps-per-call", type=int, default=8,
                         help="decode steps fused into one jitted call")
+    parser.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
+                        help="precision of every matmul; auto: highest for float32 compute, else default")
 
 
 def model_engine(args: argparse.Namespace) -> ModelGenerator:
@@ -51,7 +55,8 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
         model = Transformer(config, rngs=nnx.Rngs(args.seed))
     generator = ModelGenerator(model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                max_seq_len=args.max_seq_len, decode_steps_per_call=args.decode_steps_per_call,
-                               eos_token_ids=tuple(args.eos_ids or ()))
+                               eos_token_ids=tuple(args.eos_ids or ()),
+                               matmul_precision=resolve_matmul_precision(args.matmul_precision, args.dtype))
     if args.weights:
         weights_format = (pb.WEIGHTS_FORMAT_SAFETENSORS if pathlib.Path(args.weights).suffix == ".safetensors"
                           else pb.WEIGHTS_FORMAT_ORBAX)

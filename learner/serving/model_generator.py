@@ -25,6 +25,7 @@ from flax import nnx
 from learner.model import Transformer
 from learner.model import cast_model
 from learner.param_paths import parameter_names
+from learner.precision import with_matmul_precision
 from learner.serving.orbax_weights import read_orbax
 from learner.serving.sampling import sample_token
 from rollout_client.protocol import pb
@@ -54,11 +55,12 @@ class ModelGenerator(Generator):
       decode_steps_per_call: decode steps fused into one jitted call.
       eos_token_ids: default stop tokens; empty: a request without stop tokens runs to
         max_new_tokens.
+      matmul_precision: precision of the prefill's and the decode's dots (`learner.precision`).
     """
 
     def __init__(self, model: Transformer, dtype: str = "float32", max_batch_size: int = 16,
                  max_seq_len: int | None = None, decode_steps_per_call: int = 8,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), matmul_precision: str = "default"):
         config = model.config
         self._learner_dtype = np.dtype(config.param_dtype)
         served = model if dtype == config.param_dtype else cast_model(model, dtype)
@@ -91,8 +93,10 @@ class ModelGenerator(Generator):
         self._processed = np.zeros(rows, bool)
         self._slots: dict[int, int] = {}
         self._first_tokens: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._prefill = jax.jit(functools.partial(_prefill, self._graphdef), donate_argnums=(1, 2))
-        self._decode = jax.jit(functools.partial(_decode, self._graphdef, self._steps), donate_argnums=(1, 2))
+        self._prefill = jax.jit(with_matmul_precision(functools.partial(_prefill, self._graphdef), matmul_precision),
+                                donate_argnums=(1, 2))
+        self._decode = jax.jit(with_matmul_precision(functools.partial(_decode, self._graphdef, self._steps),
+                                                     matmul_precision), donate_argnums=(1, 2))
 
     @property
     def info(self) -> GeneratorInfo:

@@ -4,6 +4,10 @@ The server binds 127.0.0.1 unless told otherwise, prints
 ``rollout-server listening on HOST:PORT`` once it serves (so a parent process that
 asked for port 0 learns the bound port), and on SIGTERM or SIGINT reports
 NOT_SERVING, stops taking calls and lets active ones finish within the grace period.
+If the engine fails in the generation loop (e.g. the device runs out of memory), the
+server stops at once and the process exits with `ENGINE_FAILED_EXIT_CODE`, its log
+ending with one line that names the error (after the traceback): clients see
+UNAVAILABLE, and a launcher sees the exit code, instead of requests that never end.
 """
 
 import asyncio
@@ -11,6 +15,7 @@ import dataclasses
 import pathlib
 import signal
 import sys
+import traceback
 
 import grpc
 from grpc_health.v1 import health
@@ -27,6 +32,7 @@ from rollout_client.server.scheduler import Scheduler
 from rollout_client.server.service import RolloutServicer
 
 LISTENING_PREFIX = "rollout-server listening on "
+ENGINE_FAILED_EXIT_CODE = 70  # sysexits' EX_SOFTWARE: the engine failed while serving.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +53,16 @@ class ServerConfig:
 
 async def serve(config: ServerConfig, generator: Generator,
                 servicer_class: type[RolloutServicer] = RolloutServicer) -> None:
-    """Serves until SIGTERM or SIGINT, then drains."""
-    scheduler = Scheduler(generator, config.policy_version)
+    """Serves until SIGTERM or SIGINT, then drains; exits with `ENGINE_FAILED_EXIT_CODE` if the engine fails."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    failures: list[BaseException] = []
+
+    def engine_failed(error: BaseException) -> None:  # on the scheduler's thread
+        failures.append(error)
+        loop.call_soon_threadsafe(stop.set)
+
+    scheduler = Scheduler(generator, config.policy_version, on_failure=engine_failed)
     interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     servicer = servicer_class(scheduler, generator.info, config.pause_wait_timeout_s, generator.weight_readers,
@@ -71,11 +85,17 @@ async def serve(config: ServerConfig, generator: Generator,
         config.port_file.write_text(str(port))
     print(f"{LISTENING_PREFIX}{config.host}:{port}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
+    if failures:
+        error = failures[0]
+        traceback.print_exception(error, file=sys.stderr)
+        print(f"rollout-server: the engine failed, stopping (exit code {ENGINE_FAILED_EXIT_CODE}): "
+              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", file=sys.stderr,
+              flush=True)
+        await server.stop(0)
+        sys.exit(ENGINE_FAILED_EXIT_CODE)
     print("rollout-server draining", file=sys.stderr, flush=True)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(config.drain_grace_s)

@@ -48,9 +48,12 @@ class Scheduler:
     Args:
       generator: the engine that advances sequences.
       policy_version: version of the generator's initial weights.
+      on_failure: called (on the loop's thread) with the error that stopped the loop, e.g. the device running out of
+        memory in ``generator.step``: the server must end then, not stay up with requests that nothing advances.
     """
 
-    def __init__(self, generator: Generator, policy_version: int = 0):
+    def __init__(self, generator: Generator, policy_version: int = 0,
+                 on_failure: Callable[[BaseException], None] | None = None):
         if not 0 <= policy_version <= MAX_POLICY_VERSION:
             raise ValueError(f"policy_version: must be in [0, {MAX_POLICY_VERSION}], got {policy_version}")
         self._generator = generator
@@ -64,7 +67,8 @@ class Scheduler:
         self._draining = False
         self._stepping = False
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="rollout-scheduler", daemon=True)
+        self._on_failure = on_failure
+        self._thread = threading.Thread(target=self._run_until_failure, name="rollout-scheduler", daemon=True)
         self._thread.start()
 
     @property
@@ -179,6 +183,14 @@ class Scheduler:
         if self._paused:
             return False
         return bool(self._active) or (bool(self._queued) and not self._draining)
+
+    def _run_until_failure(self) -> None:
+        try:
+            self._run()
+        except BaseException as error:
+            if self._on_failure is None:
+                raise
+            self._on_failure(error)
 
     def _run(self) -> None:
         capacity = self._generator.info.max_batch_size
