@@ -72,12 +72,8 @@ def _show(value) -> str:
 Get = Callable[[str], Any]
 
 
-def _same(value, get: Get):
-    return value
-
-
 def _number(kind):
-    return lambda value, get: kind(float(value)) if kind is int else float(value)
+    return lambda value, get: kind(float(value))
 
 
 def _top_k(value, get: Get) -> int:
@@ -403,8 +399,7 @@ def migrate(framework: str, path: str) -> Migration:
             config = getattr(corrections, f"from_{framework}")(data)
         except ValueError as error:
             raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
-    unknown = {str(w.message).split(":", 1)[0].split(".", 1)[1] for w in caught
-               if issubclass(w.category, UnknownKeyWarning) and "." in str(w.message).split(":", 1)[0]}
+    unknown = {w.message.path.split(".", 1)[1] for w in caught if isinstance(w.message, UnknownKeyWarning)}
     whole = data if _is_whole(framework, data) else MAPS[framework].nest(dict(data))
     rows, run = _rows(framework, whole, unknown)
     return Migration(framework, str(path), config, run, tuple(rows))

@@ -47,7 +47,7 @@ def read_through_door(name: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownKeyWarning)
         config = door(read_file(FILES / name))
-    return config, [str(w.message).split(":", 1)[0] for w in caught if w.category is UnknownKeyWarning]
+    return config, [w.message.path for w in caught if w.category is UnknownKeyWarning]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
