@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
 from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections._training import warn_training_keys
 
 ACTOR = dict(
     eps_clip=0.2, eps_clip_higher=None, c_clip=None, m2_threshold=None, use_sapo_loss=False, sapo_tau_pos=1.0,
@@ -97,6 +98,7 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ValueError: areal.actor: unknown key 'eps_clip_high'; did you mean 'eps_clip_higher'?
     """
     data = merge_disjoint(nest(config or {}, "areal"), nest(keys, "areal"), "areal")
+    warn_training_keys("areal", data)
     given: dict = {}
     for key, value in data.items():
         if key == "actor":

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
 from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections._training import warn_training_keys
 
 OFF_POLICY_CORRECTION = dict(
     tis_ratio_type=None, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0, sequence_mask_metric=None,
@@ -135,7 +136,9 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ValueError: skyrl.trainer.algorithm.off_policy_correction: unknown key 'tis_ratio_typ'; did you mean 'tis_ratio_type'?
     """
     where = "skyrl.trainer.algorithm"
-    given = _skyrl_algorithm(merge_disjoint(nest(config or {}, "skyrl"), nest(keys, "skyrl"), "skyrl"))
+    data = merge_disjoint(nest(config or {}, "skyrl"), nest(keys, "skyrl"), "skyrl")
+    warn_training_keys("skyrl", data)
+    given = _skyrl_algorithm(data)
     algorithm = {**ALGORITHM, **{k: v for k, v in given.items() if k in ALGORITHM}}
     sub = {}
     for name, defaults in SUBSECTIONS.items():

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective
 from corrections._keys import check_keys, choice, merge_disjoint, unsupported
+from corrections._training import warn_training_keys
 
 ARGUMENTS = dict(
     advantage_estimator="grpo", loss_type="policy_loss", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
@@ -137,6 +138,7 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     """
     where = "slime"
     given = merge_disjoint(_arguments(config), _arguments(keys), where)
+    warn_training_keys("slime", given)
     check_keys(given, set(ARGUMENTS) | IGNORED, where, ARGUMENTS)
     args = {**ARGUMENTS, **{k: v for k, v in given.items() if k in ARGUMENTS}}
     for key in ("custom_loss_function_path", "custom_pg_loss_reducer_function_path"):

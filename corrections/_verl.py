@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from corrections._config import (K1_RULES, REDUCTIONS, REJECTION_RULES, CorrectionConfig, ImportanceWeights, Objective,
                                  RejectionRule)
 from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections._training import warn_training_keys
 
 
 def _positive(field: str, text) -> float:
@@ -241,6 +242,7 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ValueError: verl.actor_rollout_ref.actor: unknown key 'clip_ratio_hgh'; did you mean 'clip_ratio_high'?
     """
     data = merge_disjoint(nest(config or {}, "verl"), nest(keys, "verl"), "verl")
+    warn_training_keys("verl", data)
     given_rc, given_actor = _verl_blocks(data)
     rc = {**ROLLOUT_CORRECTION, **given_rc}
     actor = {**ACTOR, **{k: v for k, v in given_actor.items() if k in ACTOR}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 
 import pytest
 import yaml
@@ -26,7 +27,7 @@ def rows(m: migration.Migration) -> dict:
     return {row.key: (row.value, row.tether) for row in m.rows}
 
 
-@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
+@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning", "ignore::corrections.TrainingKeysWarning")
 @pytest.mark.parametrize("framework, name, run", [
     ("verl", "verl/_generated_ppo_trainer.yaml", {
         "update.ppo_epochs": 1, "update.num_minibatches": 4, "optimizer.learning_rate": 1e-6,
@@ -54,6 +55,16 @@ def test_training_settings_map_to_run_keys(framework, name, run):
     m = migration.migrate(framework, str(FILES / name))
     assert m.run == run
     assert m.corrections == getattr(corrections, f"from_{framework}")(corrections.read_file(FILES / name))
+
+
+@pytest.mark.parametrize("framework, name", [("verl", "verl/_generated_ppo_trainer.yaml"),
+                                             ("slime", "slime/run-qwen3-4B.sh")])
+def test_a_run_maps_the_training_settings_without_the_front_doors_warning(framework, name):
+    """The front door's TrainingKeysWarning is for direct calls; a run applies those settings and prints its table."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", corrections.TrainingKeysWarning)
+        m = migration.migrate.__wrapped__(framework, str(FILES / name))  # not the cached result
+    assert m.run["optimizer.learning_rate"] == 1e-6
 
 
 def test_every_key_gets_one_row():
