@@ -123,9 +123,9 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ``kl_loss_coef=0.001``. Read: ``policy_loss_type`` with its sub-blocks (``sapo``, ``clip_cov``, ``kl_cov``,
     ``cispo``), ``eps_clip_low/high``, ``clip_ratio_c``, ``loss_reduction``, the whole ``off_policy_correction``
     block (and the deprecated ``use_tis`` / ``tis_imp_ratio_cap``), the KL loss and the entropy bonus. Keys that
-    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and ignored; unknown keys are
-    listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key.
-    docs/migrating.md has the key-by-key table.
+    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and not applied, those that change
+    training listed in one ``TrainingKeysWarning``; unknown keys are listed (``UnknownKeyWarning``), or raise,
+    naming the nearest match, inside a loss block or close to a loss key. docs/migrating.md has the key-by-key table.
 
     >>> config = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {"tis_ratio_type": "token"}}}})
     >>> config.importance.high, config.objective.dual_clip, config.denominator, config.kl_coef

@@ -123,8 +123,9 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     ``--calculate-per-token-loss``, ``--use-tis`` with ``--tis-clip``, ``--tis-clip-low`` and
     ``--custom-tis-function-path`` (slime's vanilla TIS, IcePop, or PR #2084's off_policy_is_function), ``--use-rollout-logprobs``, ``--use-opsm``,
     ``--opsm-delta``, the KL loss and ``--entropy-coef``. Arguments of slime's algorithm group that do not touch
-    the loss are accepted and ignored; unknown ones are listed (``UnknownKeyWarning``), or raise, naming the
-    nearest match, when close to a loss argument. docs/migrating.md has the table.
+    the loss are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``;
+    unknown ones are listed (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss
+    argument. docs/migrating.md has the table.
 
     OPSM here is the sequence-level decision of slime PR #1917 (slime 624b824a decides per token).
 

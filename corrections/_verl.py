@@ -224,9 +224,10 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ``algorithm.rollout_correction`` (all keys) and the actor's ``clip_ratio*``, ``policy_loss``, ``tau_*``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
-    estimator) are accepted and ignored. Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the
-    nearest match, inside a loss block or close to a loss key; Hydra's ``_target_`` and ``defaults`` are
-    understood (``corrections._keys.check_defaults``). docs/migrating.md has the key-by-key table.
+    estimator) are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``.
+    Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or
+    close to a loss key; Hydra's ``_target_`` and ``defaults`` are understood (``corrections._keys.check_defaults``).
+    docs/migrating.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl
     checks k1 bounds inverted (see ``verl_rejection_rules``): ``reproduce_inverted_k1=True`` reproduces that.
