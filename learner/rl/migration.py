@@ -96,6 +96,12 @@ def framework_file(section: Mapping[str, Any]) -> tuple[str, str] | None:
     return given[0] if given else None
 
 
+def corrections_name(section) -> str:
+    """What the run's loss is, for its summary: the preset's name, or ``from_<framework>=<path>``."""
+    given = framework_file(section)
+    return section.preset if given is None else f"from_{given[0]}={given[1]}"
+
+
 def with_framework_file(data: dict, framework: str, path: str) -> dict:
     """The run config's plain data with a framework file's run settings written over it; the file's loss replaces
     the data's ``corrections.preset`` and ``overrides`` (``--set`` given afterwards still wins)."""

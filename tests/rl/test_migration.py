@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ import yaml
 
 import corrections
 from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.metrics_writers import read_metrics
 from learner.rl import load_config
 from learner.rl import migration
 from learner.rl.config import correction_config
@@ -112,14 +114,15 @@ def test_bad_mapped_value_names_the_file_and_the_fix():
         load_config(None, [f"corrections.from_verl={json.dumps(path)}", "corrections.from_areal='x.yaml'"])
 
 
-@pytest.mark.slow  # a real training subprocess: ~1 min on a quiet 2-core machine, 3 on a loaded one
 def test_run_from_a_verl_config(tmp_path):
-    """A user's verl config (verl's resolved defaults with their edits: GRPO, 4 prompts x 4 samples, 2 mini-batches,
-    learning rate 5e-4, KL loss 0.02, clip-higher 0.28) trains in a real subprocess: the mapping is printed once
-    and written to run_dir/framework_config.tsv, and the run's saved config holds the mapped values."""
+    """A user's verl config (verl's resolved defaults with their edits: GRPO, 4 prompts x 4 samples, 2-token
+    responses, 2 mini-batches, learning rate 5e-4, KL loss 0.02, clip-higher 0.28) trains in a real subprocess (one
+    step, no warm-up: the cheapest real run): the mapping is printed once and written to
+    run_dir/framework_config.tsv, the rollout follows the file (16 samples, at most 2 tokens each, where the task
+    alone allows 3), and the run's saved config holds the mapped values."""
     user = yaml.safe_load((FILES / "verl/_generated_ppo_trainer.yaml").read_text())
     user["algorithm"]["adv_estimator"] = "grpo"
-    user["data"].update(train_batch_size=4, max_response_length=4)
+    user["data"].update(train_batch_size=4, max_response_length=2)
     user["actor_rollout_ref"]["rollout"]["n"] = 4
     user["actor_rollout_ref"]["actor"].update(ppo_mini_batch_size=2, use_kl_loss=True, kl_loss_coef=0.02,
                                               clip_ratio_high=0.28)
@@ -127,16 +130,20 @@ def test_run_from_a_verl_config(tmp_path):
     path = tmp_path / "my_verl.yaml"
     path.write_text(yaml.safe_dump(user))
     run_dir = tmp_path / "run"
-    stdout = run_training(run_dir, f"corrections.from_verl={json.dumps(str(path))}", "loop.steps=2")
+    stdout = run_training(run_dir, f"corrections.from_verl={json.dumps(str(path))}", "loop.steps=1",
+                          "warmup.steps=0")
     table = (run_dir / migration.MAPPING_FILE).read_text()
     assert stdout.count("their key\ttheir value\tTether") == 1 and table in stdout
     assert "actor_rollout_ref.actor.optim.lr\t0.0005\toptimizer.learning_rate" in table
     assert "actor_rollout_ref.actor.kl_loss_coef\t0.02\tcorrections.kl_coef" in table
+    assert re.search(rf"\| corrections +\| from_verl={re.escape(str(path))} ", stdout)  # the summary, not the preset
+    (record,) = read_metrics(run_dir / "metrics.jsonl")
+    assert record["rollout/samples"] == 16 and 1 <= record["rollout/completion_tokens_mean"] <= 2
     with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
-        assert checkpointer.latest_step() == 2
+        assert checkpointer.latest_step() == 1
         saved = checkpointer.read_metadata()["config"]
     assert saved["update"]["num_minibatches"] == 2 and saved["update"]["ppo_epochs"] == 1
     assert saved["optimizer"]["learning_rate"] == 5e-4 and saved["optimizer"]["end_learning_rate"] is None
-    assert saved["rollout"]["max_new_tokens"] == 4 and saved["corrections"]["from_verl"] == str(path)
+    assert saved["rollout"]["max_new_tokens"] == 2 and saved["corrections"]["from_verl"] == str(path)
     config = correction_config(load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(str(path))}"]))
     assert config.kl_coef == 0.02 and config.objective.clip_high == 0.28 and config.denominator == "kept"
