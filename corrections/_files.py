@@ -56,7 +56,10 @@ def read_file(path: str | pathlib.Path) -> Any:
 def _load_yaml(path: pathlib.Path) -> dict:
     import yaml  # a dependency of the run config's framework files only
 
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):

@@ -64,7 +64,10 @@ def migrate(framework: str, path: str) -> Migration:
     """
     if framework not in MAPS:
         raise ValueError(f"framework {framework!r}: use one of {', '.join(MAPS)}.")
-    data = read_file(path)
+    try:
+        data = read_file(path)
+    except ValueError as error:  # no such file, not a config file, not valid YAML
+        raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     if framework == "slime":
         if not isinstance(data, list):
             raise ValueError(f"corrections.from_slime={path!r}: give a slime launch script (.sh).")

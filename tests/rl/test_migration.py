@@ -106,10 +106,16 @@ def test_precedence_toml_then_framework_file_then_set(tmp_path):
     assert correction_config(config).denominator == "kept"  # the rest stays verl's
 
 
-def test_bad_mapped_value_names_the_file_and_the_fix():
+def test_bad_mapped_value_names_the_file_and_the_fix(tmp_path):
     path = str(FILES / "verl/_generated_ppo_trainer.yaml")
     with pytest.raises(ValueError, match=r"rollout.num_samples=1: must be >= 2 \(with corrections.from_verl=.*--set"):
         load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(path)}"])
+    with pytest.raises(ValueError, match=r"^corrections.from_skyrl='missing.yaml': missing.yaml: no such file"):
+        load_config(None, ["corrections.from_skyrl='missing.yaml'"])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer: [1, 2\n")
+    with pytest.raises(ValueError, match=rf"^corrections.from_verl='{broken}': {broken}: not valid YAML"):
+        load_config(None, [f"corrections.from_verl={json.dumps(str(broken))}"])
     with pytest.raises(ValueError, match="from_verl and from_areal are both set"):
         load_config(None, [f"corrections.from_verl={json.dumps(path)}", "corrections.from_areal='x.yaml'"])
 
