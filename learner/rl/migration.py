@@ -22,7 +22,7 @@ from typing import Any
 
 import corrections
 from corrections import _slime
-from corrections._files import read_file
+from corrections._files import merge, read_file
 from corrections._keys import UnknownKeyWarning
 from corrections._training import BETAS, GRPO, MAPS, Row, rows, whole  # noqa: F401 (BETAS, GRPO: the tables' texts)
 
@@ -127,9 +127,7 @@ def correction_config(section) -> corrections.CorrectionConfig:
     config = migrate(framework, str(path)).corrections
     if not section.overrides:
         return config
-    from corrections._presets import _merge  # the presets' merge of overrides into nested fields
-
-    return corrections.config_from_dict(_merge(corrections.config_to_dict(config), section.overrides))
+    return corrections.config_from_dict(merge(corrections.config_to_dict(config), section.overrides))
 
 
 MAPPING_FILE = "framework_config.tsv"

@@ -24,6 +24,8 @@ from corrections import UnknownKeyWarning
 from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
 from tests.reference_ports import areal, verl
 
+# The files' training settings are listed by the front doors (tests/corrections/test_training_keys.py), not here.
+pytestmark = pytest.mark.filterwarnings("ignore::corrections.TrainingKeysWarning")
 FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
 VERL_DEFAULT = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept")
 EXPECTED = {
