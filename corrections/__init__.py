@@ -40,6 +40,7 @@ from corrections._objectives import rollout_is_loss
 from corrections._objectives import sapo_loss
 from corrections._files import read_file
 from corrections._keys import UnknownKeyWarning
+from corrections._training import TrainingKeysWarning
 from corrections._migration import config_from_dict
 from corrections._pipeline import Corrected
 from corrections._pipeline import check_batch
@@ -126,6 +127,7 @@ __all__ = (
     "staleness_metrics",
     "token_mask",
     "token_tis_weights",
+    "TrainingKeysWarning",
     "unbounded_ratios",
     "UnknownKeyWarning",
     "VERL_PRESETS",

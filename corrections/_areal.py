@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
 from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections._training import warn_training_keys
 
 ACTOR = dict(
     eps_clip=0.2, eps_clip_higher=None, c_clip=None, m2_threshold=None, use_sapo_loss=False, sapo_tau_pos=1.0,
@@ -82,8 +83,9 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     defaults. Read: ``eps_clip``, ``eps_clip_higher``, ``c_clip``, ``use_decoupled_loss``, ``recompute_logprob``,
     ``rejection_sampling`` (level, action, metric, agg, upper, lower), ``importance_sampling_level`` (GSPO),
     ``use_sapo_loss`` with its temperatures, ``prox_logp_method`` and ``m2_threshold``. Keys that do not touch the
-    loss are accepted and ignored; unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest
-    match, inside a loss block or close to a loss key. docs/migrating.md has the table.
+    loss are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``; unknown
+    keys are listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a
+    loss key. docs/migrating.md has the table.
 
     Without ``use_decoupled_loss`` AReaL's PPO is anchored on the recomputed logprobs (``recompute_logprob``) or on
     the inference engine's (bypass mode here).
@@ -97,6 +99,7 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ValueError: areal.actor: unknown key 'eps_clip_high'; did you mean 'eps_clip_higher'?
     """
     data = merge_disjoint(nest(config or {}, "areal"), nest(keys, "areal"), "areal")
+    warn_training_keys("areal", data)
     given: dict = {}
     for key, value in data.items():
         if key == "actor":

@@ -56,7 +56,10 @@ def read_file(path: str | pathlib.Path) -> Any:
 def _load_yaml(path: pathlib.Path) -> dict:
     import yaml  # a dependency of the run config's framework files only
 
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -109,7 +112,7 @@ def _compose(path: pathlib.Path, package: str, seen: tuple) -> dict:
     for entry in entries:
         parsed = _entry(entry)
         if parsed is None:
-            out = _merge(out, _at(own, ""))
+            out = merge(out, _at(own, ""))
             continue
         name, _, option = parsed
         file = path.parent / (f"{name}/{option}.yaml" if option is not None else f"{name}.yaml")
@@ -118,7 +121,7 @@ def _compose(path: pathlib.Path, package: str, seen: tuple) -> dict:
             continue
         target = entry_package(entry, package)
         relative = target[len(package):].lstrip(".") if target.startswith(package) else target
-        out = _merge(out, _at(_compose(file, target, seen + (path,)), relative))
+        out = merge(out, _at(_compose(file, target, seen + (path,)), relative))
     if unresolved:
         out["defaults"] = unresolved
     return out
@@ -130,12 +133,17 @@ def _at(data: dict, package: str) -> dict:
     return data
 
 
-def _merge(base: dict, update: dict) -> dict:
-    """Hydra's merge: mappings merge key by key, anything else replaces."""
+def merge(base: Mapping, update: Mapping) -> dict:
+    """Hydra's (and the presets') merge: mappings merge key by key, anything else replaces; the inputs are not
+    changed (their values are shared, not copied).
+
+    >>> merge({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 4}, "d": {"e": 5}})
+    {'a': {'b': 4, 'c': 2}, 'd': {'e': 5}}
+    """
     out = dict(base)
     for key, value in update.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), dict(value))
+            out[key] = merge(out[key], value)
         else:
             out[key] = value
     return out

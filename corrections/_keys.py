@@ -21,7 +21,12 @@ TYPO = 0.8  # difflib ratio above which an unknown key is taken for a misspelt l
 
 
 class UnknownKeyWarning(UserWarning):
-    """A key a front door does not know and does not need for the loss: listed, not used."""
+    """A key a front door does not know and does not need for the loss: listed, not used. ``path``: the key with
+    its block (``"verl.critic"``, ``"verl.actor_rollout_ref.actor.sum_pi_squared_checkpointing"``)."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
 
 
 def nearest(key: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
@@ -103,7 +108,7 @@ def unknown(where: str, key: str, known: Iterable[str], read: Iterable[str] | No
     """Raises for an unknown key that may set the loss (see ``check_keys``); warns for any other."""
     if read is None or nearest(key, read, cutoff=TYPO) is not None:
         raise unknown_key(where, key, known)
-    warnings.warn(UnknownKeyWarning(f"{where}.{key}: not a key this reader knows; not used."), stacklevel=3)
+    warnings.warn(UnknownKeyWarning(f"{where}.{key}", "not a key this reader knows; not used."), stacklevel=3)
 
 
 def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[str], loss_packages: Iterable[str],
@@ -124,7 +129,7 @@ def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[str
             raise ValueError(f"{where}.defaults: {entry!r} composes {target or 'the whole config'} (which sets the "
                              f"loss) from a file that was not read; compose and resolve the config first: "
                              f"{hydra_command(framework)}")
-        warnings.warn(UnknownKeyWarning(f"{where}.defaults: {entry!r} fills {target}, outside the loss; not used."),
+        warnings.warn(UnknownKeyWarning(f"{where}.defaults", f"{entry!r} fills {target}, outside the loss; not used."),
                       stacklevel=2)
 
 

@@ -13,6 +13,7 @@ import inspect
 from typing import Any, Callable, Mapping
 
 from corrections._config import RULE_ALIASES, CorrectionConfig, config_from_dict, config_to_dict
+from corrections._files import merge
 from corrections._keys import unknown_key
 from corrections._verl import from_verl
 
@@ -28,13 +29,10 @@ _ICEPOP = {"level": "token", "low": 0.5, "high": 5.0, "overflow": "mask"}
 
 
 def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict:
+    """``corrections._files.merge`` of the updates in turn, on copies."""
     out = copy.deepcopy(dict(base))
     for update in updates:
-        for key, value in update.items():
-            if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-                out[key] = _merge(out[key], value)
-            else:
-                out[key] = copy.deepcopy(value)
+        out = merge(out, copy.deepcopy(dict(update)))
     return out
 
 

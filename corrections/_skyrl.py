@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
 from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections._training import warn_training_keys
 
 OFF_POLICY_CORRECTION = dict(
     tis_ratio_type=None, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0, sequence_mask_metric=None,
@@ -122,9 +123,9 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ``kl_loss_coef=0.001``. Read: ``policy_loss_type`` with its sub-blocks (``sapo``, ``clip_cov``, ``kl_cov``,
     ``cispo``), ``eps_clip_low/high``, ``clip_ratio_c``, ``loss_reduction``, the whole ``off_policy_correction``
     block (and the deprecated ``use_tis`` / ``tis_imp_ratio_cap``), the KL loss and the entropy bonus. Keys that
-    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and ignored; unknown keys are
-    listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key.
-    docs/migrating.md has the key-by-key table.
+    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and not applied, those that change
+    training listed in one ``TrainingKeysWarning``; unknown keys are listed (``UnknownKeyWarning``), or raise,
+    naming the nearest match, inside a loss block or close to a loss key. docs/migrating.md has the key-by-key table.
 
     >>> config = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {"tis_ratio_type": "token"}}}})
     >>> config.importance.high, config.objective.dual_clip, config.denominator, config.kl_coef
@@ -135,7 +136,9 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ValueError: skyrl.trainer.algorithm.off_policy_correction: unknown key 'tis_ratio_typ'; did you mean 'tis_ratio_type'?
     """
     where = "skyrl.trainer.algorithm"
-    given = _skyrl_algorithm(merge_disjoint(nest(config or {}, "skyrl"), nest(keys, "skyrl"), "skyrl"))
+    data = merge_disjoint(nest(config or {}, "skyrl"), nest(keys, "skyrl"), "skyrl")
+    warn_training_keys("skyrl", data)
+    given = _skyrl_algorithm(data)
     algorithm = {**ALGORITHM, **{k: v for k, v in given.items() if k in ALGORITHM}}
     sub = {}
     for name, defaults in SUBSECTIONS.items():

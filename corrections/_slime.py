@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective
 from corrections._keys import check_keys, choice, merge_disjoint, unsupported
+from corrections._training import warn_training_keys
 
 ARGUMENTS = dict(
     advantage_estimator="grpo", loss_type="policy_loss", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
@@ -122,8 +123,9 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     ``--calculate-per-token-loss``, ``--use-tis`` with ``--tis-clip``, ``--tis-clip-low`` and
     ``--custom-tis-function-path`` (slime's vanilla TIS, IcePop, or PR #2084's off_policy_is_function), ``--use-rollout-logprobs``, ``--use-opsm``,
     ``--opsm-delta``, the KL loss and ``--entropy-coef``. Arguments of slime's algorithm group that do not touch
-    the loss are accepted and ignored; unknown ones are listed (``UnknownKeyWarning``), or raise, naming the
-    nearest match, when close to a loss argument. docs/migrating.md has the table.
+    the loss are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``;
+    unknown ones are listed (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss
+    argument. docs/migrating.md has the table.
 
     OPSM here is the sequence-level decision of slime PR #1917 (slime 624b824a decides per token).
 
@@ -137,6 +139,7 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     """
     where = "slime"
     given = merge_disjoint(_arguments(config), _arguments(keys), where)
+    warn_training_keys("slime", given)
     check_keys(given, set(ARGUMENTS) | IGNORED, where, ARGUMENTS)
     args = {**ARGUMENTS, **{k: v for k, v in given.items() if k in ARGUMENTS}}
     for key in ("custom_loss_function_path", "custom_pg_loss_reducer_function_path"):

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from corrections._config import (K1_RULES, REDUCTIONS, REJECTION_RULES, CorrectionConfig, ImportanceWeights, Objective,
                                  RejectionRule)
 from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections._training import warn_training_keys
 
 
 def _positive(field: str, text) -> float:
@@ -223,9 +224,10 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ``algorithm.rollout_correction`` (all keys) and the actor's ``clip_ratio*``, ``policy_loss``, ``tau_*``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
-    estimator) are accepted and ignored. Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the
-    nearest match, inside a loss block or close to a loss key; Hydra's ``_target_`` and ``defaults`` are
-    understood (``corrections._keys.check_defaults``). docs/migrating.md has the key-by-key table.
+    estimator) are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``.
+    Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or
+    close to a loss key; Hydra's ``_target_`` and ``defaults`` are understood (``corrections._keys.check_defaults``).
+    docs/migrating.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl
     checks k1 bounds inverted (see ``verl_rejection_rules``): ``reproduce_inverted_k1=True`` reproduces that.
@@ -241,6 +243,7 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ValueError: verl.actor_rollout_ref.actor: unknown key 'clip_ratio_hgh'; did you mean 'clip_ratio_high'?
     """
     data = merge_disjoint(nest(config or {}, "verl"), nest(keys, "verl"), "verl")
+    warn_training_keys("verl", data)
     given_rc, given_actor = _verl_blocks(data)
     rc = {**ROLLOUT_CORRECTION, **given_rc}
     actor = {**ACTOR, **{k: v for k, v in given_actor.items() if k in ACTOR}}

@@ -29,6 +29,7 @@ from rollout_client import LogprobMode, RolloutRequest
 from learner.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
 from learner.plots import DEFAULT_PANELS, plot_learning_curves
 from learner.progress import ProgressBar, summary_table
+from learner.rl import migration
 from learner.rl.config import sampling_params
 from learner.rollout_log import LoggedBatch, RolloutLogWriter
 
@@ -231,7 +232,7 @@ class SummaryHook(Hook):
         last = self.history[steps[-1]]
         rows = [
             ("task", config.task.name),
-            ("corrections", config.corrections.preset),
+            ("corrections", migration.corrections_name(config.corrections)),
             ("steps", f"{steps[0]}-{steps[-1]} of {config.loop.steps}"),
             ("reward (first 3 -> last 5 steps)", f"{np.mean(rewards[:3]):.3f} -> {np.mean(rewards[-5:]):.3f}"),
             ("train/rollout kl (last step)", f"{last.get('rollout_corr/kl', float('nan')):+.2e}"),

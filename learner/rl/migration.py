@@ -4,7 +4,8 @@ The loss comes from the framework's front door (``corrections.from_verl``, ...),
 training and that Tether has elsewhere (epochs, mini-batches, optimizer and schedule, gradient clipping, samples per
 prompt, temperature, top-p, top-k, batch and completion sizes) become run-config keys; settings that change training
 but have no Tether equivalent are listed "not applied" with the reason; everything else "not used". Every key of the
-file gets one row: their key, their value, Tether's key or what happened to it (`Migration.table`).
+file gets one row: their key, their value, Tether's key or what happened to it (`Migration.table`). The tables of
+what each key becomes are ``corrections._training``'s (the front doors list the training settings they drop with them).
 
 Precedence (``load_config``): the TOML file < the framework file < ``--set``.
 """
@@ -16,29 +17,16 @@ import dataclasses
 import functools
 import pathlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import corrections
-from corrections import _slime, _verl
-from corrections._files import read_file
+from corrections import _slime
+from corrections._files import merge, read_file
 from corrections._keys import UnknownKeyWarning
+from corrections._training import BETAS, GRPO, MAPS, Row, rows, whole  # noqa: F401 (BETAS, GRPO: the tables' texts)
 
 FROM_KEYS = {"from_verl": "verl", "from_skyrl": "skyrl", "from_slime": "slime", "from_areal": "areal"}
-NOT_USED = "not used"
-
-
-class NotApplied(Exception):
-    """A mapped setting whose value Tether cannot follow: the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One key of the framework's file and what Tether made of it."""
-
-    key: str  # their key (dotted; slime's --argument)
-    value: Any
-    tether: str  # "corrections.<field>", a run-config key, "not applied: why" or "not used"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,320 +52,6 @@ def _show(value) -> str:
     return repr(value)
 
 
-# --- What each framework's keys become ----------------------------------------------------------------------------
-# loss: their key (or a block of keys) -> the CorrectionConfig field it sets. run: their key -> (run-config key,
-# convert(value, get)), where get(key) reads another key of the file. differs: their key -> (does this value change
-# training away from what Tether does?, why Tether does not follow it).
-
-Get = Callable[[str], Any]
-
-
-def _same(value, get: Get):
-    return value
-
-
-def _number(kind):
-    return lambda value, get: kind(float(value)) if kind is int else float(value)
-
-
-def _top_k(value, get: Get) -> int:
-    return max(int(value), 0)  # verl, SkyRL, slime: -1 is off; Tether: 0
-
-
-def _minibatches(batch_key: str, scale_keys: tuple[str, ...] = ()):
-    """Optimizer updates per epoch: their batch (prompts, or samples with ``scale_keys``) over their mini-batch."""
-
-    def convert(value, get: Get) -> int:
-        batch = get(batch_key)
-        for key in scale_keys:
-            batch = None if batch is None or get(key) is None else batch * get(key)
-        if batch is None:
-            raise NotApplied(f"needs {batch_key}; set update.num_minibatches")
-        if not value or batch % value:
-            raise NotApplied(f"{batch_key} x samples = {batch} is not a multiple of it; set update.num_minibatches")
-        return int(batch // value)
-
-    return convert
-
-
-def _cosine_end(lr_key: str, ratio_key: str | None = None, end_key: str | None = None):
-    """``optimizer.end_learning_rate`` of a schedule name: constant -> None (constant), cosine -> the end rate."""
-
-    def convert(value, get: Get):
-        name = str(value).lower()
-        if name.startswith("constant"):
-            return None
-        if name.startswith("cosine"):
-            return float(get(end_key) or 0.0) if end_key else float(get(lr_key)) * float(get(ratio_key) or 0.0)
-        raise NotApplied(f"Tether's schedule is warmup then constant or cosine, not {value!r}")
-
-    return convert
-
-
-def _warmup(ratio_key: str | None):
-    def convert(value, get: Get) -> int:
-        steps = int(float(value))
-        if steps >= 0:
-            return steps
-        if ratio_key is None or not float(get(ratio_key) or 0.0):
-            return 0
-        raise NotApplied(f"a warmup given as {ratio_key}; set optimizer.warmup_steps (optimizer updates)")
-
-    return convert
-
-
-def _not_zero(value) -> bool:
-    return bool(value) and float(value) != 0.0
-
-
-GRPO = "Tether computes GRPO advantages (learner/rl/batches.py; corrections.grpo_advantages)"
-KL_IN_REWARD = "Tether has no KL penalty in the reward; use the KL loss instead"
-BETAS = "Tether's AdamW uses betas (0.9, 0.999)"
-
-
-@dataclasses.dataclass(frozen=True)
-class FrameworkMap:
-    loss: Mapping[str, str]
-    run: Mapping[str, tuple[str, Callable]]
-    differs: Mapping[str, tuple[Callable[[Any], bool], str]]
-    nest: Callable[[dict], dict]  # a flat file (one block's keys) nested as the whole config
-
-
-def _actor(key: str) -> str:
-    return f"actor_rollout_ref.actor.{key}"
-
-
-VERL_LOSS = {
-    "algorithm.rollout_correction.rollout_is": "importance.level",
-    "algorithm.rollout_correction.rollout_is_threshold": "importance.low/high",
-    "algorithm.rollout_correction.rollout_is_batch_normalize": "importance.batch_normalize",
-    "algorithm.rollout_correction.rollout_rs": "rejection",
-    "algorithm.rollout_correction.rollout_rs_threshold": "rejection (bounds)",
-    "algorithm.rollout_correction.bypass_mode": "mode",
-    "algorithm.rollout_correction.loss_type": "objective.name",
-    _actor("clip_ratio"): "objective.clip_low/high", _actor("clip_ratio_low"): "objective.clip_low",
-    _actor("clip_ratio_high"): "objective.clip_high", _actor("clip_ratio_c"): "objective.dual_clip",
-    _actor("tau_pos"): "objective.tau_pos", _actor("tau_neg"): "objective.tau_neg", _actor("policy_loss"): "objective",
-    _actor("loss_agg_mode"): "reduction", _actor("loss_scale_factor"): "reduction",
-    _actor("entropy_coeff"): "entropy_coef", _actor("use_kl_loss"): "kl_coef", _actor("kl_loss_coef"): "kl_coef",
-    _actor("kl_loss_type"): "kl_estimator",
-}
-VERL = FrameworkMap(
-    loss=VERL_LOSS,
-    run={
-        _actor("ppo_epochs"): ("update.ppo_epochs", _number(int)),
-        _actor("ppo_mini_batch_size"): ("update.num_minibatches", _minibatches("data.train_batch_size")),
-        _actor("optim.lr"): ("optimizer.learning_rate", _number(float)),
-        _actor("optim.weight_decay"): ("optimizer.weight_decay", _number(float)),
-        _actor("optim.lr_warmup_steps"): ("optimizer.warmup_steps", _warmup(_actor("optim.lr_warmup_steps_ratio"))),
-        _actor("optim.lr_scheduler_type"): ("optimizer.end_learning_rate",
-                                            _cosine_end(_actor("optim.lr"), _actor("optim.min_lr_ratio"))),
-        _actor("grad_clip"): ("optimizer.max_grad_norm", _number(float)),
-        "actor_rollout_ref.rollout.n": ("rollout.num_samples", _number(int)),
-        "actor_rollout_ref.rollout.temperature": ("rollout.temperature", _number(float)),
-        "actor_rollout_ref.rollout.top_p": ("rollout.top_p", _number(float)),
-        "actor_rollout_ref.rollout.top_k": ("rollout.top_k", _top_k),
-        "data.train_batch_size": ("rollout.prompts_per_step", _number(int)),
-        "data.max_response_length": ("rollout.max_new_tokens", _number(int)),
-        "trainer.total_training_steps": ("loop.steps", _number(int)),
-    },
-    differs={
-        "algorithm.adv_estimator": (lambda v: v != "grpo", GRPO),
-        "algorithm.norm_adv_by_std_in_grpo": (lambda v: v is not True, GRPO + ", divided by the group std"),
-        "algorithm.use_kl_in_reward": (bool, KL_IN_REWARD + " (use_kl_loss)"),
-        _actor("optim.betas"): (lambda v: list(v) != [0.9, 0.999], BETAS),
-        _actor("optim.lr_warmup_steps_ratio"): (_not_zero, "set optimizer.warmup_steps (optimizer updates)"),
-    },
-    nest=lambda data: {"algorithm": {"rollout_correction": {k: v for k, v in data.items()
-                                                            if k in _verl.ROLLOUT_CORRECTION}},
-                       "actor_rollout_ref": {"actor": {k: v for k, v in data.items()
-                                                       if k not in _verl.ROLLOUT_CORRECTION}}},
-)
-
-
-def _skyrl_algorithm(key: str) -> str:
-    return f"trainer.algorithm.{key}"
-
-
-SKYRL = FrameworkMap(
-    loss={**{_skyrl_algorithm(k): f for k, f in dict(
-        policy_loss_type="objective.name", loss_reduction="reduction", eps_clip_low="objective.clip_low",
-        eps_clip_high="objective.clip_high", clip_ratio_c="objective.dual_clip", use_kl_loss="kl_coef",
-        kl_loss_coef="kl_coef", kl_estimator_type="kl_estimator", use_entropy_loss="entropy_coef",
-        entropy_loss_coef="entropy_coef", tis_imp_ratio_cap="importance.high", use_tis="importance",
-        max_seq_len="reduction", off_policy_correction="importance, rejection", sapo="objective",
-        clip_cov="objective", kl_cov="objective", cispo="objective", dppo="objective").items()}},
-    run={
-        "trainer.update_epochs_per_batch": ("update.ppo_epochs", _number(int)),
-        "trainer.policy_mini_batch_size": ("update.num_minibatches", _minibatches("trainer.train_batch_size")),
-        "trainer.train_batch_size": ("rollout.prompts_per_step", _number(int)),
-        "trainer.policy.optimizer_config.lr": ("optimizer.learning_rate", _number(float)),
-        "trainer.policy.optimizer_config.weight_decay": ("optimizer.weight_decay", _number(float)),
-        "trainer.policy.optimizer_config.max_grad_norm": ("optimizer.max_grad_norm", _number(float)),
-        "trainer.policy.optimizer_config.num_warmup_steps": ("optimizer.warmup_steps", _warmup(None)),
-        "trainer.policy.optimizer_config.scheduler": ("optimizer.end_learning_rate",
-                                                      _cosine_end("trainer.policy.optimizer_config.lr")),
-        "generator.n_samples_per_prompt": ("rollout.num_samples", _number(int)),
-        "generator.sampling_params.temperature": ("rollout.temperature", _number(float)),
-        "generator.sampling_params.top_p": ("rollout.top_p", _number(float)),
-        "generator.sampling_params.top_k": ("rollout.top_k", _top_k),
-        "generator.sampling_params.min_p": ("rollout.min_p", _number(float)),
-        "generator.sampling_params.max_generate_length": ("rollout.max_new_tokens", _number(int)),
-    },
-    differs={
-        _skyrl_algorithm("advantage_estimator"): (lambda v: v != "grpo", GRPO),
-        _skyrl_algorithm("grpo_norm_by_std"): (lambda v: v is not True, GRPO + ", divided by the group std"),
-        _skyrl_algorithm("use_kl_in_reward"): (bool, KL_IN_REWARD + " (use_kl_loss)"),
-        "trainer.policy.optimizer_config.adam_betas": (lambda v: list(v) != [0.9, 0.999], BETAS),
-    },
-    nest=lambda data: {"trainer": {"algorithm": data}},
-)
-
-SLIME = FrameworkMap(
-    loss={key: field for key, field in dict(
-        advantage_estimator="objective.name", loss_type="objective", eps_clip="objective.clip_low/high",
-        eps_clip_high="objective.clip_high", eps_clip_c="objective.dual_clip",
-        calculate_per_token_loss="reduction", use_tis="importance", tis_clip="importance.high",
-        tis_clip_low="importance.low", custom_tis_function_path="importance.overflow/numerator",
-        use_rollout_logprobs="mode", use_opsm="opsm_delta", opsm_delta="opsm_delta", use_kl_loss="kl_coef",
-        kl_loss_coef="kl_coef", kl_loss_type="kl_estimator", use_unbiased_kl="kl_importance_weighted",
-        entropy_coef="entropy_coef", custom_loss_function_path="objective",
-        custom_pg_loss_reducer_function_path="reduction").items()},
-    run={
-        "lr": ("optimizer.learning_rate", _number(float)),
-        "weight_decay": ("optimizer.weight_decay", _number(float)),
-        "clip_grad": ("optimizer.max_grad_norm", _number(float)),
-        "lr_warmup_iters": ("optimizer.warmup_steps", _warmup(None)),
-        "lr_decay_style": ("optimizer.end_learning_rate", _cosine_end("lr", end_key="min_lr")),
-        "n_samples_per_prompt": ("rollout.num_samples", _number(int)),
-        "rollout_batch_size": ("rollout.prompts_per_step", _number(int)),
-        "global_batch_size": ("update.num_minibatches", _minibatches("rollout_batch_size", ("n_samples_per_prompt",))),
-        "rollout_temperature": ("rollout.temperature", _number(float)),
-        "rollout_top_p": ("rollout.top_p", _number(float)),
-        "rollout_top_k": ("rollout.top_k", _top_k),
-        "rollout_max_response_len": ("rollout.max_new_tokens", _number(int)),
-        "num_rollout": ("loop.steps", _number(int)),
-    },
-    differs={
-        "advantage_estimator": (lambda v: v not in ("grpo", "gspo", "cispo"), GRPO),
-        "disable_grpo_std_normalization": (bool, GRPO + ", divided by the group std"),
-        "kl_coef": (_not_zero, KL_IN_REWARD + " (--use-kl-loss)"),
-        "adam_beta1": (lambda v: float(v) != 0.9, BETAS),
-        "adam_beta2": (lambda v: float(v) != 0.999, BETAS),
-        "optimizer": (lambda v: v != "adam", "Tether's optimizer is AdamW"),
-    },
-    nest=lambda data: data,
-)
-
-
-def _areal_actor(key: str) -> str:
-    return f"actor.{key}"
-
-
-AREAL = FrameworkMap(
-    loss={_areal_actor(k): f for k, f in dict(
-        eps_clip="objective.clip_low/high", eps_clip_higher="objective.clip_high", c_clip="objective.dual_clip",
-        use_decoupled_loss="mode", recompute_logprob="mode", rejection_sampling="importance, rejection",
-        importance_sampling_level="objective", use_sapo_loss="objective", sapo_tau_pos="objective.tau_pos",
-        sapo_tau_neg="objective.tau_neg", prox_logp_method="mode", m2_threshold="rejection").items()},
-    run={
-        "actor.ppo_n_minibatches": ("update.num_minibatches", _number(int)),
-        "actor.optimizer.lr": ("optimizer.learning_rate", _number(float)),
-        "actor.optimizer.weight_decay": ("optimizer.weight_decay", _number(float)),
-        "actor.optimizer.gradient_clipping": ("optimizer.max_grad_norm", _number(float)),
-        "actor.optimizer.lr_scheduler_type": ("optimizer.end_learning_rate",
-                                              _cosine_end("actor.optimizer.lr", "actor.optimizer.min_lr_ratio")),
-        "gconfig.n_samples": ("rollout.num_samples", _number(int)),
-        "gconfig.temperature": ("rollout.temperature", _number(float)),
-        "gconfig.top_p": ("rollout.top_p", _number(float)),
-        "gconfig.top_k": ("rollout.top_k", _top_k),
-        "gconfig.max_new_tokens": ("rollout.max_new_tokens", _number(int)),
-        "train_dataset.batch_size": ("rollout.prompts_per_step", _number(int)),
-    },
-    differs={
-        "actor.kl_ctl": (_not_zero, KL_IN_REWARD),
-        "actor.optimizer.warmup_steps_proportion": (_not_zero, "set optimizer.warmup_steps (optimizer updates)"),
-        "actor.optimizer.beta1": (lambda v: float(v) != 0.9, BETAS),
-        "actor.optimizer.beta2": (lambda v: float(v) != 0.999, BETAS),
-        "actor.optimizer.type": (lambda v: v not in ("adam", "adamw"), "Tether's optimizer is AdamW"),
-    },
-    nest=lambda data: {"actor": data},
-)
-
-MAPS = {"verl": VERL, "skyrl": SKYRL, "slime": SLIME, "areal": AREAL}
-SECTIONS = {"verl": ("algorithm", "actor_rollout_ref", "data", "trainer"), "skyrl": ("trainer", "generator"),
-            "slime": None, "areal": ("actor", "gconfig", "train_dataset")}
-
-
-def _is_whole(framework: str, data) -> bool:
-    sections = SECTIONS[framework]
-    return sections is None or any(section in data for section in sections)
-
-
-def _flatten(data: Mapping, prefix: str = ""):
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            yield from _flatten(value, f"{path}.")
-        else:
-            yield path, value
-
-
-def _lookup(data: Mapping) -> Get:
-    def get(key: str):
-        node: Any = data
-        for part in key.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return None
-            node = node[part]
-        return node
-
-    return get
-
-
-def _rows(framework: str, data: Mapping, unknown: set[str]) -> tuple[list[Row], dict[str, Any]]:
-    """One row per key (a block outside the loss and the run mapping is one row), and the run-config values."""
-    spec = MAPS[framework]
-    mapped = set(spec.loss) | set(spec.run) | set(spec.differs)
-    get = _lookup(data)
-    rows, run = [], {}
-
-    def shown(key: str) -> str:
-        return f"--{key.replace('_', '-')}" if framework == "slime" else key
-
-    def visit(node: Mapping, prefix: str):
-        for key, value in node.items():
-            path = f"{prefix}{key}"
-            owner = next((k for k in spec.loss if path == k or path.startswith(f"{k}.")), None)
-            if owner is not None:
-                rows.append(Row(shown(path), value, f"corrections.{spec.loss[owner]}"))
-            elif path in spec.run:
-                target, convert = spec.run[path]
-                if value is None:
-                    rows.append(Row(shown(path), value, f"{NOT_USED} (null: Tether's {target} stays)"))
-                    continue
-                try:
-                    run[target] = convert(value, get)
-                    rows.append(Row(shown(path), value, target))
-                except NotApplied as why:
-                    rows.append(Row(shown(path), value, f"not applied: {why}"))
-            elif path in spec.differs:
-                changes, why = spec.differs[path]
-                rows.append(Row(shown(path), value, f"not applied: {why}" if changes(value) else
-                                f"{NOT_USED} (Tether does the same)"))
-            elif isinstance(value, Mapping) and any(k.startswith(f"{path}.") for k in mapped):
-                visit(value, f"{path}.")
-            elif key == "defaults":
-                rows.append(Row(shown(path), value, f"{NOT_USED} (Hydra defaults outside the loss, not composed)"))
-            else:
-                note = " (unknown to Tether's reader)" if any(u == path or u.startswith(f"{path}.")
-                                                              for u in unknown) else ""
-                rows.append(Row(shown(path), value, NOT_USED + note))
-
-    visit(data, "")
-    return rows, run
-
-
 @functools.lru_cache(maxsize=16)
 def migrate(framework: str, path: str) -> Migration:
     """Reads a framework's config file (``corrections._files.read_file``) into a ``Migration``.
@@ -390,7 +64,10 @@ def migrate(framework: str, path: str) -> Migration:
     """
     if framework not in MAPS:
         raise ValueError(f"framework {framework!r}: use one of {', '.join(MAPS)}.")
-    data = read_file(path)
+    try:
+        data = read_file(path)
+    except ValueError as error:  # no such file, not a config file, not valid YAML
+        raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     if framework == "slime":
         if not isinstance(data, list):
             raise ValueError(f"corrections.from_slime={path!r}: give a slime launch script (.sh).")
@@ -399,15 +76,14 @@ def migrate(framework: str, path: str) -> Migration:
         raise ValueError(f"corrections.from_{framework}={path!r}: give a YAML file.")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownKeyWarning)
+        warnings.simplefilter("ignore", corrections.TrainingKeysWarning)  # for direct calls: the run maps them
         try:
             config = getattr(corrections, f"from_{framework}")(data)
         except ValueError as error:
             raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
-    unknown = {str(w.message).split(":", 1)[0].split(".", 1)[1] for w in caught
-               if issubclass(w.category, UnknownKeyWarning) and "." in str(w.message).split(":", 1)[0]}
-    whole = data if _is_whole(framework, data) else MAPS[framework].nest(dict(data))
-    rows, run = _rows(framework, whole, unknown)
-    return Migration(framework, str(path), config, run, tuple(rows))
+    unknown = {w.message.path.split(".", 1)[1] for w in caught if isinstance(w.message, UnknownKeyWarning)}
+    table, run = rows(framework, whole(framework, data), unknown)
+    return Migration(framework, str(path), config, run, tuple(table))
 
 
 def framework_file(section: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -421,6 +97,12 @@ def framework_file(section: Mapping[str, Any]) -> tuple[str, str] | None:
     if given and not isinstance(given[0][1], str):
         raise ValueError(f"corrections.from_{given[0][0]}={given[0][1]!r}: give the path of the config file.")
     return given[0] if given else None
+
+
+def corrections_name(section) -> str:
+    """What the run's loss is, for its summary: the preset's name, or ``from_<framework>=<path>``."""
+    given = framework_file(section)
+    return section.preset if given is None else f"from_{given[0]}={given[1]}"
 
 
 def with_framework_file(data: dict, framework: str, path: str) -> dict:
@@ -445,9 +127,7 @@ def correction_config(section) -> corrections.CorrectionConfig:
     config = migrate(framework, str(path)).corrections
     if not section.overrides:
         return config
-    from corrections._presets import _merge  # the presets' merge of overrides into nested fields
-
-    return corrections.config_from_dict(_merge(corrections.config_to_dict(config), section.overrides))
+    return corrections.config_from_dict(merge(corrections.config_to_dict(config), section.overrides))
 
 
 MAPPING_FILE = "framework_config.tsv"

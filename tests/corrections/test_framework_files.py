@@ -24,6 +24,8 @@ from corrections import UnknownKeyWarning
 from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
 from tests.reference_ports import areal, verl
 
+# The files' training settings are listed by the front doors (tests/corrections/test_training_keys.py), not here.
+pytestmark = pytest.mark.filterwarnings("ignore::corrections.TrainingKeysWarning")
 FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
 VERL_DEFAULT = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept")
 EXPECTED = {
@@ -47,7 +49,7 @@ def read_through_door(name: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownKeyWarning)
         config = door(read_file(FILES / name))
-    return config, [str(w.message).split(":", 1)[0] for w in caught if w.category is UnknownKeyWarning]
+    return config, [w.message.path for w in caught if w.category is UnknownKeyWarning]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import warnings
 
 import pytest
 import yaml
 
 import corrections
 from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.metrics_writers import read_metrics
 from learner.rl import load_config
 from learner.rl import migration
 from learner.rl.config import correction_config
@@ -26,7 +29,7 @@ def rows(m: migration.Migration) -> dict:
     return {row.key: (row.value, row.tether) for row in m.rows}
 
 
-@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
+@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning", "ignore::corrections.TrainingKeysWarning")
 @pytest.mark.parametrize("framework, name, run", [
     ("verl", "verl/_generated_ppo_trainer.yaml", {
         "update.ppo_epochs": 1, "update.num_minibatches": 4, "optimizer.learning_rate": 1e-6,
@@ -54,6 +57,16 @@ def test_training_settings_map_to_run_keys(framework, name, run):
     m = migration.migrate(framework, str(FILES / name))
     assert m.run == run
     assert m.corrections == getattr(corrections, f"from_{framework}")(corrections.read_file(FILES / name))
+
+
+@pytest.mark.parametrize("framework, name", [("verl", "verl/_generated_ppo_trainer.yaml"),
+                                             ("slime", "slime/run-qwen3-4B.sh")])
+def test_a_run_maps_the_training_settings_without_the_front_doors_warning(framework, name):
+    """The front door's TrainingKeysWarning is for direct calls; a run applies those settings and prints its table."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", corrections.TrainingKeysWarning)
+        m = migration.migrate.__wrapped__(framework, str(FILES / name))  # not the cached result
+    assert m.run["optimizer.learning_rate"] == 1e-6
 
 
 def test_every_key_gets_one_row():
@@ -93,22 +106,29 @@ def test_precedence_toml_then_framework_file_then_set(tmp_path):
     assert correction_config(config).denominator == "kept"  # the rest stays verl's
 
 
-def test_bad_mapped_value_names_the_file_and_the_fix():
+def test_bad_mapped_value_names_the_file_and_the_fix(tmp_path):
     path = str(FILES / "verl/_generated_ppo_trainer.yaml")
     with pytest.raises(ValueError, match=r"rollout.num_samples=1: must be >= 2 \(with corrections.from_verl=.*--set"):
         load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(path)}"])
+    with pytest.raises(ValueError, match=r"^corrections.from_skyrl='missing.yaml': missing.yaml: no such file"):
+        load_config(None, ["corrections.from_skyrl='missing.yaml'"])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("trainer: [1, 2\n")
+    with pytest.raises(ValueError, match=rf"^corrections.from_verl='{broken}': {broken}: not valid YAML"):
+        load_config(None, [f"corrections.from_verl={json.dumps(str(broken))}"])
     with pytest.raises(ValueError, match="from_verl and from_areal are both set"):
         load_config(None, [f"corrections.from_verl={json.dumps(path)}", "corrections.from_areal='x.yaml'"])
 
 
-@pytest.mark.slow  # a real training subprocess: ~1 min on a quiet 2-core machine, 3 on a loaded one
 def test_run_from_a_verl_config(tmp_path):
-    """A user's verl config (verl's resolved defaults with their edits: GRPO, 4 prompts x 4 samples, 2 mini-batches,
-    learning rate 5e-4, KL loss 0.02, clip-higher 0.28) trains in a real subprocess: the mapping is printed once
-    and written to run_dir/framework_config.tsv, and the run's saved config holds the mapped values."""
+    """A user's verl config (verl's resolved defaults with their edits: GRPO, 4 prompts x 4 samples, 2-token
+    responses, 2 mini-batches, learning rate 5e-4, KL loss 0.02, clip-higher 0.28) trains in a real subprocess (one
+    step, no warm-up: the cheapest real run): the mapping is printed once and written to
+    run_dir/framework_config.tsv, the rollout follows the file (16 samples, at most 2 tokens each, where the task
+    alone allows 3), and the run's saved config holds the mapped values."""
     user = yaml.safe_load((FILES / "verl/_generated_ppo_trainer.yaml").read_text())
     user["algorithm"]["adv_estimator"] = "grpo"
-    user["data"].update(train_batch_size=4, max_response_length=4)
+    user["data"].update(train_batch_size=4, max_response_length=2)
     user["actor_rollout_ref"]["rollout"]["n"] = 4
     user["actor_rollout_ref"]["actor"].update(ppo_mini_batch_size=2, use_kl_loss=True, kl_loss_coef=0.02,
                                               clip_ratio_high=0.28)
@@ -116,16 +136,20 @@ def test_run_from_a_verl_config(tmp_path):
     path = tmp_path / "my_verl.yaml"
     path.write_text(yaml.safe_dump(user))
     run_dir = tmp_path / "run"
-    stdout = run_training(run_dir, f"corrections.from_verl={json.dumps(str(path))}", "loop.steps=2")
+    stdout = run_training(run_dir, f"corrections.from_verl={json.dumps(str(path))}", "loop.steps=1",
+                          "warmup.steps=0")
     table = (run_dir / migration.MAPPING_FILE).read_text()
     assert stdout.count("their key\ttheir value\tTether") == 1 and table in stdout
     assert "actor_rollout_ref.actor.optim.lr\t0.0005\toptimizer.learning_rate" in table
     assert "actor_rollout_ref.actor.kl_loss_coef\t0.02\tcorrections.kl_coef" in table
+    assert re.search(rf"\| corrections +\| from_verl={re.escape(str(path))} ", stdout)  # the summary, not the preset
+    (record,) = read_metrics(run_dir / "metrics.jsonl")
+    assert record["rollout/samples"] == 16 and 1 <= record["rollout/completion_tokens_mean"] <= 2
     with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
-        assert checkpointer.latest_step() == 2
+        assert checkpointer.latest_step() == 1
         saved = checkpointer.read_metadata()["config"]
     assert saved["update"]["num_minibatches"] == 2 and saved["update"]["ppo_epochs"] == 1
     assert saved["optimizer"]["learning_rate"] == 5e-4 and saved["optimizer"]["end_learning_rate"] is None
-    assert saved["rollout"]["max_new_tokens"] == 4 and saved["corrections"]["from_verl"] == str(path)
+    assert saved["rollout"]["max_new_tokens"] == 2 and saved["corrections"]["from_verl"] == str(path)
     config = correction_config(load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(str(path))}"]))
     assert config.kl_coef == 0.02 and config.objective.clip_high == 0.28 and config.denominator == "kept"
