@@ -9,7 +9,6 @@ Mistral) on tiny tokenizers built here.
   the ``input_ids`` each Generate call carried are the trained prefix, and its streamed ids are the trained tokens.
 """
 
-import concurrent.futures
 import functools
 import types
 
@@ -22,11 +21,12 @@ from learner.logprobs import token_logprobs
 from learner.model import Transformer, model_config
 from learner.rl.episodes import EpisodeEngine, EpisodeRequest
 from learner.tasks import EpisodeLimits, HFTokenizer, StepResult, message_segment_ids
-from rollout_client import ClientConfig, Engine, LogprobMode, MlxEngine, SamplingParams, ValidationConfig
+from rollout_client import ClientConfig, LogprobMode, MlxEngine, SamplingParams, ValidationConfig
 from rollout_client.sglang_engine import SGLangEngine
 from rollout_client.vllm_engine import VllmEngine
 from tests.engines.conftest import host_weights
 from tests.engines.conformance_servers import VOCAB, sglang_servers, token, vllm_servers, write_fake_checkpoint
+from tests.rl.test_episodes import Recording
 from tests.tasks.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
 
 LLAMA3_TEMPLATE = (  # Meta-Llama-3-Instruct's (tokenizer_config.json)
@@ -124,31 +124,6 @@ class ChatTask:
 
     def environment(self):
         return ChatEnvironment(self.role)
-
-
-class Recording(Engine):
-    """``engine``'s requests, each with the samples it returned (recorded before the episode sees them)."""
-
-    name, capabilities = "recording", None
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def info(self):
-        return self.engine.info()
-
-    def submit(self, request):
-        samples = self.engine.submit(request).result(timeout=120)
-        self.calls.append((request, samples))
-        future = concurrent.futures.Future()
-        future.set_result(samples)
-        return future
-
-    def publish(self, policy_version, weights):
-        return self.engine.publish(policy_version, weights)
-
-    def close(self):
-        pass
 
 
 def run_episode(engine, task, mode=LogprobMode.RAW):

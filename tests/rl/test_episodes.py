@@ -342,7 +342,7 @@ class Recording(Engine):
         return self.engine.info()
 
     def submit(self, request):  # synchronous: the call is recorded before the episode sees its samples
-        samples = self.engine.submit(request).result(timeout=60)
+        samples = self.engine.submit(request).result(timeout=120)
         self.calls.append((request, samples))
         future = concurrent.futures.Future()
         future.set_result(samples)
