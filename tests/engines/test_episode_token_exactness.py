@@ -233,8 +233,8 @@ class IdsEnvironment:
 
 class IdsTask:
     name, max_prompt_tokens, max_completion_tokens = "ids", 8, 48
-    tokenizer = types.SimpleNamespace(eos_ids=(VOCAB - 1,), pad_id=0)
-    limits = EpisodeLimits(max_turns=3, max_turn_tokens=5, max_observation_tokens=8)
+    tokenizer = types.SimpleNamespace(eos_ids=(VOCAB - 1,), pad_id=0, decode=lambda ids: " ".join(map(str, ids)))
+    limits = EpisodeLimits(max_turns=3, max_turn_tokens=5, max_observation_tokens=8, stop_strings=("</call>",))
 
     def prompts(self):
         return [{}]
@@ -260,6 +260,9 @@ def test_sglang_and_vllm_receive_the_trained_prefix_and_return_the_trained_ids_p
         trained, _ = assert_trained_ids_are_the_engines(episode, calls)
         received = [list(request.tokenized.input_ids) for request in servers.engine.generate_requests]
         assert received == [trained[:np.asarray(request.prompt_token_ids).size].tolist() for request, _ in calls]
+        # The task's stop strings reach the engine's own `stop` (the learner's cut stays the guarantee).
+        assert [list(request.sampling_params.stop) for request in servers.engine.generate_requests] == [
+            ["</call>"]] * 3
         for prompt in received:  # the fake model's ids are a function of the prompt it was given
             start = len(prompt)
             assert trained[start:start + 5].tolist() == [token(sum(prompt), step, 0, 0) for step in range(5)]
