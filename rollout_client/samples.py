@@ -35,7 +35,7 @@ class Sample:
       logprob_mode: which distribution `logprobs` is of.
       queue_s: server-side wait before generation began.
       generate_s: server-side generation time.
-      completion_mask: float32 [C] or None; 1 on the tokens the policy sampled, 0 on tokens it did not (an
+      completion_mask: float32 [C] or None; 1 on the tokens the policy sampled, 0 on tokens it did not (a
         multi-turn episode's observations); None: every completion token is the policy's. Masked tokens
         carry logprob 0 and the policy version of the policy token before them, so versions' min and max are the
         policy tokens' alone.

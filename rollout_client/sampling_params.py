@@ -69,6 +69,8 @@ class SamplingParams:
       max_new_tokens: completion length limit; None means the server's limit.
       stop_token_ids: None means the server's eos ids; () means never stop.
       seed: sample i of a request is drawn with a key derived from (seed, i).
+      stop_strings: texts that end a sample where the engine can detect them (SGLang, vLLM); others ignore them
+        (the caller cuts at them itself: `learner.rl.episodes`).
     """
 
     temperature: float | None = None
@@ -78,6 +80,7 @@ class SamplingParams:
     max_new_tokens: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self):
         """Refuses values no sampler can honour; each error starts with the field's name.
@@ -108,6 +111,7 @@ class SamplingParams:
                 setattr(message, name, value)
         if self.stop_token_ids is not None:
             message.stop_token_ids.token_ids.extend(self.stop_token_ids)
+        message.stop_strings.extend(self.stop_strings)
         return message
 
     @classmethod
@@ -115,11 +119,11 @@ class SamplingParams:
         """Inverse of `to_proto`.
 
         >>> SamplingParams.from_proto(SamplingParams(top_k=5, stop_token_ids=()).to_proto())
-        SamplingParams(temperature=None, top_k=5, top_p=None, min_p=None, max_new_tokens=None, stop_token_ids=(), seed=None)
+        SamplingParams(temperature=None, top_k=5, top_p=None, min_p=None, max_new_tokens=None, stop_token_ids=(), seed=None, stop_strings=())
         """
         values = {
             name: getattr(message, name) if message.HasField(name) else None
             for name in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens", "seed")
         }
         stop = tuple(message.stop_token_ids.token_ids) if message.HasField("stop_token_ids") else None
-        return cls(stop_token_ids=stop, **values)
+        return cls(stop_token_ids=stop, stop_strings=tuple(message.stop_strings), **values)

@@ -76,7 +76,7 @@ def sglang_generate_request(request_id: str, prompt: Sequence[int], sampling: En
         sampling_params=sglang_scheduler_pb2.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, min_p=sampling.min_p,
             frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, stop_token_ids=sampling.stop_token_ids,
+            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, stop=sampling.stop_strings, stop_token_ids=sampling.stop_token_ids,
             ignore_eos=not sampling.stop_token_ids, skip_special_tokens=False, spaces_between_special_tokens=False,
             no_stop_trim=True, n=sampling.n, stream_interval=STREAM_INTERVAL))
 

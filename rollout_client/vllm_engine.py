@@ -65,7 +65,7 @@ def vllm_generate_request(request_id: str, prompt: Sequence[int], sampling: Engi
         sampling_params=vllm_engine_pb2.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
             frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, max_tokens=sampling.max_new_tokens,
-            min_tokens=0, stop_token_ids=sampling.stop_token_ids, ignore_eos=True, skip_special_tokens=False,
+            min_tokens=0, stop=sampling.stop_strings, stop_token_ids=sampling.stop_token_ids, ignore_eos=True, skip_special_tokens=False,
             spaces_between_special_tokens=False, include_stop_str_in_output=False, n=sampling.n, logprobs=0))
 
 

@@ -172,7 +172,7 @@ class EpisodeEngine(Engine):
         while True:
             room = budget - len(ids)
             sampling = dataclasses.replace(request.sampling, max_new_tokens=min(limits.max_turn_tokens, room),
-                                           stop_token_ids=stop_ids)
+                                           stop_token_ids=stop_ids, stop_strings=limits.stop_strings)
             turn_prompt = np.concatenate([prompt, np.asarray(ids, np.int32)]).astype(np.int32)
             samples = self.engine.submit(RolloutRequest(
                 turn_prompt, sampling=sampling, num_samples=1, logprob_mode=request.logprob_mode,

@@ -107,8 +107,9 @@ class Calculator:
             raise ValueError("task.args: chat = true renders messages with a checkpoint's chat template: set "
                              "model.hf_path (or task.args.model_path) to a directory with tokenizer files")
         if self.tokenizer.encode(CALL_TAG).size != 1:
-            raise ValueError(f"task.args: the tokenizer encodes the tool-call tag {CALL_TAG!r} as several tokens; "
-                             "it must be one (a turn's stop id)")
+            raise ValueError(f"task.args.model_path: the tokenizer encodes the tool-call tag {CALL_TAG!r} as several "
+                             "tokens; it must be one (a turn's stop id): use a checkpoint whose tokenizer has it as "
+                             "one token (scripts/make_hf_tiny.py --tool-calculator writes one)")
 
     @functools.cached_property
     def tokenizer(self):

@@ -37,6 +37,8 @@ class EngineSampling:
       max_new_tokens: >= 1.
       stop_token_ids: the only tokens that end a sample (the engine's own eos ids are ignored unless listed).
       n: samples of this one engine request (1 where the engine has no ``n``: the client fans out).
+      stop_strings: texts that end a sample (sent where the engine's proto has ``stop``: SGLang, vLLM; MLX's has
+        none).
     """
 
     temperature: float
@@ -46,6 +48,7 @@ class EngineSampling:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
     n: int = 1
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

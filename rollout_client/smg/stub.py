@@ -56,7 +56,7 @@ def resolve_sampling(asked: pb.SamplingParams, prompt_tokens: int, model_info, n
     return EngineSampling(temperature=value("temperature", 1.0), top_k=0 if top_k >= model_info.vocab_size else top_k,
                           top_p=value("top_p", 1.0), min_p=value("min_p", 0.0),
                           max_new_tokens=value("max_new_tokens", model_info.max_context_length - prompt_tokens),
-                          stop_token_ids=stops, n=n)
+                          stop_token_ids=stops, n=n, stop_strings=tuple(asked.stop_strings))
 
 
 def echoed_sampling(asked: pb.SamplingParams, sent: EngineSampling) -> pb.SamplingParams:

@@ -53,9 +53,8 @@ def compacted(arrays, mask):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("seed", [0])
-def test_environment_tokens_count_in_no_denominator_or_sequence_statistic(preset, seed):
-    current, advantages, mask, proximal, rollout, lag = episode_batch(seed)
+def test_environment_tokens_count_in_no_denominator_or_sequence_statistic(preset):
+    current, advantages, mask, proximal, rollout, lag = episode_batch(seed=0)
     config = corrections.preset(preset)
     episode = corrections.compute(current, advantages, mask, config, proximal_logprobs=proximal,
                                   rollout_logprobs=rollout, policy_lag=lag)

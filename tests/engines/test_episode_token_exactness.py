@@ -9,7 +9,6 @@ Mistral) on tiny tokenizers built here.
   the ``input_ids`` each Generate call carried are the trained prefix, and its streamed ids are the trained tokens.
 """
 
-import concurrent.futures
 import functools
 import types
 
@@ -22,11 +21,12 @@ from learner.logprobs import token_logprobs
 from learner.model import Transformer, model_config
 from learner.rl.episodes import EpisodeEngine, EpisodeRequest
 from learner.tasks import EpisodeLimits, HFTokenizer, StepResult, message_segment_ids
-from rollout_client import ClientConfig, Engine, LogprobMode, MlxEngine, SamplingParams, ValidationConfig
+from rollout_client import ClientConfig, LogprobMode, MlxEngine, SamplingParams, ValidationConfig
 from rollout_client.sglang_engine import SGLangEngine
 from rollout_client.vllm_engine import VllmEngine
 from tests.engines.conftest import host_weights
 from tests.engines.conformance_servers import VOCAB, sglang_servers, token, vllm_servers, write_fake_checkpoint
+from tests.rl.test_episodes import Recording
 from tests.tasks.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
 
 LLAMA3_TEMPLATE = (  # Meta-Llama-3-Instruct's (tokenizer_config.json)
@@ -124,31 +124,6 @@ class ChatTask:
 
     def environment(self):
         return ChatEnvironment(self.role)
-
-
-class Recording(Engine):
-    """``engine``'s requests, each with the samples it returned (recorded before the episode sees them)."""
-
-    name, capabilities = "recording", None
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def info(self):
-        return self.engine.info()
-
-    def submit(self, request):
-        samples = self.engine.submit(request).result(timeout=120)
-        self.calls.append((request, samples))
-        future = concurrent.futures.Future()
-        future.set_result(samples)
-        return future
-
-    def publish(self, policy_version, weights):
-        return self.engine.publish(policy_version, weights)
-
-    def close(self):
-        pass
 
 
 def run_episode(engine, task, mode=LogprobMode.RAW):
@@ -258,8 +233,8 @@ class IdsEnvironment:
 
 class IdsTask:
     name, max_prompt_tokens, max_completion_tokens = "ids", 8, 48
-    tokenizer = types.SimpleNamespace(eos_ids=(VOCAB - 1,), pad_id=0)
-    limits = EpisodeLimits(max_turns=3, max_turn_tokens=5, max_observation_tokens=8)
+    tokenizer = types.SimpleNamespace(eos_ids=(VOCAB - 1,), pad_id=0, decode=lambda ids: " ".join(map(str, ids)))
+    limits = EpisodeLimits(max_turns=3, max_turn_tokens=5, max_observation_tokens=8, stop_strings=("</call>",))
 
     def prompts(self):
         return [{}]
@@ -285,6 +260,9 @@ def test_sglang_and_vllm_receive_the_trained_prefix_and_return_the_trained_ids_p
         trained, _ = assert_trained_ids_are_the_engines(episode, calls)
         received = [list(request.tokenized.input_ids) for request in servers.engine.generate_requests]
         assert received == [trained[:np.asarray(request.prompt_token_ids).size].tolist() for request, _ in calls]
+        # The task's stop strings reach the engine's own `stop` (the learner's cut stays the guarantee).
+        assert [list(request.sampling_params.stop) for request in servers.engine.generate_requests] == [
+            ["</call>"]] * 3
         for prompt in received:  # the fake model's ids are a function of the prompt it was given
             start = len(prompt)
             assert trained[start:start + 5].tolist() == [token(sum(prompt), step, 0, 0) for step in range(5)]

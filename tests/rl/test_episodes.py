@@ -342,7 +342,7 @@ class Recording(Engine):
         return self.engine.info()
 
     def submit(self, request):  # synchronous: the call is recorded before the episode sees its samples
-        samples = self.engine.submit(request).result(timeout=60)
+        samples = self.engine.submit(request).result(timeout=120)
         self.calls.append((request, samples))
         future = concurrent.futures.Future()
         future.set_result(samples)
@@ -365,14 +365,15 @@ def test_over_the_wire_the_trained_ids_are_the_ids_the_server_was_given_and_retu
                 recording.publish(1, {"logprob_scale": np.asarray(2.0, np.float32)})
             return super().step(generated)
 
-    task = EchoTask(done_after=3, environment=PublishOnce, max_turn_tokens=5)
+    # A stop string that never matches: sent on the wire (rollout.v1 stop_strings), which Tether's server ignores.
+    task = EchoTask(done_after=3, environment=PublishOnce, max_turn_tokens=5, stop_strings=("</never>",))
     task.published = threading.Semaphore(1)
     episode_engine = EpisodeEngine(recording, task)
     request = EpisodeRequest(task.prompts()[0], SamplingParams(stop_token_ids=()), num_samples=1,
                              logprob_mode=LogprobMode.PROCESSED)
     (episode,) = episode_engine.submit(request).result(timeout=60)
     calls = sorted(recording.calls, key=lambda call: len(call[0].prompt_token_ids))
-    assert len(calls) == 3
+    assert len(calls) == 3 and all(sent.sampling.to_proto().stop_strings == ["</never>"] for sent, _ in calls)
     trained = np.concatenate([episode.prompt_token_ids, episode.completion_token_ids])
     policy = np.concatenate([np.zeros(episode.prompt_token_ids.size), episode.completion_mask]) == 1
     position = 0

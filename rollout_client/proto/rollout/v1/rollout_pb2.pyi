@@ -48,7 +48,7 @@ WEIGHTS_FORMAT_SAFETENSORS: WeightsFormat
 WEIGHTS_FORMAT_ORBAX: WeightsFormat
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "seed", "stop_strings")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class SamplingParams(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -63,7 +64,8 @@ class SamplingParams(_message.Message):
     max_new_tokens: int
     stop_token_ids: TokenIdList
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Union[TokenIdList, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Union[TokenIdList, _Mapping]] = ..., seed: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenIdList(_message.Message):
     __slots__ = ("token_ids",)
