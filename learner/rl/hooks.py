@@ -177,7 +177,8 @@ class PlotHook(Hook):
 class CheckpointHook(Hook):
     """A checkpoint after the start of a fresh run (step 0), every ``every`` steps and at the last step.
 
-    Saves are asynchronous; the run's checkpointer completes the one in flight on every exit path.
+    Saves are asynchronous; the run's checkpointer completes the one in flight on every exit path. A run resumed
+    from step 0 (killed before its first periodic checkpoint) has step 0 already and does not save it again.
     """
 
     leader_only = False
@@ -186,7 +187,7 @@ class CheckpointHook(Hook):
         self.every = every
 
     def on_start(self, run: Run) -> None:
-        if run.start_step == 0:
+        if run.checkpointer.latest_step() is None:
             run.save_checkpoint(0)
 
     def on_step(self, run: Run, record: StepRecord) -> None:
