@@ -15,6 +15,7 @@ shapes loads them instead of compiling. ``JAX_COMPILATION_CACHE_DIR`` picks the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -23,7 +24,8 @@ import sys
 import jax
 
 from learner.distributed import initialize
-from learner.rl import NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig, load_config
+from learner.rl import (NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig,
+                        RunDirLockedError, load_config)
 from rollout_client import EngineCapabilityError
 
 
@@ -61,22 +63,33 @@ def setup_jax(config: RunConfig) -> None:
     initialize(config.distributed.coordinator, config.distributed.num_processes, config.distributed.process_id)
 
 
+# Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
+# with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
+USER_ERRORS: tuple[type[BaseException], ...] = (ResumeConfigError, RunDirLockedError, EngineCapabilityError,
+                                                NonFiniteUpdateError, NoUsableRolloutsError)
+
+
+@contextlib.contextmanager
+def errors_as_lines(*classes: type[BaseException]):
+    """Turns an exception of ``classes`` (default `USER_ERRORS`) into ``error: <message>`` on stderr and exit 1."""
+    try:
+        yield
+    except classes or USER_ERRORS as error:
+        sys.exit(f"error: {error}")
+
+
 def main(argv=None) -> None:
     config_path, overrides = parse_args(argv)
-    try:
+    with errors_as_lines(ValueError):
         config = load_config(config_path, overrides)
-    except ValueError as error:
-        sys.exit(f"error: {error}")
     enable_compilation_cache()
     setup_jax(config)
-    try:
+    with errors_as_lines():
         with Run(config) as run:
             if run.finished:
                 print(f"{config.run_dir}: already finished at step {run.step} of {config.loop.steps}; nothing to do",
                       flush=True)
             run.train()
-    except (ResumeConfigError, EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError) as error:
-        sys.exit(f"error: {error}")
 
 
 if __name__ == "__main__":

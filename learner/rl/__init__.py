@@ -31,6 +31,7 @@ from learner.rl.run import NonFiniteUpdateError
 from learner.rl.run import ResumeConfigError
 from learner.rl.run import Run
 from learner.rl.run import StepRecord
+from learner.rl.run_lock import RunDirLockedError
 from learner.rl.trainer import Trainer
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "RolloutLogHook",
     "Run",
     "RunConfig",
+    "RunDirLockedError",
     "StepRecord",
     "SummaryHook",
     "Trainer",

@@ -4,9 +4,10 @@
         for record in run.steps():
             print(record.step, record.metrics["reward/mean"])
 
-Entering a run sets it up: the task, the mesh and the sharded train state, then either the latest checkpoint of
-``run_dir`` (state, reference policy, policy version, data position) or a fresh start (Hugging Face weights if
-configured, the supervised warm-up); then, on process 0, the inference engine (launched, or reached at
+Entering a run sets it up: the run directory's lock (`learner.rl.run_lock`: one run per directory, held by process
+0), the task, the mesh and the sharded train state, then either the latest checkpoint of ``run_dir`` (state,
+reference policy, policy version, data position) or a fresh start (Hugging Face weights if configured, the
+supervised warm-up); then, on process 0, the inference engine (launched, or reached at
 ``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
 max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
 finish before each publish, so every sample is exactly ``max_staleness`` versions old). Everything it opens is
@@ -45,6 +46,7 @@ from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampli
 from learner.rl.engines import build_engine, check_identity, sampler_order
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.prompts import DataPosition, PromptStream
+from learner.rl.run_lock import hold_run_dir
 from learner.rl.trainer import Trainer
 from learner.logprob_mode import check_logprob_mode
 from learner.tasks import Demonstrations, load_task
@@ -118,6 +120,8 @@ class Run:
     def _set_up(self, stack: contextlib.ExitStack) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.leader:
+            stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
         self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
