@@ -224,12 +224,14 @@ class Run:
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
         metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
-        limit = self.config.optimizer.max_consecutive_skips
-        if trainer.skipped_steps >= limit:
+        limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
+        if skipped >= limit or (step == self.config.loop.steps and skipped >= step - self.start_step):
+            nonfinite = sorted(name for name, value in metrics.items() if not np.isfinite(value))
             raise NonFiniteUpdateError(
-                f"steps {step - limit + 1} to {step}: every one skipped a non-finite update (loss or gradient NaN or "
-                f"inf; optimizer.max_consecutive_skips = {limit}). The parameters are unchanged since step "
-                f"{step - limit}; the latest checkpoint is {self.checkpointer.latest_step()}")
+                f"steps {step - skipped + 1} to {step}: every one skipped a non-finite update (loss or gradient NaN or "
+                f"inf; optimizer.max_consecutive_skips = {limit}; a run whose every update was skipped never "
+                f"finishes). Non-finite at step {step}: {', '.join(nonfinite) or 'the gradient'}. The parameters are "
+                f"unchanged since step {step - skipped}; the latest checkpoint is {self.checkpointer.latest_step()}")
         update_s = time.monotonic() - started - rollout_s
         weights = trainer.host_weights()
         rewards = payload.rewards[:samples]

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from learner.tasks import BUILTIN_REWARDS, RewardError, RewardSet, make_reward
+from learner.tasks import BUILTIN_REWARDS, REWARD_BOUND, Reward, RewardError, RewardSet, make_reward
 
 RELEASE = threading.Event()  # lets the test's hanging rewards finish once the test is done
 
@@ -182,6 +182,30 @@ def test_a_failing_reward_is_skipped_and_named_or_stops(user_rewards, completion
     with pytest.raises(RewardError, match=r"reward 'picky' failed on prompt 0 \(dataset row 7\), sample 1: "
                                           + error.replace("(", r"\(").replace(")", r"\)")):
         stopping.score(completions, ["p", "p"], ROWS, names)
+
+
+def _parsed(completion, prompt, row):
+    return float(completion)
+
+
+def test_rewards_beyond_the_float32_bound_are_skipped_and_named():
+    """1e300 is finite in float64 and inf in float32, where rewards are trained: such samples are skipped like a
+    reward that raised, and so is a weighted total beyond the bound."""
+    assert REWARD_BOUND == 1e6
+    scores = RewardSet([Reward("parsed", _parsed)]).score(["1.5", "1e300", "-2e6", "1e6"], ["p"] * 4, [{}] * 4)
+    np.testing.assert_array_equal(scores.total[[0, 3]], [1.5, 1e6])
+    assert np.isnan(scores.total[[1, 2]]).all() and scores.skipped == 2
+    assert scores.errors == [
+        "reward 'parsed' failed on sample 1: ValueError: returned 1e+300, beyond the bound |reward| <= 1e+06 "
+        "(rewards are trained in float32): rescale it",
+        "reward 'parsed' failed on sample 2: ValueError: returned -2000000.0, beyond the bound |reward| <= 1e+06 "
+        "(rewards are trained in float32): rescale it"]
+    weighted = RewardSet([Reward("parsed", _parsed, weight=1e6)]).score(["0.5", "2"], ["p"] * 2, [{}] * 2)
+    assert weighted.total[0] == 5e5 and np.isnan(weighted.total[1])
+    assert weighted.errors == ["rewards' weighted total 2e+06 on sample 1 is beyond |total| <= 1e+06 (rewards are "
+                               "trained in float32): lower the weights"]
+    with pytest.raises(RewardError, match="weighted total 2e"):
+        RewardSet([Reward("parsed", _parsed, weight=1e6)], on_error="stop").score(["2"], ["p"], [{}])
 
 
 def test_a_batched_reward_returning_the_wrong_count_fails_every_sample(user_rewards):
