@@ -47,7 +47,7 @@ from learner.rl.engines import build_engine, check_identity, sampler_order
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.run_lock import hold_run_dir
-from learner.rl.trainer import Trainer
+from learner.rl.trainer import Trainer, model_context
 from learner.logprob_mode import check_logprob_mode
 from learner.tasks import Demonstrations, load_task
 from rollout_client import LogprobMode, RolloutBuffer
@@ -122,7 +122,8 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
-        self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path)
+        self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
+                              model_context=model_context(config))
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")

@@ -35,6 +35,14 @@ def bucket_length(length: int) -> int:
     return max(8, 1 << (length - 1).bit_length())
 
 
+def model_context(config: RunConfig) -> int:
+    """The model's context in tokens: ``max_position_embeddings`` of ``model.hf_path``, or the named model's
+    ``max_seq_len``."""
+    if config.model.hf_path:
+        return model_config_from_checkpoint(config.model.hf_path).max_seq_len
+    return model_config(config.model.name).max_seq_len
+
+
 def mean_metrics(metrics) -> dict[str, float]:
     """Per-update metric arrays -> one mean per key, on the host."""
     return {name: float(np.mean(value)) for name, value in jax.device_get(metrics).items()}
@@ -52,6 +60,12 @@ class Trainer:
         self.config = config
         self.task = task
         self.max_new_tokens = config.rollout.max_new_tokens or task.max_completion_tokens
+        context = model_context(config)
+        if task.max_prompt_tokens + self.max_new_tokens > context:
+            raise ValueError(f"prompts of up to {task.max_prompt_tokens} tokens (the task's max_prompt_tokens) plus "
+                             f"{self.max_new_tokens} new tokens (rollout.max_new_tokens, else the task's "
+                             f"max_completion_tokens) exceed the model's context of {context} positions: lower "
+                             "task.args.max_prompt_tokens or rollout.max_new_tokens")
         self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
         if config.model.hf_path:
             self.model_config = model_config_from_checkpoint(config.model.hf_path, max_seq_len=self.length,

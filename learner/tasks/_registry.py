@@ -29,7 +29,8 @@ def task_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: str | None = None) -> Task:
+def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: str | None = None,
+              model_context: int | None = None) -> Task:
     """The task that the run config's ``task.name`` and ``task.args`` name, checked against the `Task` protocol.
 
     Args:
@@ -39,6 +40,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
       args: keyword arguments of the class or factory; None for none.
       model_path: the run's ``model.hf_path``, passed as ``model_path`` to a class or factory that takes one
         (the ``dataset`` task's default tokenizer directory) unless ``args`` set it.
+      model_context: the model's context in tokens, passed likewise as ``max_context_tokens`` (the ``dataset``
+        task leaves out and counts prompts that do not fit it with their completion).
 
     Raises:
       ValueError: naming the config key at fault (``task.name`` or ``task.args``) and the reason.
@@ -57,6 +60,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
     if callable(target) and (isinstance(target, type) or not isinstance(target, Task)):
         if model_path is not None and "model_path" not in args and _takes(target, "model_path"):
             args["model_path"] = model_path
+        if model_context is not None and "max_context_tokens" not in args and _takes(target, "max_context_tokens"):
+            args["max_context_tokens"] = model_context
         try:
             inspect.signature(target).bind(**args)
         except TypeError as err:

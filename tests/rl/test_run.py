@@ -159,3 +159,15 @@ def _leaves_in_name_order(params, names):
     own, _ = parameter_names(params)
     by_name = dict(zip(own, __import__("jax").tree.leaves(params)))
     return [by_name[name] for name in names]
+
+
+def test_a_model_context_too_short_for_prompt_and_completion_is_refused_at_start():
+    """The tiny model has 256 positions: 300 new tokens cannot fit, and the bucketed batch length must not hide it."""
+    from learner.rl.trainer import Trainer
+    from learner.tasks import load_task
+
+    config = load_config("configs/default.toml", ["rollout.max_new_tokens=300"])
+    with pytest.raises(ValueError, match=r"plus 300 new tokens \(rollout.max_new_tokens, .*exceed the model's "
+                                         r"context of 256 positions: lower task.args.max_prompt_tokens or "
+                                         r"rollout.max_new_tokens"):
+        Trainer(config, load_task(config.task.name, {"num_prompts": 8}))
