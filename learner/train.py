@@ -24,6 +24,7 @@ import sys
 import jax
 
 from learner.distributed import initialize
+from learner.rl.preflight import ConfigError, check_paths_and_names
 from learner.rl import (NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig,
                         RunDirLockedError, load_config)
 from rollout_client import EngineCapabilityError
@@ -65,8 +66,8 @@ def setup_jax(config: RunConfig) -> None:
 
 # Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
 # with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
-USER_ERRORS: tuple[type[BaseException], ...] = (ResumeConfigError, RunDirLockedError, EngineCapabilityError,
-                                                NonFiniteUpdateError, NoUsableRolloutsError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError,
+                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError)
 
 
 @contextlib.contextmanager
@@ -80,8 +81,11 @@ def errors_as_lines(*classes: type[BaseException]):
 
 def main(argv=None) -> None:
     config_path, overrides = parse_args(argv)
+    if config_path is not None and not config_path.is_file():
+        sys.exit(f"error: --config {config_path}: no such file")
     with errors_as_lines(ValueError):
         config = load_config(config_path, overrides)
+        check_paths_and_names(config)
     enable_compilation_cache()
     setup_jax(config)
     with errors_as_lines():

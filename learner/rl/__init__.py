@@ -27,6 +27,7 @@ from learner.rl.hooks import ProgressHook
 from learner.rl.hooks import RolloutLogHook
 from learner.rl.hooks import SummaryHook
 from learner.rl.hooks import default_hooks
+from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError
 from learner.rl.run import ResumeConfigError
 from learner.rl.run import Run
@@ -37,6 +38,7 @@ from learner.rl.trainer import Trainer
 __all__ = [
     "AgreementHook",
     "CheckpointHook",
+    "ConfigError",
     "EvalHook",
     "Hook",
     "MetricsHook",

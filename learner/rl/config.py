@@ -458,7 +458,10 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     ...
     ValueError: optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates (loop.steps x update.num_minibatches x update.ppo_epochs)
     """
-    data = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    try:
+        data = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: not valid TOML: {error}") from None
     for override in overrides:
         _apply(data, *parse_override(override))
     return _build(RunConfig, data, "")

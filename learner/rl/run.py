@@ -45,6 +45,7 @@ from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, asse
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity, sampler_order
 from learner.rl.hooks import Hook, default_hooks
+from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
 from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.run_lock import hold_run_dir
 from learner.rl.trainer import Trainer, model_context
@@ -122,8 +123,14 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
-        self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
-                              model_context=model_context(config))
+        try:
+            self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
+                                  model_context=model_context(config))
+        except ValueError as error:  # load_task's errors name the task.* key at fault
+            raise ConfigError(str(error)) from None
+        if self.leader:  # before the train state and the warm-up, which a bad reward or engine would waste
+            probe_rewards(self.task)
+            probe_engines(config)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")

@@ -21,6 +21,7 @@ from learner.model import Transformer, model_config
 from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
 from learner.rl.batches import demonstration_batch
+from learner.rl.preflight import ConfigError
 from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
                                warmup_optimizer_config)
 from learner.safetensors_io import load_safetensors
@@ -62,7 +63,7 @@ class Trainer:
         self.max_new_tokens = config.rollout.max_new_tokens or task.max_completion_tokens
         context = model_context(config)
         if task.max_prompt_tokens + self.max_new_tokens > context:
-            raise ValueError(f"prompts of up to {task.max_prompt_tokens} tokens (the task's max_prompt_tokens) plus "
+            raise ConfigError(f"prompts of up to {task.max_prompt_tokens} tokens (the task's max_prompt_tokens) plus "
                              f"{self.max_new_tokens} new tokens (rollout.max_new_tokens, else the task's "
                              f"max_completion_tokens) exceed the model's context of {context} positions: lower "
                              "task.args.max_prompt_tokens or rollout.max_new_tokens")
@@ -72,7 +73,12 @@ class Trainer:
                                                              param_dtype=config.model.param_dtype)
         else:
             self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
-        self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        try:
+            self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        except ValueError as error:
+            raise ConfigError(f"mesh.data, mesh.fsdp, mesh.tensor: {error}; their product must be the device count "
+                              "(one of them may be -1: the remaining devices; mesh.cpu_devices sets the count on a "
+                              "CPU)") from None
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.update_config = update_config(config, correction_config(config), self.length, self.max_new_tokens)
         multiple = self.update_config.row_multiple(self.data_parallel)

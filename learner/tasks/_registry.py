@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -53,7 +54,7 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
     >>> load_task("addition_1digit", {"n": 8})
     Traceback (most recent call last):
     ...
-    ValueError: task.args: addition_1digit() got an unexpected keyword argument 'n'
+    ValueError: task.args: addition_1digit() got an unexpected keyword argument 'n'; valid: num_prompts, seed, digits
     """
     args = dict(args or {})
     target = _resolve(name)
@@ -65,7 +66,7 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
         try:
             inspect.signature(target).bind(**args)
         except TypeError as err:
-            raise ValueError(f"task.args: {name.rpartition(':')[2]}() {err}") from None
+            raise ValueError(f"task.args: {name.rpartition(':')[2]}() {err}{_valid_args(target, args)}") from None
         task = target(**args)
     elif args:
         raise ValueError(f"task.args: {name!r} is a task instance, which takes no args; got {sorted(args)}")
@@ -77,6 +78,17 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
     if missing:
         raise ValueError(f"task.name={name!r}: {type(task).__name__} is not a Task: it lacks {', '.join(missing)}")
     return task
+
+
+def _valid_args(factory: Callable, args: Mapping[str, Any]) -> str:
+    """``"; valid: a, b, ..."``: the factory's arguments, those nearest an unknown one first ("" if none is unknown)."""
+    parameters = [name for name, p in inspect.signature(factory).parameters.items()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "model_path"]
+    unknown = [key for key in args if key not in parameters]
+    if not unknown:
+        return ""
+    nearest = difflib.get_close_matches(unknown[0], parameters, n=len(parameters), cutoff=0.0)
+    return f"; valid: {', '.join(nearest)}"
 
 
 def _takes(factory: Callable, parameter: str) -> bool:

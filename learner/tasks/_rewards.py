@@ -279,6 +279,17 @@ class RewardSet:
             total[i] = np.nan
         return RewardScores(np.asarray(total, np.float32), per_reward, errors)
 
+    def check_callable(self, completion: str, prompt: str, row: Mapping[str, Any]) -> str | None:
+        """Calls each reward once on one sample: what is wrong with a reward that cannot be called with the reward
+        signature (TypeError) or returns something other than a number, or None. Other exceptions may depend on
+        the completion and are not reported here."""
+        for reward in self.rewards:
+            _, failures = self._run(reward, [completion], [prompt], [row])
+            for _, error in failures:
+                if isinstance(error, (TypeError, NotANumberError)):
+                    return f"reward {reward.label!r}: {type(error).__name__}: {error}"
+        return None
+
     def _run(self, reward: Reward, completions, prompts, rows) -> tuple[np.ndarray, list[tuple[int, Exception]]]:
         """float32 ``[n]`` values (NaN where failed) and the failures ``(sample, exception)``."""
         if reward.batched:
@@ -314,8 +325,14 @@ class RewardSet:
         return values, failures
 
 
+class NotANumberError(ValueError):
+    """A reward returned something other than a number (None, a string, a list)."""
+
+
 def _number(value) -> float:
-    if not (isinstance(value, (bool, int, float, np.number)) and math.isfinite(float(value))):
+    if not isinstance(value, (bool, int, float, np.number)):
+        raise NotANumberError(f"returned {value!r}, not a finite number")
+    if not math.isfinite(float(value)):
         raise ValueError(f"returned {value!r}, not a finite number")
     if abs(float(value)) > REWARD_BOUND:
         raise ValueError(f"returned {value!r}, beyond the bound |reward| <= {REWARD_BOUND:g} (rewards are trained "

@@ -297,3 +297,36 @@ def test_a_reward_file_loaded_from_several_threads_at_once_is_whole_in_each(tmp_
     for thread in threads:
         thread.join()
     assert results == [1.0] * 4
+
+
+def _two_args(completion, prompt):
+    return 1.0
+
+
+def _none(completion, prompt, row):
+    return None
+
+
+def _raises_on_empty(completion, prompt, row):
+    return 1.0 / len(completion)
+
+
+def test_check_callable_finds_a_wrong_signature_or_a_none_before_training():
+    from learner.rl.preflight import ConfigError, probe_rewards
+
+    assert RewardSet([Reward("ok", _parsed)]).check_callable("1", "p", {}) is None
+    assert RewardSet([Reward("empty", _raises_on_empty)]).check_callable("", "p", {}) is None  # may depend on it
+    problem = RewardSet([Reward("ok", _parsed), Reward("two", _two_args)]).check_callable("1", "p", {})
+    assert problem.startswith("reward 'two': TypeError: ") and "positional argument" in problem
+    assert (RewardSet([Reward("none", _none)]).check_callable("", "p", {})
+            == "reward 'none': NotANumberError: returned None, not a finite number")
+
+    class Task:
+        reward_set = RewardSet([Reward("none", _none)])
+
+        def prompts(self):
+            return [{"prompt": "2+2=", "row": {"answer": "4"}}]
+
+    with pytest.raises(ConfigError, match=r"task.args.rewards: reward 'none': NotANumberError: returned None, .* "
+                                          r"before training\); fix the reward function"):
+        probe_rewards(Task())

@@ -1,0 +1,48 @@
+"""Bad input to ``python -m learner.train``: one ``error:`` line on stderr naming the key (or file) and the fix, exit
+1, never a traceback; each found before anything trains (a real subprocess per case)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_main_job import DEFAULT_CONFIG, REPO_ROOT, train_env
+
+CASES = {
+    "unknown model name": (["--set", 'model.name="nope"'], "model.name: unknown model config 'nope'; known: "),
+    "two processes, no coordinator": (["--set", "distributed.num_processes=2"],
+                                      "distributed.num_processes=2: needs distributed.coordinator"),
+    "missing config file": (["--config", "{tmp}/missing.toml"], "--config {tmp}/missing.toml: no such file"),
+    "mesh of 3 on 1 device": (["--set", "mesh.data=3"], "mesh.data, mesh.fsdp, mesh.tensor: mesh {'data': 3, "
+                                                        "'fsdp': 1, 'tensor': 1} needs 3 devices, have 1; their "
+                                                        "product must be the device count"),
+    "mesh of 0": (["--set", "mesh.data=0"], "mesh.data=0: each mesh size is a positive device count, or -1"),
+    "missing hf_path": (["--set", 'model.hf_path="{tmp}/no_model"'],
+                        "model.hf_path='{tmp}/no_model': no config.json there"),
+    "TOML syntax error": (["--config", "{tmp}/bad.toml"], "{tmp}/bad.toml: not valid TOML: Expected ']'"),
+    "unknown task arg": (["--set", "task.args={num_promts=4}"], "task.args: addition_1digit() got an unexpected "
+                                                                "keyword argument 'num_promts'; valid: num_prompts, "),
+    "refused engine": (["--set", 'server.address="127.0.0.1:9"'], "server.address: cannot reach 127.0.0.1:9 ("),
+}
+
+
+def error_line(command, cwd=REPO_ROOT) -> str:
+    """Runs ``command``; asserts exit 1 with exactly one ``error:`` line and no traceback; returns the line."""
+    result = subprocess.run(command, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gives_one_error_line_naming_the_key(tmp_path, case):
+    args, expected = CASES[case]
+    (tmp_path / "bad.toml").write_text('[model]\nname = "tiny"\n[loop\nsteps = 3\n')
+    command = [sys.executable, "-m", "learner.train", "--config", str(DEFAULT_CONFIG),
+               "--set", f'run_dir="{tmp_path}/run"', "--set", "warmup.steps=0",
+               *[arg.replace("{tmp}", str(tmp_path)) for arg in args]]
+    line = error_line(command)
+    assert expected.replace("{tmp}", str(tmp_path)) in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()  # found before anything trained or was saved
