@@ -481,7 +481,8 @@ RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollou
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:
-    """The keys under ``watched`` whose value differs between a checkpoint's saved config and ``current``.
+    """The keys under ``watched`` whose value differs between a checkpoint's saved config and ``current``, each
+    leaf of a table named (``task.args.num_prompts``, not ``task.args``).
 
     >>> changed_keys(to_dict(RunConfig()), load_config(None, ["task.name=sort_digits", "loop.steps=5"]))
     ['task.name']
@@ -491,10 +492,11 @@ def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence
                   if key.startswith(tuple(watched)) and old.get(key) != new.get(key))
 
 
-def _flat(data: Mapping[str, Any]):
-    """``{"section": {"field": value}}`` -> ``("section.field", value)`` pairs (a field's own tables stay whole)."""
+def _flat(data: Mapping[str, Any], prefix: str = ""):
+    """``{"section": {"field": {"key": value}}}`` -> ``("section.field.key", value)`` pairs; an empty table is a
+    value (so a table emptied or filled shows as changed)."""
     for key, value in data.items():
-        if isinstance(value, Mapping):
-            yield from ((f"{key}.{field}", inner) for field, inner in value.items())
+        if isinstance(value, Mapping) and value:
+            yield from _flat(value, f"{prefix}{key}.")
         else:
-            yield key, value
+            yield prefix + key, value

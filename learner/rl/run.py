@@ -169,17 +169,28 @@ class Run:
             hook.on_start(self)
 
     def _restore(self) -> int:
-        """Restores the latest checkpoint; refuses a changed task, corrections, group size or model."""
+        """Restores the latest checkpoint; refuses a changed task, corrections, group size or model, before any
+        array is read (another model's arrays would not even load)."""
+        latest = self.checkpointer.latest_step()
+        try:
+            saved = self.checkpointer.read_metadata(latest)
+        except Exception:  # noqa: BLE001 -- unreadable: the restore skips it and the check below sees the one restored
+            saved = None
+        if saved is not None:
+            self._check_resume(saved.get("config") or {}, latest)
         position = DataPosition(self.stream.get_state())
         step, metadata = self.trainer.restore(self.checkpointer, position)
-        changed = changed_keys(metadata.get("config") or {}, self.config)
+        self._check_resume(metadata.get("config") or {}, step)
+        self.stream.set_state(position.state)
+        return step
+
+    def _check_resume(self, saved_config: dict, step: int) -> None:
+        changed = changed_keys(saved_config, self.config)
         if changed and not self.config.loop.allow_config_change:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
                 f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "
                 "anyway")
-        self.stream.set_state(position.state)
-        return step
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).

@@ -46,3 +46,22 @@ def test_bad_input_gives_one_error_line_naming_the_key(tmp_path, case):
     line = error_line(command)
     assert expected.replace("{tmp}", str(tmp_path)) in line, line
     assert not (tmp_path / "run" / "checkpoints").exists()  # found before anything trained or was saved
+
+
+def test_a_resume_with_another_model_is_refused_listing_every_changed_key(tmp_path):
+    """Checked against the checkpoint's metadata before any array is read (another model's arrays would fail in
+    orbax, asking for partial_restore)."""
+    import jax.numpy as jnp
+
+    from learner.checkpoints import CheckpointConfig, Checkpointer
+    from learner.rl import load_config, to_dict
+
+    run_dir = tmp_path / "run"
+    saved = load_config(DEFAULT_CONFIG, [f'run_dir="{run_dir}"', "warmup.steps=0", 'model.name="small"'])
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
+        checkpointer.save(0, {"w": jnp.zeros(3)}, policy_version=0, config=to_dict(saved))
+    line = error_line([sys.executable, "-m", "learner.train", "--config", str(DEFAULT_CONFIG),
+                       "--set", f'run_dir="{run_dir}"', "--set", "warmup.steps=0", "--set", "task.args={num_prompts=64, digits=1}"])
+    assert line == (f"error: {run_dir}/checkpoints holds step 0 of a run with other settings: model.name, "
+                    "task.args.digits, task.args.num_prompts changed. Use a new run_dir, or set "
+                    "loop.allow_config_change = true to resume anyway")
