@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import sys
 
 import jax
 
+from learner.disk_full import DiskFullLogFilter, disk_full_cause
 from learner.distributed import initialize
 from learner.rl.preflight import ConfigError, check_paths_and_names
 from learner.rl import (NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig,
@@ -71,12 +73,26 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, 
 
 
 @contextlib.contextmanager
-def errors_as_lines(*classes: type[BaseException]):
-    """Turns an exception of ``classes`` (default `USER_ERRORS`) into ``error: <message>`` on stderr and exit 1."""
+def errors_as_lines(*classes: type[BaseException], run_dir: str | None = None):
+    """Turns an exception of ``classes`` (default `USER_ERRORS`), or one caused by a full disk (writing under
+    ``run_dir``), into one ``error: <message>`` line on stderr and exit 1."""
     try:
         yield
     except classes or USER_ERRORS as error:
         sys.exit(f"error: {error}")
+    except Exception as error:
+        if cause := disk_full_cause(error):
+            sys.exit(f"error: disk full writing under run_dir {run_dir} ({cause}). Committed checkpoints are intact "
+                     "(a partial save is deleted at the next start): free space and rerun the same command to resume")
+        raise
+
+
+def _drop_closed_loop_callbacks(unraisable) -> None:
+    """``sys.unraisablehook``: after a failed save, tensorstore writes still pending complete into orbax's closed
+    event loop, each reporting ``RuntimeError('Event loop is closed')``; the failure itself is reported once."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        sys.__unraisablehook__(unraisable)
 
 
 def main(argv=None) -> None:
@@ -87,8 +103,10 @@ def main(argv=None) -> None:
         config = load_config(config_path, overrides)
         check_paths_and_names(config)
     enable_compilation_cache()
+    logging.getLogger("absl").addFilter(DiskFullLogFilter())  # orbax's threads: reported once, below
+    sys.unraisablehook = _drop_closed_loop_callbacks
     setup_jax(config)
-    with errors_as_lines():
+    with errors_as_lines(run_dir=config.run_dir):
         with Run(config) as run:
             if run.finished:
                 print(f"{config.run_dir}: already finished at step {run.step} of {config.loop.steps}; nothing to do",
