@@ -108,9 +108,6 @@ def main(argv=None) -> None:
     setup_jax(config)
     with errors_as_lines(run_dir=config.run_dir):
         with Run(config) as run:
-            if run.finished:
-                print(f"{config.run_dir}: already finished at step {run.step} of {config.loop.steps}; nothing to do",
-                      flush=True)
             run.train()
 
 

@@ -216,7 +216,8 @@ class AgreementHook(Hook):
 
 
 class SummaryHook(Hook):
-    """A summary table on stdout at the end (reward first 3 -> last 5 steps, KL, versions, speed)."""
+    """A summary table on stdout at the end: reward (mean of the first 20 -> the last 20 steps, as the README
+    measures it), the share of samples trained on, KL, versions, speed, and the last evaluation's metrics."""
 
     def on_start(self, run: Run) -> None:
         self.started, self.history = time.monotonic(), {}
@@ -229,13 +230,16 @@ class SummaryHook(Hook):
             return
         config, steps = run.config, sorted(self.history)
         rewards = [self.history[s]["reward/mean"] for s in steps]
+        kept = [self.history[s].get("rollout/kept_fraction", 1.0) for s in steps]
         last = self.history[steps[-1]]
+        evaluated = [s for s in steps if any(key.startswith("eval/") for key in self.history[s])]
         rows = [
             ("task", config.task.name),
             ("corrections", config.corrections.preset),
             ("steps", f"{steps[0]}-{steps[-1]} of {config.loop.steps}"),
-            ("reward (first 3 -> last 5 steps)", f"{np.mean(rewards[:3]):.3f} -> {np.mean(rewards[-5:]):.3f}"),
-            ("train/rollout kl (last step)", f"{last.get('rollout_corr/kl', float('nan')):+.2e}"),
+            ("reward (first 20 -> last 20 steps)", f"{np.mean(rewards[:20]):.3f} -> {np.mean(rewards[-20:]):.3f}"),
+            ("samples trained on (mean, min share)", f"{np.mean(kept):.2f}, {np.min(kept):.2f}"),
+            ("train/rollout kl k3 (last step)", f"{last.get('rollout_corr/k3_kl', float('nan')):.2e}"),
             ("clip fraction (last step)", f"{last.get('actor/pg_clipfrac', float('nan')):.3f}"),
             ("policy version learner / server",
              f"{last['policy/learner_version']:.0f} / {last['policy/server_version']:.0f}"),
@@ -244,6 +248,9 @@ class SummaryHook(Hook):
             ("samples/s (RL loop)", f"{np.mean([self.history[s]['perf/samples_per_s'] for s in steps]):.1f}"),
             ("run directory", str(config.run_dir)),
         ]
+        if evaluated:
+            rows += [(f"{key} (step {evaluated[-1]})", f"{value:.3f}")
+                     for key, value in sorted(self.history[evaluated[-1]].items()) if key.startswith("eval/")]
         print(summary_table(rows), flush=True)
 
 

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import pathlib
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -97,6 +98,7 @@ class Run:
         self.engine = self.buffer = None
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
+        self._warned_kept = False  # a step kept under half its samples (warned once)
 
     @property
     def finished(self) -> bool:
@@ -146,6 +148,9 @@ class Run:
         if self.checkpointer.latest_step() is not None:
             self.start_step = self.step = self._restore()
             if self.finished:
+                if self.leader:
+                    print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
+                          "to do", flush=True)
                 return
         else:
             losses = self.trainer.start_fresh()
@@ -259,11 +264,19 @@ class Run:
             if rollout.fixed_staleness:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
+            kept = samples / (rollout.prompts_per_step * rollout.num_samples)
+            if kept < 0.5 and not self._warned_kept:
+                self._warned_kept = True
+                warnings.warn(f"step {step} trained on {samples} of {rollout.prompts_per_step * rollout.num_samples} "
+                              "samples (the rest dropped: failed rewards, invalid or stale samples; see "
+                              "reward/skipped_samples and samples/dropped/* in metrics.jsonl); warned once",
+                              stacklevel=2)
             step_s = time.monotonic() - started
             tokens = float(payload.batch.loss_mask.sum())
             metrics.update({
                 "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                "rollout/samples": samples, "rollout/completion_tokens_mean": tokens / samples,
+                "rollout/samples": samples, "rollout/kept_fraction": kept,
+                "rollout/completion_tokens_mean": tokens / samples,
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
