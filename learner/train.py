@@ -75,9 +75,12 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, 
 @contextlib.contextmanager
 def errors_as_lines(*classes: type[BaseException], run_dir: str | None = None):
     """Turns an exception of ``classes`` (default `USER_ERRORS`), or one caused by a full disk (writing under
-    ``run_dir``), into one ``error: <message>`` line on stderr and exit 1."""
+    ``run_dir``), into one ``error: <message>`` line on stderr and exit 1; Ctrl-C into one line and exit 130."""
     try:
         yield
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume from the latest checkpoint", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except classes or USER_ERRORS as error:
         sys.exit(f"error: {error}")
     except Exception as error:

@@ -21,7 +21,9 @@ one fixed shape (`learner.rl.batches.PayloadSpec`), so the update compiles once.
 Resume: entering a run whose ``run_dir`` has checkpoints restores the latest; metrics and rollout log drop the steps
 after it. The saved data position is that of the first batch not yet trained, so the prompt order is that of an
 uninterrupted run. A resume that changes the task, corrections, group size or model is refused (naming the keys)
-unless ``loop.allow_config_change``; a run that already reached ``loop.steps`` is `finished` and yields nothing.
+unless ``loop.allow_config_change`` (checked against the checkpoint's metadata before any array is read); a run
+that already reached ``loop.steps`` is `finished`, says so, and yields nothing. A run killed before its first
+periodic checkpoint resumes from step 0 (the fresh start's checkpoint).
 
 Multi-host: every process makes the same calls. Process 0 owns the engine and the buffer and broadcasts each step's
 payload; every process runs the same update on the global mesh and writes checkpoints; process 0 publishes.

@@ -65,3 +65,29 @@ def test_a_resume_with_another_model_is_refused_listing_every_changed_key(tmp_pa
     assert line == (f"error: {run_dir}/checkpoints holds step 0 of a run with other settings: model.name, "
                     "task.args.digits, task.args.num_prompts changed. Use a new run_dir, or set "
                     "loop.allow_config_change = true to resume anyway")
+
+
+def test_ctrl_c_mid_run_is_one_line_and_the_rerun_resumes(tmp_path):
+    """SIGINT (Ctrl-C) while training: exit 130 with one line, no traceback (matplotlib's, or any other)."""
+    import signal
+    import time
+
+    from learner.metrics_writers import read_metrics
+    from tests.test_main_job import train_command
+
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(train_command(run_dir, "loop.steps=50", "loop.plot_every=1"), cwd=REPO_ROOT,
+                               env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        give_up = time.monotonic() + 300
+        while not read_metrics(run_dir / "metrics.jsonl"):
+            assert process.poll() is None and time.monotonic() < give_up, "the run ended or took too long"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        stderr = process.communicate(timeout=120)[1]
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "interrupted: rerun the same command to resume from the latest checkpoint" in stderr
