@@ -3,6 +3,8 @@
 import subprocess
 import time
 
+import pytest
+
 from learner.metrics_writers import read_metrics
 from tests.test_main_job import REPO_ROOT, check_run, run_training, train_command, train_env
 
@@ -35,6 +37,7 @@ def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off
     assert records[resumed_from]["policy/server_version"] == records[resumed_from - 1]["policy/learner_version"] + 1
 
 
+@pytest.mark.slow  # two real runs: ~40 s
 def test_sigkill_before_the_first_periodic_checkpoint_then_rerun_resumes_from_step_0(tmp_path):
     """Only the fresh start's checkpoint 0 is committed at the kill: the rerun restores it and must not save step 0
     again (that raised orbax's StepAlreadyExistsError on every rerun)."""

@@ -67,7 +67,8 @@ def test_a_resume_with_another_model_is_refused_listing_every_changed_key(tmp_pa
                     "loop.allow_config_change = true to resume anyway")
 
 
-def test_ctrl_c_mid_run_is_one_line_and_the_rerun_resumes(tmp_path):
+@pytest.mark.slow  # a real run up to step 1
+def test_ctrl_c_mid_run_is_one_line_and_exit_130(tmp_path):
     """SIGINT (Ctrl-C) while training: exit 130 with one line, no traceback (matplotlib's, or any other)."""
     import signal
     import time

@@ -173,6 +173,7 @@ def test_a_model_context_too_short_for_prompt_and_completion_is_refused_at_start
         Trainer(config, load_task(config.task.name, {"num_prompts": 8}))
 
 
+@pytest.mark.slow  # an in-process run of 2 steps
 def test_dropped_samples_show_as_the_kept_share_and_a_step_under_half_warns_once(tmp_path, monkeypatch):
     """3 of 4 groups lose a sample to a failed reward (NaN): each step trains on 4 of 16 samples."""
     from learner.tasks._digit_tasks import Addition
