@@ -79,7 +79,7 @@ def _require(bad, name: str, rule: str, values) -> None:
         except RuntimeError as error:  # chex: value assertions on traced arrays need chex.chexify
             if "chexify" not in str(error):
                 raise
-            raise ValueError("CorrectionConfig.check_values=True checks traced values only inside chex.chexify: "
+            raise RuntimeError("CorrectionConfig.check_values=True checks traced values only inside chex.chexify: "
                              "wrap the jitted function, chex.chexify(jax.jit(f), async_check=False), or set "
                              "check_values=None (the default: eager inputs checked; under jit a mask not 0/1 or a "
                              "NaN input makes the loss NaN)") from None
@@ -464,7 +464,7 @@ def compute(
         updates skips it); True checks everything, traced inputs too, as chex assertions that need
         the jitted caller wrapped in ``chex.chexify(..., async_check=False)``: the call then raises before it
         returns (the default ``async_check=True`` reports on a later call or at exit); without chexify, tracing
-        raises a ValueError saying so; False never checks.
+        raises a RuntimeError saying so; False never checks.
 
     >>> import numpy as np
     >>> from corrections import CorrectionConfig, ImportanceWeights

@@ -23,7 +23,7 @@ def _loss(config):
 
 def test_check_values_true_under_plain_jit_fails_at_trace_time_naming_chexify():
     checked = dataclasses.replace(corrections.preset("decoupled_token_is"), check_values=True)
-    with pytest.raises(ValueError, match=r"check_values=True checks traced values only inside chex.chexify: wrap "
+    with pytest.raises(RuntimeError, match=r"check_values=True checks traced values only inside chex.chexify: wrap "
                                          r"the jitted function, chex.chexify\(jax.jit\(f\), async_check=False\)"):
         _loss(checked)(LP, MASK)
     bad = MASK.copy()
