@@ -23,6 +23,7 @@ from corrections._diagnostics import rejection_metrics
 from corrections._diagnostics import staleness_metrics
 from corrections._diagnostics import weight_metrics
 from corrections._areal import from_areal
+from corrections._masked import METRIC_LOGPROB_FLOOR
 from corrections._masked import SAFETY
 from corrections._masked import masked_mean
 from corrections._masked import masked_sum
@@ -121,6 +122,7 @@ __all__ = (
     "rloo_advantages",
     "rollout_is_loss",
     "safe_exp",
+    "METRIC_LOGPROB_FLOOR",
     "SAFETY",
     "sapo_loss",
     "sequence_tis_weights",

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from corrections._fused_reductions import Reductions, Statistic, vmap_statistic
-from corrections._masked import clamp_log_ratio, masked_max, masked_min, masked_sum, safe_exp, zero_padding
+from corrections._masked import (METRIC_LOGPROB_FLOOR, clamp_log_ratio, masked_max, masked_min, masked_sum, safe_exp,
+                                 zero_padding)
 
 PREFIX = "rollout_corr/"
 
@@ -53,7 +54,8 @@ def _square_deviations(x, mean, valid):
 def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> Statistic:
     """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays, 0 at padding).
     Without rollout logprobs (None) only the training-policy ones (verl's ``compute_offpolicy_metrics``)."""
-    old, roll, valid = old_logprobs, rollout_logprobs, jnp.asarray(mask).astype(bool)
+    old, roll = (None if x is None else jnp.maximum(x, METRIC_LOGPROB_FLOOR) for x in (old_logprobs, rollout_logprobs))
+    valid = jnp.asarray(mask).astype(bool)
     sums = {"count": valid.astype(jnp.float32), "old": old}
     if roll is None:
         first = yield Reductions(sums=sums)
@@ -145,7 +147,8 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     difference (mean, max), the Pearson correlation of the two logprobs over valid tokens, and the statistics of
     the per-token unbounded ratio ``exp(lr)`` over valid tokens, ``token_ratio_{mean,std,max,min}`` (population
     std; SkyRL's ``is_ratio_*`` without its padding quirks). ``rollout_logprobs=None`` gives only
-    ``training_ppl`` and ``training_log_ppl`` (verl without rollout logprobs).
+    ``training_ppl`` and ``training_log_ppl`` (verl without rollout logprobs). Logprobs below
+    ``METRIC_LOGPROB_FLOOR`` (-1e4) count as -1e4, so every metric stays finite for any finite input.
 
     >>> import numpy as np
     >>> m = mismatch_metrics(np.log([[0.5, 0.5]]), np.log([[0.5, 0.5]]), np.ones((1, 2)))

@@ -10,6 +10,10 @@ import jax.numpy as jnp
 SAFETY = 20.0
 """Bound on every log-ratio (and per-sequence sum of log-ratios) before ``exp``: exp(20) ~ 4.9e8."""
 
+METRIC_LOGPROB_FLOOR = -1e4
+"""Logprobs below this are raised to it in the mismatch metrics (their probability is 0 in float32 either way), so
+that an extreme value such as -3e38 keeps sums, means and squares finite."""
+
 
 def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     """Sum of ``x`` where ``mask`` is set; padding values (NaN, inf) never leak.

@@ -74,7 +74,15 @@ def _require(bad, name: str, rule: str, values) -> None:
     under ``chex.chexify`` the check runs inside jit with the same message, less the position."""
     message = f"{name} must {rule}"
     if isinstance(bad, jax.core.Tracer):
-        chex.assert_trees_all_equal(jnp.any(bad), jnp.array(False), custom_message=message)
+        try:
+            chex.assert_trees_all_equal(jnp.any(bad), jnp.array(False), custom_message=message)
+        except RuntimeError as error:  # chex: value assertions on traced arrays need chex.chexify
+            if "chexify" not in str(error):
+                raise
+            raise RuntimeError("CorrectionConfig.check_values=True checks traced values only inside chex.chexify: "
+                             "wrap the jitted function, chex.chexify(jax.jit(f), async_check=False), or set "
+                             "check_values=None (the default: eager inputs checked; under jit a mask not 0/1 or a "
+                             "NaN input makes the loss NaN)") from None
     elif np.any(bad):
         row, column = np.argwhere(np.asarray(bad))[0]
         raise AssertionError(f"{message}; first bad value {values[row, column]} at (row, column) = ({row}, {column})")
@@ -451,10 +459,12 @@ def compute(
     Raises:
       ValueError: on bad shapes, an empty batch (B = 0 or T = 0) included, and missing inputs the config needs.
       AssertionError: on bad values (see ``check_batch``), which ``config.check_values`` controls: None (default)
-        checks every concrete input, so eager calls, for all but the bound on logprobs; True checks everything,
-        traced inputs too, as chex assertions that need
+        checks every concrete input, so eager calls, for all but the bound on logprobs; under jit, where values are
+        not known, a mask not 0/1 makes the loss NaN, as a NaN input does (an optimizer that skips non-finite
+        updates skips it); True checks everything, traced inputs too, as chex assertions that need
         the jitted caller wrapped in ``chex.chexify(..., async_check=False)``: the call then raises before it
-        returns (the default ``async_check=True`` reports on a later call or at exit); False never checks.
+        returns (the default ``async_check=True`` reports on a later call or at exit); without chexify, tracing
+        raises a RuntimeError saying so; False never checks.
 
     >>> import numpy as np
     >>> from corrections import CorrectionConfig, ImportanceWeights
@@ -521,6 +531,9 @@ def compute(
     numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1],
                                                   count_rows=config.denominator == "kept")
     reduced = divide_loss(numerator, denominator)
+    if config.check_values is None and isinstance(mask, jax.core.Tracer):  # unchecked: a bad mask poisons the loss
+        binary = jnp.all((mask == 0) | (mask == 1))
+        numerator, reduced = (jnp.where(binary, x, jnp.nan) for x in (numerator, reduced))
     stats = jax.tree.map(sg, stats)
     metrics = metrics_from_row_stats(stats, config)
     metrics["actor/pg_loss"] = sg(reduced)

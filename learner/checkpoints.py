@@ -14,14 +14,16 @@ such as GCS orbax marks completion with a commit file instead), so a process kil
 checkpoints intact; the next `Checkpointer` on the directory deletes the partial one (in the background, finished
 before its first save).
 
-Every checkpoint is verified. Once a save is final (at the next save, `wait_until_finished`, `restore` or `close`),
-process 0 writes ``<step>/manifest.json``: the sha256 and size of every file of the checkpoint. `restore` checks the
-files it finds against it (on several hosts without a shared file system a process sees only its own shards) and,
-with no explicit step, falls back to the newest checkpoint that verifies and loads: the skipped ones (a digest or
-size mismatch naming the file, or the load error) are reported in `Restored.skipped` and as warnings, and set aside
-as ``<step>.unverified`` so the run can save those steps again. A checkpoint without a manifest (killed before it
-was written, or written before manifests existed) is tried as it is. Retention never deletes the newest checkpoint
-with a manifest, whatever ``keep_last`` says.
+Every checkpoint is verified. The manifest is part of the commit: once every file of a save is written and before
+its temporary directory is renamed to ``<step>`` (orbax's post-finalization callback), process 0 writes
+``manifest.json`` into it: the sha256 and size of every file of the checkpoint. So a checkpoint is verifiable from
+the moment it exists, whatever the moment a process dies. `restore` checks the files it finds against it (on
+several hosts without a shared file system a process sees only its own shards) and, with no explicit step, falls
+back to the newest checkpoint that verifies and loads: the skipped ones (a digest or size mismatch naming the file,
+the load error, or a missing manifest while an older checkpoint has one) are reported in `Restored.skipped` and as
+warnings, and set aside as ``<step>.unverified`` so the run can save those steps again. A checkpoint without a
+manifest (written before manifests existed) is restored, with a warning, only when no checkpoint has one.
+Retention never deletes the newest checkpoint with a manifest, whatever ``keep_last`` says.
 
 Restores take a target tree of ``jax.ShapeDtypeStruct`` with shardings (`restore_target`); each process reads
 only the slices its devices need, so a state saved on one mesh restores onto any other (8 devices -> 2, another
@@ -60,6 +62,8 @@ _STATE = "state"
 _METADATA = "metadata"
 _DATA = "data"
 MANIFEST = "manifest.json"
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's temporary save directory: <step> + this (atomicity.TMP_DIR_SUFFIX)
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's bookkeeping (timestamps, metrics): rewritten as the save commits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +136,13 @@ def _sha256(path: epath.Path) -> str:
 
 
 def _files(step_dir: epath.Path, prefix: str = "") -> dict[str, epath.Path]:
-    """Every file under ``step_dir`` but the manifest, by relative path (iterdir: epath has no recursive glob)."""
+    """Every file under ``step_dir`` but the manifest and orbax's step metadata (it changes as the save commits, after
+    the manifest is written), by relative path (iterdir: epath has no recursive glob)."""
     files = {}
     for path in sorted(step_dir.iterdir()):
         if path.is_dir():
             files.update(_files(path, f"{prefix}{path.name}/"))
-        elif path.name != MANIFEST:
+        elif path.name not in (MANIFEST, _STEP_METADATA) or prefix:
             files[prefix + path.name] = path
     return files
 
@@ -207,12 +212,21 @@ class Checkpointer:
             preservation_policy=_retention(config, metric_fn),
             best_fn=metric_fn,  # ranks checkpoints for best_step() and makes orbax store the metrics
             best_mode=config.best_mode,
-            enable_async_checkpointing=config.async_save,
+            # Always orbax's async checkpointer (only it runs the callback); async_save=False waits in `save`.
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
             cleanup_tmp_directories=True,  # partial saves of a killed run are deleted here
         )
-        self._manager = ocp.CheckpointManager(config.directory, options=options)
         self._directory = epath.Path(config.directory)
-        self._unsealed: set[int] = set()  # saved steps whose manifest is not written yet
+        self._saving: int | None = None  # the step of the save in flight
+        self._manager = ocp.CheckpointManager(config.directory, options=options)
+
+    def _write_manifest(self) -> None:
+        """Writes the manifest of the save in flight into its directory, before orbax commits it (on process 0;
+        orbax calls this once every process has written its files)."""
+        if jax.process_index() != 0 or self._saving is None:
+            return
+        temporary = self._directory / f"{self._saving}{_TMP_SUFFIX}"
+        write_manifest(temporary if temporary.exists() else self._directory / str(self._saving))  # GCS: in place
 
     def save(self, step: int, state, *, policy_version: int, config=None, data_iterator=None,
              metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
@@ -240,20 +254,20 @@ class Checkpointer:
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
         metrics = None if self.config.best_metric is None else {k: float(v) for k, v in metrics.items()}
-        self.wait_until_finished()  # the manager waits for the previous save anyway; seal it first
+        self.wait_until_finished()  # one save in flight at a time: `_write_manifest` knows its step
+        self._saving = step
         started = self._manager.save(step, args=ocp.args.Composite(**items), metrics=metrics, force=force)
-        if started:
-            self._unsealed.add(step)
-            if not self.config.async_save:
-                self.wait_until_finished()
+        if started and not self.config.async_save:
+            self.wait_until_finished()
         return started
 
     def restore(self, target, *, step: int | None = None, data_iterator=None) -> Restored:
         """Restores checkpoint ``step`` (default: the newest that verifies and loads) onto the shardings of ``target``.
 
-        With no ``step``, newer checkpoints that fail their manifest or their load are skipped (with a warning, in
-        `Restored.skipped`) and set aside as ``<step>.unverified``. Several processes agree on a checkpoint's
-        manifest; a load error there is raised, not skipped (the processes could disagree on it).
+        With no ``step``, newer checkpoints that fail their manifest or their load, or have no manifest while an
+        older one has, are skipped (with a warning, in `Restored.skipped`) and set aside as ``<step>.unverified``.
+        Several processes agree on a checkpoint's manifest; a load error there is raised, not skipped (the
+        processes could disagree on it).
 
         Args:
             target: pytree with the structure of the saved state whose leaves are ``jax.ShapeDtypeStruct`` with
@@ -273,8 +287,16 @@ class Checkpointer:
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
         skipped = []
+        with_manifest = [s for s in candidates if self._has_manifest(s)]
         for candidate in candidates:
             problem = self._verify(candidate)
+            older_verified = [s for s in with_manifest if s < candidate]
+            if problem is None and step is None and older_verified and candidate not in with_manifest:
+                problem = (f"no {MANIFEST}, so it cannot be verified, while checkpoint {older_verified[0]} can "
+                           "(saved by an older version, or its manifest was deleted)")
+            elif problem is None and candidate not in with_manifest:
+                warnings.warn(f"checkpoint {candidate} in {self.config.directory} has no {MANIFEST}: restoring it "
+                              "unverified (no checkpoint here has one)", stacklevel=2)
             if problem is None:
                 try:
                     restored = self._manager.restore(candidate, args=ocp.args.Composite(**items))
@@ -292,6 +314,13 @@ class Checkpointer:
             skipped.append((candidate, problem))
         raise ValueError(f"no checkpoint in {self.config.directory} verifies and loads: "
                          + "; ".join(f"{s}: {why}" for s, why in skipped))
+
+    def _has_manifest(self, step: int) -> bool:
+        """Whether checkpoint ``step`` has a manifest, as process 0 sees it (the one that writes manifests)."""
+        exists = np.asarray((self._directory / str(step) / MANIFEST).exists())
+        if jax.process_count() == 1:
+            return bool(exists)
+        return bool(multihost_utils.broadcast_one_to_all(exists, is_source=jax.process_index() == 0))
 
     def _verify(self, step: int) -> str | None:
         """Why checkpoint ``step`` fails its manifest on some process, or None (no manifest: nothing to check)."""
@@ -342,17 +371,12 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
-        """Blocks until the save in flight (if any) is final and old checkpoints are deleted; then process 0 writes
-        the manifest of each newly final checkpoint."""
+        """Blocks until the save in flight (if any) is final, its manifest included, and old checkpoints are
+        deleted."""
         self._manager.wait_until_finished()
-        final = self._unsealed & set(self._manager.all_steps())
-        self._unsealed.clear()
-        if jax.process_index() == 0:
-            for step in sorted(final):
-                write_manifest(self._directory / str(step))
 
     def close(self) -> None:
-        """Waits for the save in flight, writes its manifest and releases the manager's threads."""
+        """Waits for the save in flight and releases the manager's threads."""
         self.wait_until_finished()
         self._manager.close()
 

@@ -15,7 +15,7 @@ import os
 import jax
 
 
-def _cluster_detected() -> bool:
+def cluster_detected() -> bool:
     """Whether the environment describes a cluster that ``jax.distributed.initialize()`` can read by itself."""
     env = os.environ
     return ("JAX_COORDINATOR_ADDRESS" in env
@@ -44,7 +44,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return True
     if num_processes == 1:
         return False
-    if coordinator is None and num_processes is None and process_id is None and not _cluster_detected():
+    if coordinator is None and num_processes is None and process_id is None and not cluster_detected():
         return False
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     return True

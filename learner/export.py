@@ -53,8 +53,8 @@ def _choose_step(checkpoints: pathlib.Path, step: int | None) -> pathlib.Path:
         return steps[step]
     for candidate in sorted(steps, reverse=True):
         if not (steps[candidate] / MANIFEST).exists():
-            warnings.warn(f"skipping checkpoint {candidate}: no manifest yet (a save in flight, or a run killed "
-                          "before sealing it); pass --step to export it anyway", stacklevel=2)
+            warnings.warn(f"skipping checkpoint {candidate}: no manifest (saved before manifests existed, or it "
+                          "was deleted); pass --step to export it anyway", stacklevel=2)
         elif problem := verify_manifest(epath.Path(steps[candidate])):
             warnings.warn(f"skipping checkpoint {candidate}: {problem}", stacklevel=2)
         else:

@@ -14,16 +14,17 @@ from typing import TextIO
 # (label, metric key, format) of the live fields; missing metrics are left out.
 LIVE_FIELDS = (
     ("reward", "reward/mean", "{:.3f}"),
-    ("kl", "rollout_corr/kl", "{:+.1e}"),
+    ("kl(k3)", "rollout_corr/k3_kl", "{:.1e}"),  # the non-negative estimator of the train/rollout KL
     ("lp_diff", "rollout_corr/logprob_abs_diff_mean", "{:.1e}"),
     ("clip", "actor/pg_clipfrac", "{:.3f}"),
     ("lag", "rollout_corr/staleness_mean", "{:.2f}"),
+    ("kept", "rollout/kept_fraction", "{:.2f}"),  # share of the step's samples trained on (the rest dropped)
     ("tok/s", "perf/tokens_per_s", "{:.0f}"),
 )
 
 
 class ProgressBar:
-    """``[#####.....] 30/60 reward 0.512 kl +1.2e-04 ... 1.8 step/s``.
+    """``[#####.....] 30/60 reward 0.512 kl(k3) 1.2e-04 ... kept 1.00 ... 1.8 step/s``.
 
     Args:
         total: last step of the run.

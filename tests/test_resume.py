@@ -3,6 +3,8 @@
 import subprocess
 import time
 
+import pytest
+
 from learner.metrics_writers import read_metrics
 from tests.test_main_job import REPO_ROOT, check_run, run_training, train_command, train_env
 
@@ -33,3 +35,27 @@ def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off
     resumed_from = int(stdout.split("| steps")[1].split("|")[1].split("-")[0]) - 1
     assert resumed_from == committed[-1] and 2 <= resumed_from <= killed_at
     assert records[resumed_from]["policy/server_version"] == records[resumed_from - 1]["policy/learner_version"] + 1
+
+
+@pytest.mark.slow  # two real runs: ~40 s
+def test_sigkill_before_the_first_periodic_checkpoint_then_rerun_resumes_from_step_0(tmp_path):
+    """Only the fresh start's checkpoint 0 is committed at the kill: the rerun restores it and must not save step 0
+    again (that raised orbax's StepAlreadyExistsError on every rerun)."""
+    run_dir, steps = tmp_path / "run", 6
+    overrides = (f"loop.steps={steps}", "checkpoints.every=50")
+    first = subprocess.Popen(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    give_up = time.monotonic() + 180
+    try:
+        while len(read_metrics(run_dir / "metrics.jsonl")) < 3:
+            assert first.poll() is None and time.monotonic() < give_up, "the first run ended before the kill"
+            time.sleep(0.05)
+    finally:
+        first.kill()
+        first.wait()
+    committed = sorted(int(path.name) for path in (run_dir / "checkpoints").iterdir() if path.name.isdigit())
+    assert committed == [0]
+
+    stdout = run_training(run_dir, *overrides)
+    check_run(run_dir, steps, f"loop.steps={steps}")
+    assert "| steps" in stdout and "| 1-6 of 6" in stdout

@@ -27,15 +27,18 @@ from learner.rl.hooks import ProgressHook
 from learner.rl.hooks import RolloutLogHook
 from learner.rl.hooks import SummaryHook
 from learner.rl.hooks import default_hooks
+from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError
 from learner.rl.run import ResumeConfigError
 from learner.rl.run import Run
 from learner.rl.run import StepRecord
+from learner.rl.run_lock import RunDirLockedError
 from learner.rl.trainer import Trainer
 
 __all__ = [
     "AgreementHook",
     "CheckpointHook",
+    "ConfigError",
     "EvalHook",
     "Hook",
     "MetricsHook",
@@ -49,6 +52,7 @@ __all__ = [
     "RolloutLogHook",
     "Run",
     "RunConfig",
+    "RunDirLockedError",
     "StepRecord",
     "SummaryHook",
     "Trainer",

@@ -516,7 +516,10 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     ...
     ValueError: optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates (loop.steps x update.num_minibatches x update.ppo_epochs)
     """
-    base = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    try:
+        base = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: not valid TOML: {error}") from None
     overrides = [parse_override(override) for override in overrides]
     data = copy.deepcopy(base)
     for override in overrides:
@@ -550,7 +553,8 @@ RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:
-    """The keys under ``watched`` whose value differs between a checkpoint's saved config and ``current``.
+    """The keys under ``watched`` whose value differs between a checkpoint's saved config and ``current``, each
+    leaf of a table named (``task.args.num_prompts``, not ``task.args``).
 
     >>> changed_keys(to_dict(RunConfig()), load_config(None, ["task.name=sort_digits", "loop.steps=5"]))
     ['task.name']
@@ -560,10 +564,11 @@ def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence
                   if key.startswith(tuple(watched)) and key not in RESUME_FREE_KEYS and old.get(key) != new.get(key))
 
 
-def _flat(data: Mapping[str, Any]):
-    """``{"section": {"field": value}}`` -> ``("section.field", value)`` pairs (a field's own tables stay whole)."""
+def _flat(data: Mapping[str, Any], prefix: str = ""):
+    """``{"section": {"field": {"key": value}}}`` -> ``("section.field.key", value)`` pairs; an empty table is a
+    value (so a table emptied or filled shows as changed)."""
     for key, value in data.items():
-        if isinstance(value, Mapping):
-            yield from ((f"{key}.{field}", inner) for field, inner in value.items())
+        if isinstance(value, Mapping) and value:
+            yield from _flat(value, f"{prefix}{key}.")
         else:
-            yield key, value
+            yield prefix + key, value

@@ -178,7 +178,8 @@ class PlotHook(Hook):
 class CheckpointHook(Hook):
     """A checkpoint after the start of a fresh run (step 0), every ``every`` steps and at the last step.
 
-    Saves are asynchronous; the run's checkpointer completes the one in flight on every exit path.
+    Saves are asynchronous; the run's checkpointer completes the one in flight on every exit path. A run resumed
+    from step 0 (killed before its first periodic checkpoint) has step 0 already and does not save it again.
     """
 
     leader_only = False
@@ -187,7 +188,7 @@ class CheckpointHook(Hook):
         self.every = every
 
     def on_start(self, run: Run) -> None:
-        if run.start_step == 0:
+        if run.checkpointer.latest_step() is None:
             run.save_checkpoint(0)
 
     def on_step(self, run: Run, record: StepRecord) -> None:
@@ -216,7 +217,8 @@ class AgreementHook(Hook):
 
 
 class SummaryHook(Hook):
-    """A summary table on stdout at the end (reward first 3 -> last 5 steps, KL, versions, speed)."""
+    """A summary table on stdout at the end: reward (mean of the first 20 -> the last 20 steps, as the README
+    measures it), the share of samples trained on, KL, versions, speed, and the last evaluation's metrics."""
 
     def on_start(self, run: Run) -> None:
         self.started, self.history = time.monotonic(), {}
@@ -229,13 +231,16 @@ class SummaryHook(Hook):
             return
         config, steps = run.config, sorted(self.history)
         rewards = [self.history[s]["reward/mean"] for s in steps]
+        kept = [self.history[s].get("rollout/kept_fraction", 1.0) for s in steps]
         last = self.history[steps[-1]]
+        evaluated = [s for s in steps if any(key.startswith("eval/") for key in self.history[s])]
         rows = [
             ("task", config.task.name),
             ("corrections", migration.corrections_name(config.corrections)),
             ("steps", f"{steps[0]}-{steps[-1]} of {config.loop.steps}"),
-            ("reward (first 3 -> last 5 steps)", f"{np.mean(rewards[:3]):.3f} -> {np.mean(rewards[-5:]):.3f}"),
-            ("train/rollout kl (last step)", f"{last.get('rollout_corr/kl', float('nan')):+.2e}"),
+            ("reward (first 20 -> last 20 steps)", f"{np.mean(rewards[:20]):.3f} -> {np.mean(rewards[-20:]):.3f}"),
+            ("samples trained on (mean, min share)", f"{np.mean(kept):.2f}, {np.min(kept):.2f}"),
+            ("train/rollout kl k3 (last step)", f"{last.get('rollout_corr/k3_kl', float('nan')):.2e}"),
             ("clip fraction (last step)", f"{last.get('actor/pg_clipfrac', float('nan')):.3f}"),
             ("policy version learner / server",
              f"{last['policy/learner_version']:.0f} / {last['policy/server_version']:.0f}"),
@@ -244,6 +249,9 @@ class SummaryHook(Hook):
             ("samples/s (RL loop)", f"{np.mean([self.history[s]['perf/samples_per_s'] for s in steps]):.1f}"),
             ("run directory", str(config.run_dir)),
         ]
+        if evaluated:
+            rows += [(f"{key} (step {evaluated[-1]})", f"{value:.3f}")
+                     for key, value in sorted(self.history[evaluated[-1]].items()) if key.startswith("eval/")]
         print(summary_table(rows), flush=True)
 
 

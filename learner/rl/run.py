@@ -4,9 +4,10 @@
         for record in run.steps():
             print(record.step, record.metrics["reward/mean"])
 
-Entering a run sets it up: the task, the mesh and the sharded train state, then either the latest checkpoint of
-``run_dir`` (state, reference policy, policy version, data position) or a fresh start (Hugging Face weights if
-configured, the supervised warm-up); then, on process 0, the inference engine (launched, or reached at
+Entering a run sets it up: the run directory's lock (`learner.rl.run_lock`: one run per directory, held by process
+0), the task, the mesh and the sharded train state, then either the latest checkpoint of ``run_dir`` (state,
+reference policy, policy version, data position) or a fresh start (Hugging Face weights if configured, the
+supervised warm-up); then, on process 0, the inference engine (launched, or reached at
 ``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
 max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
 finish before each publish, so every sample is exactly ``max_staleness`` versions old). Everything it opens is
@@ -20,7 +21,9 @@ one fixed shape (`learner.rl.batches.PayloadSpec`), so the update compiles once.
 Resume: entering a run whose ``run_dir`` has checkpoints restores the latest; metrics and rollout log drop the steps
 after it. The saved data position is that of the first batch not yet trained, so the prompt order is that of an
 uninterrupted run. A resume that changes the task, corrections, group size or model is refused (naming the keys)
-unless ``loop.allow_config_change``; a run that already reached ``loop.steps`` is `finished` and yields nothing.
+unless ``loop.allow_config_change`` (checked against the checkpoint's metadata before any array is read); a run
+that already reached ``loop.steps`` is `finished`, says so, and yields nothing. A run killed before its first
+periodic checkpoint resumes from step 0 (the fresh start's checkpoint).
 
 Multi-host: every process makes the same calls. Process 0 owns the engine and the buffer and broadcasts each step's
 payload; every process runs the same update on the global mesh and writes checkpoints; process 0 publishes.
@@ -32,6 +35,7 @@ import contextlib
 import dataclasses
 import pathlib
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -46,8 +50,10 @@ from learner.rl.engines import build_engine, check_identity, sampler_order
 from learner.rl import migration
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
+from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
 from learner.rl.prompts import DataPosition, PromptStream
-from learner.rl.trainer import Trainer
+from learner.rl.run_lock import hold_run_dir
+from learner.rl.trainer import Trainer, model_context
 from learner.logprob_mode import check_logprob_mode
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
 from rollout_client import LogprobMode, RolloutBuffer
@@ -96,6 +102,7 @@ class Run:
         self.engine = self.buffer = None
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
+        self._warned_kept = False  # a step kept under half its samples (warned once)
 
     @property
     def finished(self) -> bool:
@@ -121,8 +128,16 @@ class Run:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
+            stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
             migration.report(config.corrections, self.run_dir)
-        self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path)
+        try:
+            self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
+                                  model_context=model_context(config))
+        except ValueError as error:  # load_task's errors name the task.* key at fault
+            raise ConfigError(str(error)) from None
+        if self.leader:  # before the train state and the warm-up, which a bad reward or engine would waste
+            probe_rewards(self.task)
+            probe_engines(config)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
@@ -144,6 +159,9 @@ class Run:
         if self.checkpointer.latest_step() is not None:
             self.start_step = self.step = self._restore()
             if self.finished:
+                if self.leader:
+                    print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
+                          "to do", flush=True)
                 return
         else:
             losses = self.trainer.start_fresh()
@@ -170,17 +188,28 @@ class Run:
             hook.on_start(self)
 
     def _restore(self) -> int:
-        """Restores the latest checkpoint; refuses a changed task, corrections, group size or model."""
+        """Restores the latest checkpoint; refuses a changed task, corrections, group size or model, before any
+        array is read (another model's arrays would not even load)."""
+        latest = self.checkpointer.latest_step()
+        try:
+            saved = self.checkpointer.read_metadata(latest)
+        except Exception:  # noqa: BLE001 -- unreadable: the restore skips it and the check below sees the one restored
+            saved = None
+        if saved is not None:
+            self._check_resume(saved.get("config") or {}, latest)
         position = DataPosition(self.stream.get_state())
         step, metadata = self.trainer.restore(self.checkpointer, position)
-        changed = changed_keys(metadata.get("config") or {}, self.config)
+        self._check_resume(metadata.get("config") or {}, step)
+        self.stream.set_state(position.state)
+        return step
+
+    def _check_resume(self, saved_config: dict, step: int) -> None:
+        changed = changed_keys(saved_config, self.config)
         if changed and not self.config.loop.allow_config_change:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
                 f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "
                 "anyway")
-        self.stream.set_state(position.state)
-        return step
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -233,12 +262,14 @@ class Run:
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
         metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
-        limit = self.config.optimizer.max_consecutive_skips
-        if trainer.skipped_steps >= limit:
+        limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
+        if skipped >= limit or (step == self.config.loop.steps and skipped >= step - self.start_step):
+            nonfinite = sorted(name for name, value in metrics.items() if not np.isfinite(value))
             raise NonFiniteUpdateError(
-                f"steps {step - limit + 1} to {step}: every one skipped a non-finite update (loss or gradient NaN or "
-                f"inf; optimizer.max_consecutive_skips = {limit}). The parameters are unchanged since step "
-                f"{step - limit}; the latest checkpoint is {self.checkpointer.latest_step()}")
+                f"steps {step - skipped + 1} to {step}: every one skipped a non-finite update (loss or gradient NaN or "
+                f"inf; optimizer.max_consecutive_skips = {limit}; a run whose every update was skipped never "
+                f"finishes). Non-finite at step {step}: {', '.join(nonfinite) or 'the gradient'}. The parameters are "
+                f"unchanged since step {step - skipped}; the latest checkpoint is {self.checkpointer.latest_step()}")
         update_s = time.monotonic() - started - rollout_s
         weights = trainer.host_weights()
         rewards = payload.rewards[:samples]
@@ -247,11 +278,19 @@ class Run:
             if rollout.fixed_staleness:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
+            kept = samples / (rollout.prompts_per_step * rollout.num_samples)
+            if kept < 0.5 and not self._warned_kept:
+                self._warned_kept = True
+                warnings.warn(f"step {step} trained on {samples} of {rollout.prompts_per_step * rollout.num_samples} "
+                              "samples (the rest dropped: failed rewards, invalid or stale samples; see "
+                              "reward/skipped_samples and samples/dropped/* in metrics.jsonl); warned once",
+                              stacklevel=2)
             step_s = time.monotonic() - started
             tokens = float(payload.batch.loss_mask.sum())
             metrics.update({
                 "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                "rollout/samples": samples, "rollout/completion_tokens_mean": tokens / samples,
+                "rollout/samples": samples, "rollout/kept_fraction": kept,
+                "rollout/completion_tokens_mean": tokens / samples,
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,

@@ -22,6 +22,7 @@ from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
 from learner.precision import resolve_matmul_precision, with_matmul_precision
 from learner.rl.batches import demonstration_batch
+from learner.rl.preflight import ConfigError
 from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
                                warmup_optimizer_config)
 from learner.safetensors_io import load_safetensors
@@ -34,6 +35,14 @@ from learner.update import make_update_fn, recompute_logprobs
 def bucket_length(length: int) -> int:
     """The padded batch length: the next power of two, at least 8 (few lengths, few compiled programs)."""
     return max(8, 1 << (length - 1).bit_length())
+
+
+def model_context(config: RunConfig) -> int:
+    """The model's context in tokens: ``max_position_embeddings`` of ``model.hf_path``, or the named model's
+    ``max_seq_len``."""
+    if config.model.hf_path:
+        return model_config_from_checkpoint(config.model.hf_path).max_seq_len
+    return model_config(config.model.name).max_seq_len
 
 
 def mean_metrics(metrics) -> dict[str, float]:
@@ -53,13 +62,24 @@ class Trainer:
         self.config = config
         self.task = task
         self.max_new_tokens = config.rollout.max_new_tokens or task.max_completion_tokens
+        context = model_context(config)
+        if task.max_prompt_tokens + self.max_new_tokens > context:
+            raise ConfigError(f"prompts of up to {task.max_prompt_tokens} tokens (the task's max_prompt_tokens) plus "
+                             f"{self.max_new_tokens} new tokens (rollout.max_new_tokens, else the task's "
+                             f"max_completion_tokens) exceed the model's context of {context} positions: lower "
+                             "task.args.max_prompt_tokens or rollout.max_new_tokens")
         self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
         if config.model.hf_path:
             self.model_config = model_config_from_checkpoint(config.model.hf_path, max_seq_len=self.length,
                                                              param_dtype=config.model.param_dtype)
         else:
             self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
-        self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        try:
+            self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+        except ValueError as error:
+            raise ConfigError(f"mesh.data, mesh.fsdp, mesh.tensor: {error}; their product must be the device count "
+                              "(one of them may be -1: the remaining devices; mesh.cpu_devices sets the count on a "
+                              "CPU)") from None
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         self.update_config = update_config(config, correction_config(config), self.length, self.max_new_tokens)
         multiple = self.update_config.row_multiple(self.data_parallel)

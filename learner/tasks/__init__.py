@@ -67,6 +67,7 @@ from learner.tasks._registry import load_task
 from learner.tasks._registry import register_task
 from learner.tasks._registry import task_names
 from learner.tasks._rewards import BUILTIN_REWARDS
+from learner.tasks._rewards import REWARD_BOUND
 from learner.tasks._rewards import Reward
 from learner.tasks._rewards import RewardError
 from learner.tasks._rewards import RewardScores
@@ -86,6 +87,7 @@ __all__ = (
     "BOS_ID",
     "BUILTIN_REWARDS",
     "Calculator",
+    "REWARD_BOUND",
     "CharTokenizer",
     "ChatTemplateError",
     "DatasetTask",

@@ -99,6 +99,8 @@ class DatasetTask:
       max_prompt_tokens: longer prompts (in tokens, after the chat template) are left out and counted; None:
         keep all, and the longest sets the padding.
       max_completion_tokens: new tokens sampled per completion (unless ``rollout.max_new_tokens`` says otherwise).
+      max_context_tokens: the model's context (``max_position_embeddings``; the loop passes it): prompts that leave
+        fewer than ``max_completion_tokens`` positions are too long (left out and counted); None: no limit.
       rewards: names (``exact_match``, ``gsm8k``, ``boxed``, ``format``, ``package.module:function``,
         ``path/to/file.py:function``) or tables ``{name, weight, args, batched, label}``; the reward is the
         weighted sum.
@@ -125,7 +127,7 @@ class DatasetTask:
                  rewards: Sequence[str | Mapping[str, Any]] = ("exact_match",), on_reward_error: str = "skip",
                  reward_timeout_s: float | None = 60.0, reward_workers: int = 16, success_threshold: float = 1.0,
                  validation: Mapping[str, Any] | None = None, split_seed: int = 0, max_rows: int | None = None,
-                 name: str | None = None):
+                 name: str | None = None, max_context_tokens: int | None = None):
         sources = [key for key, value in (("prompt_column", prompt_column), ("messages_column", messages_column),
                                           ("prompt_format", prompt_format)) if value is not None]
         if len(sources) != 1:
@@ -185,15 +187,22 @@ class DatasetTask:
         valid = self._encode(validation_rows, validation_indices)
         longest = max((len(ids) for ids in [*train[2], *valid[2]]), default=0)
         self.max_prompt_tokens = max_prompt_tokens or max(longest, 1)
+        if max_context_tokens is not None:
+            if max_context_tokens <= max_completion_tokens:
+                raise _error("max_completion_tokens", f"{max_completion_tokens} leaves no room for a prompt in the "
+                                                      f"model's context of {max_context_tokens} positions")
+            self.max_prompt_tokens = min(self.max_prompt_tokens, max_context_tokens - max_completion_tokens)
         self.dropped_too_long = int(sum(len(ids) > self.max_prompt_tokens for ids in train[2]))
         self.dropped_empty = int(sum(len(ids) == 0 for ids in train[2]))
         self.validation_dropped = int(sum(not 0 < len(ids) <= self.max_prompt_tokens for ids in valid[2]))
         self._train = self._keep(rows, *train)
         self._validation = self._keep(validation_rows, *valid)
         if not len(self._train):
+            context = ("" if max_context_tokens is None else f" (the model's context of {max_context_tokens} "
+                       f"positions less max_completion_tokens = {max_completion_tokens})")
             raise _error("max_prompt_tokens", f"none of the {len(train[0])} training prompts of {path} is kept: "
                                               f"{self.dropped_too_long} are longer than {self.max_prompt_tokens} "
-                                              f"tokens, {self.dropped_empty} are empty")
+                                              f"tokens{context}, {self.dropped_empty} are empty")
         self._reward_sums: dict[str, list[float]] = {}
         self._skipped = 0
         self._pending_demonstrations: dict[bytes, str] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import inspect
@@ -31,7 +32,8 @@ def task_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: str | None = None) -> Task:
+def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: str | None = None,
+              model_context: int | None = None) -> Task:
     """The task that the run config's ``task.name`` and ``task.args`` name, checked against the `Task` protocol.
 
     Args:
@@ -41,6 +43,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
       args: keyword arguments of the class or factory; None for none.
       model_path: the run's ``model.hf_path``, passed as ``model_path`` to a class or factory that takes one
         (the ``dataset`` task's default tokenizer directory) unless ``args`` set it.
+      model_context: the model's context in tokens, passed likewise as ``max_context_tokens`` (the ``dataset``
+        task leaves out and counts prompts that do not fit it with their completion).
 
     A task with an ``environment`` method is checked as an `learner.tasks.EnvironmentTask` (multi-turn).
 
@@ -54,17 +58,19 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
     >>> load_task("addition_1digit", {"n": 8})
     Traceback (most recent call last):
     ...
-    ValueError: task.args: addition_1digit() got an unexpected keyword argument 'n'
+    ValueError: task.args: addition_1digit() got an unexpected keyword argument 'n'; valid: num_prompts, seed, digits
     """
     args = dict(args or {})
     target = _resolve(name)
     if callable(target) and (isinstance(target, type) or not isinstance(target, Task)):
         if model_path is not None and "model_path" not in args and _takes(target, "model_path"):
             args["model_path"] = model_path
+        if model_context is not None and "max_context_tokens" not in args and _takes(target, "max_context_tokens"):
+            args["max_context_tokens"] = model_context
         try:
             inspect.signature(target).bind(**args)
         except TypeError as err:
-            raise ValueError(f"task.args: {name.rpartition(':')[2]}() {err}") from None
+            raise ValueError(f"task.args: {name.rpartition(':')[2]}() {err}{_valid_args(target, args)}") from None
         task = target(**args)
     elif args:
         raise ValueError(f"task.args: {name!r} is a task instance, which takes no args; got {sorted(args)}")
@@ -79,6 +85,17 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
         raise ValueError(f"task.name={name!r}: {type(task).__name__} is not {article} {protocol.__name__}: it lacks "
                          f"{', '.join(missing)}")
     return task
+
+
+def _valid_args(factory: Callable, args: Mapping[str, Any]) -> str:
+    """``"; valid: a, b, ..."``: the factory's arguments, those nearest an unknown one first ("" if none is unknown)."""
+    parameters = [name for name, p in inspect.signature(factory).parameters.items()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name != "model_path"]
+    unknown = [key for key in args if key not in parameters]
+    if not unknown:
+        return ""
+    nearest = difflib.get_close_matches(unknown[0], parameters, n=len(parameters), cutoff=0.0)
+    return f"; valid: {', '.join(nearest)}"
 
 
 def _takes(factory: Callable, parameter: str) -> bool:

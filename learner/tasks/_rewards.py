@@ -11,7 +11,9 @@ A batched reward takes lists and returns one number per sample; mark it with ``m
 
     def my_rewards(completions: list[str], prompts: list[str], rows: list[dict]) -> list[float]
 
-Either may be ``async def``. The built-ins (`BUILTIN_REWARDS`) read the reference answer from the row's answer
+Either may be ``async def``. A reward is a finite number of magnitude at most `REWARD_BOUND` (1e6): rewards are
+trained in float32, where 1e300 is inf and the square of 1e20 (in a group's standard deviation) overflows; a sample
+with a larger reward, or a larger weighted total, is skipped and named like one whose reward raised. The built-ins (`BUILTIN_REWARDS`) read the reference answer from the row's answer
 column: ``exact_match``, ``gsm8k``, ``boxed`` and ``format``.
 """
 
@@ -38,6 +40,7 @@ import numpy as np
 from learner.tasks._math_answers import equivalent_latex, gsm8k_extract, gsm8k_reference, last_boxed
 
 RewardFn = Callable[..., Any]
+REWARD_BOUND = 1e6  # largest |reward| and |weighted total| trained on (float32 arithmetic stays finite)
 
 
 def exact_match(answer_column: str, strip: bool = True, ignore_case: bool = False) -> RewardFn:
@@ -266,8 +269,26 @@ class RewardSet:
                     raise RewardError(line + " (on_reward_error = 'stop'; 'skip' leaves such samples out)") \
                         from error
                 errors.append(line)
-        total = sum(reward.weight * per_reward[reward.label] for reward in self.rewards)
+        total = sum(reward.weight * per_reward[reward.label].astype(np.float64) for reward in self.rewards)
+        for i in np.flatnonzero(np.abs(total) > REWARD_BOUND):
+            line = (f"rewards' weighted total {total[i]:.6g} on {names[i]} is beyond |total| <= {REWARD_BOUND:g} "
+                    "(rewards are trained in float32): lower the weights")
+            if self.on_error == "stop":
+                raise RewardError(line + " (on_reward_error = 'stop'; 'skip' leaves such samples out)")
+            errors.append(line)
+            total[i] = np.nan
         return RewardScores(np.asarray(total, np.float32), per_reward, errors)
+
+    def check_callable(self, completion: str, prompt: str, row: Mapping[str, Any]) -> str | None:
+        """Calls each reward once on one sample: what is wrong with a reward that cannot be called with the reward
+        signature (TypeError) or returns something other than a number, or None. Other exceptions may depend on
+        the completion and are not reported here."""
+        for reward in self.rewards:
+            _, failures = self._run(reward, [completion], [prompt], [row])
+            for _, error in failures:
+                if isinstance(error, (TypeError, NotANumberError)):
+                    return f"reward {reward.label!r}: {type(error).__name__}: {error}"
+        return None
 
     def _run(self, reward: Reward, completions, prompts, rows) -> tuple[np.ndarray, list[tuple[int, Exception]]]:
         """float32 ``[n]`` values (NaN where failed) and the failures ``(sample, exception)``."""
@@ -304,10 +325,19 @@ class RewardSet:
         return values, failures
 
 
+class NotANumberError(ValueError):
+    """A reward returned something other than a number (None, a string, a list)."""
+
+
 def _number(value) -> float:
-    if isinstance(value, (bool, int, float, np.number)) and math.isfinite(float(value)):
-        return float(value)
-    raise ValueError(f"returned {value!r}, not a finite number")
+    if not isinstance(value, (bool, int, float, np.number)):
+        raise NotANumberError(f"returned {value!r}, not a finite number")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"returned {value!r}, not a finite number")
+    if abs(float(value)) > REWARD_BOUND:
+        raise ValueError(f"returned {value!r}, beyond the bound |reward| <= {REWARD_BOUND:g} (rewards are trained "
+                         "in float32): rescale it")
+    return float(value)
 
 
 def _timeout_error(timeout_s: float) -> TimeoutError:

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner.checkpoints import MANIFEST, CheckpointConfig, Checkpointer
+from etils import epath
+
+from learner.checkpoints import MANIFEST, CheckpointConfig, Checkpointer, verify_manifest
 
 
 NOISE = np.random.default_rng(0).standard_normal(4096).astype(np.float32)  # incompressible: real array bytes
@@ -65,7 +67,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
 
 def test_a_checkpoint_without_manifest_that_fails_to_load_is_skipped_naming_the_error(tmp_path):
     _save_steps(tmp_path, [1, 2])
-    (tmp_path / "2" / MANIFEST).unlink()  # e.g. killed between the save and the manifest
+    for step in (1, 2):
+        (tmp_path / str(step) / MANIFEST).unlink()  # as if saved before manifests existed
     (tmp_path / "2" / "metadata" / "metadata").write_text("{not json")
     with Checkpointer(CheckpointConfig(str(tmp_path))) as checkpointer:
         with pytest.warns(UserWarning, match="skipping checkpoint 2.*load failed"):
@@ -77,9 +80,43 @@ def test_retention_keeps_the_newest_verified_checkpoint(tmp_path):
     _save_steps(tmp_path, [1], keep_last=1)
     with Checkpointer(CheckpointConfig(str(tmp_path), keep_last=1)) as checkpointer:
         checkpointer.save(2, _state(2.0), policy_version=2)
-        checkpointer._manager.wait_until_finished()  # final, but no manifest yet (a kill here loses none)
-        assert not (tmp_path / "2" / MANIFEST).exists()
-        assert checkpointer.all_steps() == [1, 2]  # keep_last=1, yet step 1 (the newest verified) stays
-        checkpointer.save(3, _state(3.0), policy_version=3)  # seals 2: now 1 may go
         checkpointer.wait_until_finished()
-        assert checkpointer.all_steps() == [2, 3]
+        (tmp_path / "2" / MANIFEST).unlink()  # as if saved before manifests existed
+        assert checkpointer.all_steps() == [1, 2]  # keep_last=1, yet step 1 (the newest verified) stays
+        checkpointer.save(3, _state(3.0), policy_version=3)
+        checkpointer.wait_until_finished()
+        assert 2 not in checkpointer.all_steps() and 3 in checkpointer.all_steps()
+
+
+def test_the_manifest_is_part_of_the_commit(tmp_path):
+    """The moment ``<step>`` exists (orbax's rename of the finished save), its manifest is in it: a process killed
+    at any moment leaves no committed checkpoint that cannot be verified."""
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as checkpointer:
+        checkpointer.save(1, _state(1.0), policy_version=1)
+        while not (tmp_path / "1").exists():
+            pass
+        assert (tmp_path / "1" / MANIFEST).exists()
+        checkpointer._manager.wait_until_finished()  # orbax's wait alone, none of ours
+        assert (tmp_path / "1" / MANIFEST).exists()
+    assert verify_manifest(epath.Path(tmp_path / "1")) is None
+
+
+def test_a_damaged_checkpoint_without_manifest_is_not_restored_while_a_verified_one_exists(tmp_path):
+    _save_steps(tmp_path, [1, 2])
+    (tmp_path / "2" / MANIFEST).unlink()
+    _flip_bytes(_largest_file(tmp_path / "2"))  # loads fine, wrong values: only a manifest could tell
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as checkpointer:
+        with pytest.warns(UserWarning, match=f"skipping checkpoint 2.*no {MANIFEST}.*checkpoint 1 can"):
+            restored = checkpointer.restore(_state(0.0))
+    assert restored.step == 1 and "cannot be verified" in restored.skipped[0]
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), NOISE + 1.0)
+    assert (tmp_path / "2.unverified").is_dir()
+
+
+def test_a_checkpoint_without_manifest_is_restored_with_a_warning_when_none_has_one(tmp_path):
+    _save_steps(tmp_path, [1])
+    (tmp_path / "1" / MANIFEST).unlink()
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as checkpointer:
+        with pytest.warns(UserWarning, match=f"checkpoint 1 .* has no {MANIFEST}: restoring it unverified"):
+            restored = checkpointer.restore(_state(0.0))
+    assert restored.step == 1 and restored.skipped == ()

@@ -74,3 +74,14 @@ def test_run_stops_after_max_consecutive_skips_and_its_checkpoint_is_finite(tmp_
         with pytest.raises(NonFiniteUpdateError, match="step 12: the train state holds NaN"):
             run.save_checkpoint(12)
     assert sorted(p.name for p in directory.iterdir()) == ["10", "11"]  # no 12
+
+
+def test_a_run_whose_every_update_was_skipped_never_finishes(tmp_path, monkeypatch):
+    """Fewer steps than max_consecutive_skips, all skipped: the last step raises (no checkpoint of it, so a rerun
+    does not report the run finished), naming what was non-finite."""
+    monkeypatch.setattr(Trainer, "train", _nan_advantages_from(1))
+    config = short_config(tmp_path / "run", "loop.steps=3")
+    with pytest.raises(NonFiniteUpdateError, match=r"steps 1 to 3: every one skipped .* never finishes\)\. "
+                                                   r"Non-finite at step 3: .*actor/pg_loss.* latest checkpoint is 2"):
+        with Run(config, hooks=[CheckpointHook(every=1)]) as run:
+            run.train()

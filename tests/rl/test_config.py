@@ -84,7 +84,10 @@ def test_changed_keys_lists_what_a_resume_must_not_change():
     assert changed_keys(saved, same_run) == []  # a longer run, another learning rate: a resume may change these
     other = load_config("configs/default.toml", ["task.args={num_prompts=10}", "rollout.num_samples=8",
                                                  "corrections.preset=decoupled_geo_rs_token_tis", "model.name=small"])
-    assert changed_keys(saved, other) == ["corrections.preset", "model.name", "rollout.num_samples", "task.args"]
+    assert changed_keys(saved, other) == ["corrections.preset", "model.name", "rollout.num_samples",
+                                          "task.args.num_prompts"]  # each leaf of a table: every changed key
+    both = load_config("configs/default.toml", ["task.args={num_prompts=10, digits=2}"])
+    assert changed_keys(saved, both) == ["task.args.digits", "task.args.num_prompts"]
 
 
 def test_defaults_are_a_valid_config():

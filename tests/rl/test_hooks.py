@@ -9,11 +9,12 @@ from learner.rl import AgreementHook, CheckpointHook, MetricsHook, SummaryHook, 
 from learner.batch import TrainBatch
 
 
-def _run(tmp_path, steps=5, start_step=0):
+def _run(tmp_path, steps=5, start_step=0, restored_from=None):
     saved = []
     run = types.SimpleNamespace(config=load_config(None, [f"loop.steps={steps}"]), run_dir=tmp_path,
                                 start_step=start_step, step=start_step, process_index=0, saved=saved,
                                 save_checkpoint=saved.append,
+                                checkpointer=types.SimpleNamespace(latest_step=lambda: restored_from),
                                 trainer=types.SimpleNamespace(policy_version=7))
     return run
 
@@ -33,9 +34,12 @@ def test_checkpoints_at_the_start_every_n_steps_and_the_last_step(tmp_path):
     for step in range(1, 6):
         hook.on_step(run, _record(step, 0.0))
     assert run.saved == [0, 2, 4, 5]
-    resumed = _run(tmp_path, steps=5, start_step=2)
+    resumed = _run(tmp_path, steps=5, start_step=2, restored_from=2)
     CheckpointHook(every=2).on_start(resumed)
     assert resumed.saved == []  # a resumed run does not save its start again
+    from_zero = _run(tmp_path, steps=5, start_step=0, restored_from=0)  # killed before its first periodic save
+    CheckpointHook(every=2).on_start(from_zero)
+    assert from_zero.saved == []
 
 
 def test_metrics_hook_writes_every_step_and_drops_steps_after_a_resume(tmp_path):
@@ -58,11 +62,17 @@ def test_summary_and_agreement_at_the_end(tmp_path, capsys):
     for hook in (summary, agreement):
         hook.on_start(run)
         for step, reward in ((1, 0.25), (2, 0.5), (3, 1.0)):
-            hook.on_step(run, _record(step, reward))
+            record = _record(step, reward)
+            record.metrics["rollout/kept_fraction"] = 0.5 if step == 2 else 0.875
+            if step == 2:
+                record.metrics["eval/pass@1"] = 0.5
+            hook.on_step(run, record)
         hook.on_end(run)
     table = capsys.readouterr().out
-    assert "| reward (first 3 -> last 5 steps) | 0.583 -> 0.583" in table
-    assert "| steps/s (RL loop)                | 2.00" in table
+    assert "| reward (first 20 -> last 20 steps)   | 0.583 -> 0.583" in table
+    assert "| samples trained on (mean, min share) | 0.75, 0.50" in table
+    assert "| steps/s (RL loop)                    | 2.00" in table
+    assert "| eval/pass@1 (step 2)                 | 0.500" in table  # the last evaluation
     record = json.loads((tmp_path / "process_0.json").read_text())
     assert (record["steps"], record["reward_mean"], record["policy_version"]) == ([1, 2, 3], [0.25, 0.5, 1.0], 7)
 

@@ -159,3 +159,36 @@ def _leaves_in_name_order(params, names):
     own, _ = parameter_names(params)
     by_name = dict(zip(own, __import__("jax").tree.leaves(params)))
     return [by_name[name] for name in names]
+
+
+def test_a_model_context_too_short_for_prompt_and_completion_is_refused_at_start():
+    """The tiny model has 256 positions: 300 new tokens cannot fit, and the bucketed batch length must not hide it."""
+    from learner.rl.trainer import Trainer
+    from learner.tasks import load_task
+
+    config = load_config("configs/default.toml", ["rollout.max_new_tokens=300"])
+    with pytest.raises(ValueError, match=r"plus 300 new tokens \(rollout.max_new_tokens, .*exceed the model's "
+                                         r"context of 256 positions: lower task.args.max_prompt_tokens or "
+                                         r"rollout.max_new_tokens"):
+        Trainer(config, load_task(config.task.name, {"num_prompts": 8}))
+
+
+@pytest.mark.slow  # an in-process run of 2 steps
+def test_dropped_samples_show_as_the_kept_share_and_a_step_under_half_warns_once(tmp_path, monkeypatch):
+    """3 of 4 groups lose a sample to a failed reward (NaN): each step trains on 4 of 16 samples."""
+    from learner.tasks._digit_tasks import Addition
+
+    original = Addition.rewards
+
+    def rewards(self, rows, completions):
+        values = np.asarray(original(self, rows, completions), np.float32)
+        values[:len(values) - 4:4] = np.nan  # the first sample of every group but the last
+        return values
+
+    monkeypatch.setattr(Addition, "rewards", rewards)
+    with pytest.warns(UserWarning, match=r"step 1 trained on 4 of 16 samples .* warned once") as warned:
+        with Run(short_config(tmp_path / "run", "loop.steps=2", "warmup.steps=0", "update.num_minibatches=1",
+                              "update.ppo_epochs=1", "corrections.overrides={}"), hooks=[]) as run:
+            records = list(run.steps())
+    assert [r.metrics["rollout/kept_fraction"] for r in records] == [0.25, 0.25]
+    assert sum("trained on" in str(w.message) for w in warned) == 1

@@ -87,6 +87,26 @@ def test_the_length_filter_drops_and_counts_long_prompts(files):
         _task(files, max_prompt_tokens=3)
 
 
+def test_prompts_beyond_the_models_context_are_dropped_and_counted(files):
+    """The loop passes the model's context (max_position_embeddings): a prompt that leaves fewer positions than
+    max_completion_tokens is too long, whatever max_prompt_tokens says."""
+    lengths = [len(r["prompt_ids"]) for r in _task(files).prompts()]
+    limit = int(np.median(lengths))
+    task = load_task("dataset", {"path": str(files / "train.jsonl"), "prompt_column": "question",
+                                 "answer_column": "answer", "tokenizer": str(files / "qwen"),
+                                 "max_completion_tokens": 16}, model_context=limit + 16)
+    assert task.max_prompt_tokens == limit
+    assert sorted(r["index"] for r in task.prompts()) == [i for i, n in enumerate(lengths) if n <= limit]
+    assert task.metrics()["data/prompts_dropped_too_long"] == sum(n > limit for n in lengths) > 0
+    with pytest.raises(ValueError, match=r"task.args.max_prompt_tokens: none of the 30 training prompts .* 30 are "
+                                         r"longer than 3 tokens \(the model's context of 19 positions less "
+                                         r"max_completion_tokens = 16\)"):
+        _task(files, max_completion_tokens=16, max_context_tokens=19)
+    with pytest.raises(ValueError, match=r"task.args.max_completion_tokens: 16 leaves no room for a prompt in the "
+                                         r"model's context of 16 positions"):
+        _task(files, max_completion_tokens=16, max_context_tokens=16)
+
+
 def test_validation_fraction_is_held_out_and_a_second_file_works(files, tmp_path):
     task = _task(files, validation={"fraction": 0.2, "every": 10})
     train = {r["index"] for r in task.prompts()}

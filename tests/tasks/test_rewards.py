@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from learner.tasks import BUILTIN_REWARDS, RewardError, RewardSet, make_reward
+from learner.tasks import BUILTIN_REWARDS, REWARD_BOUND, Reward, RewardError, RewardSet, make_reward
 
 RELEASE = threading.Event()  # lets the test's hanging rewards finish once the test is done
 
@@ -184,6 +184,30 @@ def test_a_failing_reward_is_skipped_and_named_or_stops(user_rewards, completion
         stopping.score(completions, ["p", "p"], ROWS, names)
 
 
+def _parsed(completion, prompt, row):
+    return float(completion)
+
+
+def test_rewards_beyond_the_float32_bound_are_skipped_and_named():
+    """1e300 is finite in float64 and inf in float32, where rewards are trained: such samples are skipped like a
+    reward that raised, and so is a weighted total beyond the bound."""
+    assert REWARD_BOUND == 1e6
+    scores = RewardSet([Reward("parsed", _parsed)]).score(["1.5", "1e300", "-2e6", "1e6"], ["p"] * 4, [{}] * 4)
+    np.testing.assert_array_equal(scores.total[[0, 3]], [1.5, 1e6])
+    assert np.isnan(scores.total[[1, 2]]).all() and scores.skipped == 2
+    assert scores.errors == [
+        "reward 'parsed' failed on sample 1: ValueError: returned 1e+300, beyond the bound |reward| <= 1e+06 "
+        "(rewards are trained in float32): rescale it",
+        "reward 'parsed' failed on sample 2: ValueError: returned -2000000.0, beyond the bound |reward| <= 1e+06 "
+        "(rewards are trained in float32): rescale it"]
+    weighted = RewardSet([Reward("parsed", _parsed, weight=1e6)]).score(["0.5", "2"], ["p"] * 2, [{}] * 2)
+    assert weighted.total[0] == 5e5 and np.isnan(weighted.total[1])
+    assert weighted.errors == ["rewards' weighted total 2e+06 on sample 1 is beyond |total| <= 1e+06 (rewards are "
+                               "trained in float32): lower the weights"]
+    with pytest.raises(RewardError, match="weighted total 2e"):
+        RewardSet([Reward("parsed", _parsed, weight=1e6)], on_error="stop").score(["2"], ["p"], [{}])
+
+
 def test_a_batched_reward_returning_the_wrong_count_fails_every_sample(user_rewards):
     scores = _score("my_rewards:wrong_count", ["a", "b"], ROWS)
     assert scores.skipped == 2 and "returned 1 values for 2 samples" in scores.errors[0]
@@ -273,3 +297,36 @@ def test_a_reward_file_loaded_from_several_threads_at_once_is_whole_in_each(tmp_
     for thread in threads:
         thread.join()
     assert results == [1.0] * 4
+
+
+def _two_args(completion, prompt):
+    return 1.0
+
+
+def _none(completion, prompt, row):
+    return None
+
+
+def _raises_on_empty(completion, prompt, row):
+    return 1.0 / len(completion)
+
+
+def test_check_callable_finds_a_wrong_signature_or_a_none_before_training():
+    from learner.rl.preflight import ConfigError, probe_rewards
+
+    assert RewardSet([Reward("ok", _parsed)]).check_callable("1", "p", {}) is None
+    assert RewardSet([Reward("empty", _raises_on_empty)]).check_callable("", "p", {}) is None  # may depend on it
+    problem = RewardSet([Reward("ok", _parsed), Reward("two", _two_args)]).check_callable("1", "p", {})
+    assert problem.startswith("reward 'two': TypeError: ") and "positional argument" in problem
+    assert (RewardSet([Reward("none", _none)]).check_callable("", "p", {})
+            == "reward 'none': NotANumberError: returned None, not a finite number")
+
+    class Task:
+        reward_set = RewardSet([Reward("none", _none)])
+
+        def prompts(self):
+            return [{"prompt": "2+2=", "row": {"answer": "4"}}]
+
+    with pytest.raises(ConfigError, match=r"task.args.rewards: reward 'none': NotANumberError: returned None, .* "
+                                          r"before training\); fix the reward function"):
+        probe_rewards(Task())
