@@ -215,7 +215,8 @@ class Checkpointer:
         self._unsealed: set[int] = set()  # saved steps whose manifest is not written yet
 
     def save(self, step: int, state, *, policy_version: int, config=None, data_iterator=None,
-             metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+             metrics: Mapping[str, float] | None = None, force: bool = False,
+             extra_metadata: Mapping[str, Any] | None = None) -> bool:
         """Starts saving checkpoint ``step`` (asynchronously unless ``CheckpointConfig.async_save`` is False).
 
         Args:
@@ -228,6 +229,7 @@ class Checkpointer:
             metrics: scalar metrics of this step; must hold ``best_metric`` when one is configured (otherwise
                 they are not stored).
             force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+            extra_metadata: more JSON-serialisable entries of the metadata (e.g. a LoRA run's ``"lora_base"``).
 
         Returns:
             Whether a save was started.
@@ -235,8 +237,8 @@ class Checkpointer:
         if self.config.best_metric is not None and (metrics is None or self.config.best_metric not in metrics):
             raise ValueError(f"save(step={step}) needs metrics[{self.config.best_metric!r}] to rank checkpoints")
         items = {_STATE: ocp.args.StandardSave(state),
-                 _METADATA: ocp.args.JsonSave({"step": step, "policy_version": int(policy_version),
-                                               "config": _config_json(config)})}
+                 _METADATA: ocp.args.JsonSave({**(extra_metadata or {}), "step": step,
+                                               "policy_version": int(policy_version), "config": _config_json(config)})}
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
         metrics = None if self.config.best_metric is None else {k: float(v) for k, v in metrics.items()}

@@ -27,7 +27,9 @@ adapter (`learner.peft_export`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import pathlib
 import re
 from collections.abc import Mapping
 
@@ -166,3 +168,36 @@ def merge_adapters(weights: Mapping[str, np.ndarray], scale: float) -> dict[str,
         merged[f"{prefix}/kernel"] = (kernel.astype(np.float32) + scale * delta.reshape(kernel.shape)
                                       ).astype(kernel.dtype)
     return merged
+
+
+def base_identity(hf_path: str | None, model_name: str, seed: int) -> dict:
+    """What a LoRA checkpoint records of its base (it does not hold the base): the Hugging Face checkpoint's
+    resolved path and the sha256 of its ``config.json`` and ``*.safetensors`` files, or, for a base initialised from
+    a seed, the model name and the seed.
+
+    Example:
+        >>> base_identity(None, "tiny", 3)
+        {'path': None, 'sha256': None, 'model': 'tiny', 'seed': 3}
+    """
+    if not hf_path:
+        return {"path": None, "sha256": None, "model": model_name, "seed": seed}
+    directory = pathlib.Path(hf_path).resolve()
+    digest = hashlib.sha256()
+    for file in [directory / "config.json", *sorted(directory.glob("*.safetensors"))]:
+        digest.update(file.name.encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return {"path": str(directory), "sha256": digest.hexdigest(), "model": None, "seed": None}
+
+
+def check_base_identity(saved: Mapping | None, current: Mapping, checkpoint: str) -> None:
+    """Refuses to resume LoRA adapters on another base than they were trained on (by content, not by path)."""
+    if saved is None:
+        raise ValueError(f"{checkpoint} records no LoRA base (lora_base): it is not a LoRA run's checkpoint; resume "
+                         "it with model.lora.rank = 0, or use a new run_dir")
+    keys = ("sha256",) if current.get("sha256") else ("model", "seed")
+    if any(saved.get(key) != current.get(key) for key in keys):
+        raise ValueError(f"{checkpoint} holds LoRA adapters of the base {dict(saved)}, but model.hf_path / "
+                         f"model.name / loop.seed give the base {dict(current)}: resume on the base the adapters "
+                         "were trained on, or use a new run_dir")
