@@ -73,15 +73,20 @@ def test_lora_run_publishes_merged_weights_checkpoints_adapters_and_exports_peft
     import mlx_lm
 
     run_dir = tmp_path / "run"
-    config = _config(files, run_dir, *ENGINES[engine])
+    # a KL term: its reference is the frozen base with the adapters off, not a stored copy of the weights
+    config = _config(files, run_dir, *ENGINES[engine], "corrections.overrides={kl_coef = 0.001}")
     with Run(config, hooks=[MetricsHook(), CheckpointHook(config.checkpoints.every)]) as run:
         records = list(run.steps())
         trainer = run.trainer
+        assert trainer.reference is None and trainer.checkpoint_tree() is trainer.state
+        embedding = trainer.frozen["embed"]["embedding"][...]
+        assert sum(array.shape == embedding.shape for array in jax.live_arrays()) == 1  # one copy of the base
         model = nnx.merge(trainer.graphdef, jax.device_get(trainer.state.params), jax.device_get(trainer.frozen))
         adapters = trainer.host_adapters()
     assert [record.step for record in records] == list(range(1, STEPS + 1))
     for record in records:  # the engine samples from the merged weights the learner trains (unmerged)
         assert record.metrics["rollout_corr/staleness_max"] == 0
+        assert record.metrics["actor/kl_loss"] != 0  # the adapters moved the policy away from the base
         assert abs(record.metrics["rollout_corr/kl"]) < KL_TOLERANCE, record.metrics["rollout_corr/kl"]
     assert min(float(np.max(np.abs(array))) for name, array in adapters.items() if name.endswith("/b")) > 1e-3
 
