@@ -4,7 +4,8 @@ One checkpoint per step, in ``<directory>/<step>/``, with three items:
 
 * ``state``: the state pytree (e.g. ``learner.train_state.TrainState``), every leaf a jax.Array, written by
   tensorstore shard by shard (each process writes the shards it holds);
-* ``metadata``: JSON ``{"step", "policy_version", "config"}``, readable without loading any array;
+* ``metadata``: JSON ``{"step", "policy_version", "config"}`` and any ``extra_metadata`` of the save (a LoRA run's
+  ``"lora_base"``), readable without loading any array;
 * ``data`` (optional): the grain iterator state (one JSON file per process, grain's own orbax handler).
 
 Saves are asynchronous: `Checkpointer.save` returns once the arrays are copied off the devices, and the write
@@ -96,7 +97,7 @@ class Restored(NamedTuple):
 
     step: int
     state: Any  # The state pytree, on the target's shardings.
-    metadata: dict[str, Any]  # {"step", "policy_version", "config"} as saved.
+    metadata: dict[str, Any]  # {"step", "policy_version", "config", **extra_metadata} as saved.
     skipped: tuple[str, ...] = ()  # newer checkpoints that failed verification or loading, each with the reason.
 
 
