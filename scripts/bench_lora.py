@@ -119,7 +119,8 @@ def main() -> None:
         print(json.dumps(row))
     print(f"LoRA / full: optimizer state {lora['opt_state_mb'] / full['opt_state_mb']:.4f} (goal <= 0.05), "
           f"update time {lora['update_s'] / full['update_s']:.3f} (goal <= 1), peak memory "
-          f"{lora['peak_memory_mb'] / full['peak_memory_mb']:.3f}, publish {lora['publish_mb'] / full['publish_mb']:.4f}")
+          f"{lora['peak_memory_mb'] / full['peak_memory_mb']:.3f}, "
+          f"publish {lora['publish_mb'] / full['publish_mb']:.4f}")
 
 
 if __name__ == "__main__":
