@@ -115,28 +115,21 @@ def test_merged_kernels_compute_the_lora_model():
     np.testing.assert_allclose(base.logits(base(tokens, positions)), lora_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_train_state_and_optimizer_hold_only_adapters():
+def test_train_state_and_optimizer_hold_only_adapters_in_float32_on_a_bf16_base():
+    config = model_config("tiny", param_dtype="bfloat16", lora=LORA)
     optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-3))
     mesh = make_mesh(data=8)
-    _, state, _ = create_sharded_train_state(MODEL, optimizer, mesh)
-    frozen, _ = create_sharded_frozen(MODEL, mesh)
+    _, state, _ = create_sharded_train_state(config, optimizer, mesh)
+    frozen, _ = create_sharded_frozen(config, mesh)
     adapters = named_leaves(state.params)
     assert adapters and all("/lora/" in name for name in adapters)
-    assert all(leaf.dtype == jnp.float32 for leaf in adapters.values())
     optimizer_arrays = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim > 0]
     assert sum(leaf.size for leaf in optimizer_arrays) == 2 * sum(leaf.size for leaf in adapters.values())
+    assert {leaf.dtype for leaf in [*adapters.values(), *optimizer_arrays]} == {jnp.dtype(jnp.float32)}
     assert not any("/lora/" in name for name in named_leaves(frozen))
+    assert {leaf.dtype for leaf in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
     full = sum(leaf.size for leaf in jax.tree.leaves(frozen))
     assert sum(leaf.size for leaf in optimizer_arrays) < 0.25 * 2 * full  # tiny: r = 4 of D = 64
-
-
-def test_bf16_base_keeps_its_dtype_and_float32_adapters():
-    config = model_config("tiny", param_dtype="bfloat16", lora=LORA)
-    frozen, _ = create_sharded_frozen(config, make_mesh(data=8))
-    _, state, _ = create_sharded_train_state(config, optax.adam(1e-3), make_mesh(data=8))
-    assert {leaf.dtype for leaf in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
-    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
-    assert {leaf.dtype for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim} == {jnp.dtype(jnp.float32)}
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 2, 4)])
@@ -179,10 +172,15 @@ def _lora_update(mesh, corrections, model=MODEL):
 KL = CorrectionConfig(importance=ImportanceWeights("token", high=2.0), kl_coef=0.25, kl_estimator="k1")
 
 
-def test_lora_update_trains_adapters_against_the_base_as_reference():
+@pytest.fixture(scope="module")
+def update_on_2x2x2():
+    return _lora_update(make_mesh(2, 2, 2), KL)
+
+
+def test_lora_update_trains_adapters_against_the_base_as_reference(update_on_2x2x2):
     """One jitted update on a (2, 2, 2) mesh: the base is unchanged, the adapters move, and ``actor/kl_loss`` is the
     float64 token mean of ``lp - ref`` where ``ref`` are the logprobs of a model built without LoRA."""
-    before, after, frozen_before, frozen_after, metrics, graphdef = _lora_update(make_mesh(2, 2, 2), KL)
+    before, after, frozen_before, frozen_after, metrics, graphdef = update_on_2x2x2
     jax.tree.map(np.testing.assert_array_equal, frozen_before, frozen_after)
     moved = [float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))]
     assert min(moved) > 0
@@ -198,10 +196,10 @@ def test_lora_update_trains_adapters_against_the_base_as_reference():
     np.testing.assert_allclose(metrics["actor/kl_loss"][0], expected, rtol=1e-4, atol=1e-6)
 
 
-def test_lora_update_is_the_same_on_every_mesh():
+def test_lora_update_is_the_same_on_every_mesh(update_on_2x2x2):
     """The adapters after one update agree across mesh shapes (sharding is layout, not math)."""
-    results = [_lora_update(make_mesh(*shape), KL)[1] for shape in ((8, 1, 1), (1, 2, 4))]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), *results)
+    other = _lora_update(make_mesh(1, 2, 4), KL)[1]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), update_on_2x2x2[1], other)
 
 
 @pytest.mark.parametrize("corrections", [
