@@ -4,7 +4,8 @@ One checkpoint per step, in ``<directory>/<step>/``, with three items:
 
 * ``state``: the state pytree (e.g. ``learner.train_state.TrainState``), every leaf a jax.Array, written by
   tensorstore shard by shard (each process writes the shards it holds);
-* ``metadata``: JSON ``{"step", "policy_version", "config"}``, readable without loading any array;
+* ``metadata``: JSON ``{"step", "policy_version", "config"}`` and any ``extra_metadata`` of the save (a LoRA run's
+  ``"lora_base"``), readable without loading any array;
 * ``data`` (optional): the grain iterator state (one JSON file per process, grain's own orbax handler).
 
 Saves are asynchronous: `Checkpointer.save` returns once the arrays are copied off the devices, and the write
@@ -100,7 +101,7 @@ class Restored(NamedTuple):
 
     step: int
     state: Any  # The state pytree, on the target's shardings.
-    metadata: dict[str, Any]  # {"step", "policy_version", "config"} as saved.
+    metadata: dict[str, Any]  # {"step", "policy_version", "config", **extra_metadata} as saved.
     skipped: tuple[str, ...] = ()  # newer checkpoints that failed verification or loading, each with the reason.
 
 
@@ -229,7 +230,8 @@ class Checkpointer:
         write_manifest(temporary if temporary.exists() else self._directory / str(self._saving))  # GCS: in place
 
     def save(self, step: int, state, *, policy_version: int, config=None, data_iterator=None,
-             metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+             metrics: Mapping[str, float] | None = None, force: bool = False,
+             extra_metadata: Mapping[str, Any] | None = None) -> bool:
         """Starts saving checkpoint ``step`` (asynchronously unless ``CheckpointConfig.async_save`` is False).
 
         Args:
@@ -242,6 +244,7 @@ class Checkpointer:
             metrics: scalar metrics of this step; must hold ``best_metric`` when one is configured (otherwise
                 they are not stored).
             force: save even if ``step`` is not a multiple of ``save_interval_steps``.
+            extra_metadata: more JSON-serialisable entries of the metadata (e.g. a LoRA run's ``"lora_base"``).
 
         Returns:
             Whether a save was started.
@@ -249,8 +252,8 @@ class Checkpointer:
         if self.config.best_metric is not None and (metrics is None or self.config.best_metric not in metrics):
             raise ValueError(f"save(step={step}) needs metrics[{self.config.best_metric!r}] to rank checkpoints")
         items = {_STATE: ocp.args.StandardSave(state),
-                 _METADATA: ocp.args.JsonSave({"step": step, "policy_version": int(policy_version),
-                                               "config": _config_json(config)})}
+                 _METADATA: ocp.args.JsonSave({**(extra_metadata or {}), "step": step,
+                                               "policy_version": int(policy_version), "config": _config_json(config)})}
         if data_iterator is not None:
             items[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
         metrics = None if self.config.best_metric is None else {k: float(v) for k, v in metrics.items()}

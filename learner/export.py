@@ -7,6 +7,11 @@ with `learner.hf_checkpoint.write_hf_checkpoint`: safetensors (float32 or bfloat
 checkpoint's tokenizer files, generation config, architecture and bos/eos ids. transformers, vLLM, SGLang and mlx-lm
 load the result. Nothing in the run directory is modified.
 
+A LoRA run (``model.lora.rank > 0``; its checkpoints hold the adapters, not the base) is exported as a PEFT adapter
+(`learner.peft_export`: ``adapter_config.json`` + ``adapter_model.safetensors``, its ``base_model_name_or_path``
+the run's ``model.hf_path``), or with ``--merged`` as the Hugging Face checkpoint of the base with the adapters merged
+into it (the base read from ``model.hf_path``, or rebuilt from ``model.name`` and ``loop.seed``).
+
 Example::
 
     python -m learner.export runs/gsm8k_qwen2.5 exports/gsm8k_step500 --dtype bfloat16
@@ -24,11 +29,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
 
 from learner.checkpoints import MANIFEST, verify_manifest
 from learner.hf_checkpoint import TOKENIZER_FILES, model_config_from_checkpoint, write_hf_checkpoint
-from learner.model import ModelConfig, model_config
+from learner.lora import LoraConfig, merge_adapters
+from learner.model import ModelConfig, Transformer, model_config
 from learner.param_paths import named_leaves
+from learner.peft_export import write_peft_adapter
+from learner.safetensors_io import load_safetensors
 
 __all__ = [
     "export_run",
@@ -94,9 +103,19 @@ def _id_list(value) -> tuple[int, ...]:
     return () if value is None else (value,) if isinstance(value, int) else tuple(value)
 
 
+def _base_weights(config: ModelConfig, hf_path: str | None, seed: int) -> dict[str, np.ndarray]:
+    """The frozen base of a LoRA run: the Hugging Face checkpoint's weights, or the model initialised from the seed."""
+    if hf_path:
+        model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        load_safetensors(model, hf_path)
+    else:
+        model = Transformer(config, rngs=nnx.Rngs(seed))
+    return {name: np.asarray(array) for name, array in named_leaves(nnx.state(model)).items()}
+
+
 def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
                dtype: str = "float32", eos_token_ids: Sequence[int] | None = None,
-               overwrite: bool = False) -> pathlib.Path:
+               overwrite: bool = False, merged: bool = False) -> pathlib.Path:
     """Writes checkpoint ``step`` (default: the newest verified) of the run in ``run_dir`` to ``out_dir``.
 
     Args:
@@ -106,13 +125,15 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
         dtype: "float32" or "bfloat16" (or "float16").
         eos_token_ids: stop ids to write; None: the source checkpoint's (``model.hf_path``), if any.
         overwrite: replace an existing ``out_dir``.
+        merged: a LoRA run's adapters merged into its base as a Hugging Face checkpoint, instead of a PEFT adapter.
 
     Returns:
         ``out_dir``.
     """
     step_dir = _choose_step(pathlib.Path(run_dir) / "checkpoints", step)
     metadata = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(str((step_dir / "metadata").resolve()))
-    model = (metadata.get("config") or {}).get("model") or {}
+    run_config = metadata.get("config") or {}
+    model = run_config.get("model") or {}
     hf_path = model.get("hf_path")
     if hf_path:
         source = pathlib.Path(hf_path)
@@ -130,6 +151,14 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
         config = model_config(model.get("name", "tiny"))
         tokenizer, model_type, bos, eos = None, None, None, ()
     params = read_checkpoint_params(step_dir)
+    lora = model.get("lora") or {}
+    if lora.get("rank", 0) > 0:
+        lora = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]), dtype=lora["dtype"])
+        if not merged:
+            return write_peft_adapter(out_dir, params, lora, config, base_model_name_or_path=hf_path,
+                                      overwrite=overwrite)
+        seed = (run_config.get("loop") or {}).get("seed", 0)
+        params = merge_adapters(_base_weights(config, hf_path, seed) | params, lora.scale)
     return write_hf_checkpoint(out_dir, params, config, tokenizer=tokenizer,
                                eos_token_ids=eos if eos_token_ids is None else eos_token_ids, bos_token_id=bos,
                                dtype=dtype, model_type=model_type, overwrite=overwrite)
@@ -144,9 +173,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--eos-ids", type=int, nargs="*", help="stop ids (default: the source checkpoint's)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA runs: write the base with the adapters merged (default: a PEFT adapter)")
     args = parser.parse_args(argv)
     out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, eos_token_ids=args.eos_ids,
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, merged=args.merged)
     print(f"wrote {out}")
 
 

@@ -60,6 +60,8 @@ Parameter paths (used by the sharding rules and the safetensors name map), with 
     layers/{i}/mlp/down_proj/kernel [F, D]
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]         (absent when tie_embeddings)
+
+With ``config.lora`` the targeted projections also hold ``.../lora/a`` and ``.../lora/b`` (`learner.lora`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from learner.lora import LoraConfig, attach_adapters
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -128,6 +132,7 @@ class ModelConfig:
     max_seq_len: int = 2048  # Longest sequence (prompt + completion) the model is configured for.
     param_dtype: str = "float32"  # Storage dtype of the parameters: float32, bfloat16 or float16.
     dtype: str = "float32"  # Compute dtype of activations and matmuls (norms, softmax, logits stay float32).
+    lora: LoraConfig | None = None  # Low-rank adapters on the projections (learner.lora); None: none.
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -236,6 +241,7 @@ class Projection(nnx.Module):
         self.bias = nnx.Param(jnp.zeros(out_shape, config.param_dtype)) if use_bias else None
         self.num_in_axes = len(in_shape)
         self.dtype = config.dtype
+        self.lora = None  # a learner.lora.LoRA when the model's LoRA config targets this projection
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # One 2-D matmul, [N, in] @ [in, out], with the head axes merged by reshapes (free in row-major layout): a
@@ -244,7 +250,10 @@ class Projection(nnx.Module):
         kernel = self.kernel[...].astype(self.dtype)
         in_size = math.prod(kernel.shape[:self.num_in_axes])
         rows = x.shape[:x.ndim - self.num_in_axes]
-        y = x.astype(self.dtype).reshape(-1, in_size) @ kernel.reshape(in_size, -1)
+        x = x.astype(self.dtype).reshape(-1, in_size)
+        y = x @ kernel.reshape(in_size, -1)
+        if self.lora is not None:
+            y = y + self.lora(x).astype(self.dtype)
         y = y.reshape(rows + kernel.shape[self.num_in_axes:])
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
@@ -463,6 +472,8 @@ class Transformer(nnx.Module):
         self.lm_head = (None if config.tie_embeddings else
                         Projection((config.hidden_size,), (config.vocab_size,), use_bias=False, config=config,
                                    rngs=rngs))
+        if config.lora is not None:  # after the base's parameters: the same seed gives the same base
+            attach_adapters(self, config.lora, Projection, rngs)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array | None = None,
                  output_window: tuple[jax.Array, int] | None = None) -> jax.Array:

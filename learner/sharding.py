@@ -10,6 +10,10 @@ type and require annotating ops whose output sharding is ambiguous (e.g. contrac
 
 A parameter dimension that its mesh axes do not divide evenly is replicated over those axes instead (e.g. a
 vocabulary of 151,936 over ``tensor=3``), so every rule set works on every mesh.
+
+LoRA adapters (``<projection>/lora/a`` and ``/lora/b``, `learner.lora`) follow the rule of their kernel: ``a``
+(``in_shape + (r,)``) is sharded like the kernel's input axes, ``b`` (``(r,) + out_shape``) like its output axes, the
+rank replicated; so an adapter's shards sit with the kernel's shards they update.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from learner.lora import adapter_parts
 from learner.param_paths import parameter_path
 
 AXES = ("data", "fsdp", "tensor")
@@ -100,8 +105,20 @@ def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
         >>> state_shardings(state, make_mesh(data=4, tensor=2))["embed"]["embedding"].get_value().spec
         P('tensor', 'fsdp')
     """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, partition_spec(parameter_path(path), x.shape, mesh, rules)), state)
+    shapes = {parameter_path(path): x.shape for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+    def spec(path: str, shape) -> P:
+        parts = adapter_parts(path)
+        if parts is None:
+            return partition_spec(path, shape, mesh, rules)
+        prefix, which = parts
+        a, b = shapes[f"{prefix}/lora/a"], shapes[f"{prefix}/lora/b"]
+        kernel = tuple(partition_spec(f"{prefix}/kernel", a[:-1] + b[1:], mesh, rules))
+        kernel += (None,) * (len(a) + len(b) - 2 - len(kernel))
+        return P(*kernel[:len(a) - 1], None) if which == "a" else P(None, *kernel[len(a) - 1:])
+
+    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, spec(parameter_path(path), x.shape)),
+                                            state)
 
 
 def shard_state(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):

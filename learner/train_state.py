@@ -3,7 +3,8 @@
 ``TrainState`` is a ``flax.struct.dataclass`` (a pytree with a fixed structure, no methods that touch devices)::
 
     TrainState(
-        params,          # nnx.State of the Transformer: nnx.state(model), leaves are Param variables of arrays.
+        params,          # nnx.State of the Transformer's trainable parameters (learner.lora.trainable: all of
+                         # nnx.state(model), or only the LoRA adapters), leaves are Param variables of arrays.
         opt_state,       # optax state of learner.optimizer.make_optimizer(config) applied to params.
         step,            # int32 scalar: optimizer updates applied (skipped non-finite updates included).
         policy_version,  # int32 scalar: version of the published policy; +1 per update call (rollout batch).
@@ -15,6 +16,9 @@ by the rules of `learner.sharding`, optimizer moments like their parameter, scal
 is what a checkpoint restores onto, possibly on another mesh. The model's graph (``nnx.split(model)[0]``) is not
 part of the state: rebuild it from the ModelConfig and ``nnx.merge(graphdef, state.params)``. The key is stored
 as raw uint32 data rather than a typed key so that any array serializer handles it.
+
+With LoRA (``ModelConfig.lora``) the frozen base is not part of the state either: `create_sharded_frozen` builds it,
+and ``nnx.merge(graphdef, state.params, frozen)`` is the model.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from learner.lora import FROZEN, trainable
 from learner.model import ModelConfig, Transformer
 from learner.sharding import DEFAULT_RULES, Rules, state_shardings
 
@@ -50,7 +55,7 @@ def create_train_state(model: Transformer, optimizer: optax.GradientTransformati
         >>> int(state.step), state.rng.dtype
         (0, dtype('uint32'))
     """
-    params = nnx.state(model)
+    params = nnx.state(model, trainable(model.config))
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
                       policy_version=jnp.asarray(policy_version, jnp.int32),
                       rng=jax.random.key_data(jax.random.key(seed)))
@@ -102,3 +107,26 @@ def create_sharded_train_state(config: ModelConfig, optimizer: optax.GradientTra
     shardings = train_state_shardings(jax.eval_shape(init), optimizer, mesh, rules)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
     return graphdef, jax.jit(init, out_shardings=shardings)(), shardings
+
+
+def create_sharded_frozen(config: ModelConfig, mesh: Mesh, *, seed: int = 0, rules: Rules = DEFAULT_RULES
+                          ) -> tuple[nnx.State, nnx.State] | tuple[None, None]:
+    """The frozen base of a LoRA model (every variable but the adapters) in its shardings, and those shardings;
+    ``(None, None)`` without LoRA. The same seed as `create_sharded_train_state` gives the same model.
+
+    Example:
+        >>> from learner.lora import LoraConfig
+        >>> from learner.model import model_config
+        >>> from learner.sharding import make_mesh
+        >>> frozen, _ = create_sharded_frozen(model_config("tiny", lora=LoraConfig(rank=2)), make_mesh(data=8))
+        >>> sorted(frozen["layers"][0]["attn"]["q_proj"])
+        ['bias', 'kernel']
+    """
+    if config.lora is None:
+        return None, None
+
+    def init():
+        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed)), FROZEN)
+
+    shardings = state_shardings(jax.eval_shape(init), mesh, rules)
+    return jax.jit(init, out_shardings=shardings)(), shardings

@@ -3,7 +3,8 @@
 Inside the call:
 
 1. The proximal (old-policy) logprobs are recomputed once for the whole batch with the current parameters, and the
-   reference logprobs with the frozen reference parameters when ``kl_coef > 0``; both run one micro-batch of rows at
+   reference logprobs with the frozen reference parameters when ``kl_coef > 0`` (with LoRA: the base with the
+   adapters off, ``reference_graphdef`` over the frozen base); both run one micro-batch of rows at
    a time, under the same shardings as the training forward. An on-policy update (one epoch of one mini-batch: a
    single optimizer update) skips the proximal pass: its training forward runs at those same parameters, so its
    logprobs without gradient are the proximal ones (`proximal_from_training_pass`; verl's ``on_policy``).
@@ -35,6 +36,10 @@ log-softmax run on ``[B, W]`` positions instead of ``[B, T]`` (see `learner.logp
 as every trained token lies within ``W`` of its row's first one (`learner.rl.batches.check_scored_window` checks it
 where batches are built); the logprobs returned (the proximal ones) are then 0 outside that window, so in
 particular at prompt tokens.
+
+LoRA (`learner.lora`): ``state.params`` holds the adapters only and the frozen base comes as the ``frozen``
+argument (not donated); every pass runs ``nnx.merge(graphdef, params, frozen)``, the gradient is taken with respect
+to ``params`` alone, so gradients, accumulators and optimizer state are the adapters' size.
 """
 
 from __future__ import annotations
@@ -138,13 +143,18 @@ def _check_sampling(batch: TrainBatch, config: UpdateConfig) -> None:
                          "each row's own temperature is replayed, so leave UpdateConfig.temperature at 1.0.")
 
 
+def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
+    """The model of ``params`` and, with LoRA, the ``frozen`` base (`learner.lora`)."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
 def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
-                     return_entropy: bool = False):
-    """`learner.logprobs.token_logprobs` of ``batch``'s rows under ``params``: their sampling params replayed, or
-    at ``config.temperature`` when the batch has none; over ``config.scored_window`` tokens from each row's first
-    ``loss_mask`` token when set."""
+                     return_entropy: bool = False, frozen: nnx.State | None = None):
+    """`learner.logprobs.token_logprobs` of ``batch``'s rows under ``params`` (and the ``frozen`` base): their
+    sampling params replayed, or at ``config.temperature`` when the batch has none; over ``config.scored_window``
+    tokens from each row's first ``loss_mask`` token when set."""
     window_start = None if config.scored_window is None else first_scored_token(batch.loss_mask)
-    return token_logprobs(nnx.merge(graphdef, params), batch.tokens, batch.positions, batch.attention_mask,
+    return token_logprobs(merge_model(graphdef, params, frozen), batch.tokens, batch.positions, batch.attention_mask,
                           temperature=config.temperature, chunk_size=config.logprob_chunk_size,
                           remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling,
                           window_start=window_start, window_size=config.scored_window)
@@ -161,7 +171,7 @@ def first_scored_token(loss_mask: jax.Array) -> jax.Array:
 
 
 def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
-                       mesh: Mesh | None = None) -> jax.Array:
+                       mesh: Mesh | None = None, frozen: nnx.State | None = None) -> jax.Array:
     """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient
     (only in each row's scored window when ``config.scored_window`` is set: 0 elsewhere).
 
@@ -177,7 +187,8 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBa
     parts = config.num_minibatches * config.num_microbatches
     rows = batch.replace(advantages=None, rollout_logprobs=None, policy_version=None)  # unread here
     chunks = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, parts), rows), mesh, 1)
-    logprobs = _merge_rows(jax.lax.map(lambda chunk: _policy_logprobs(graphdef, params, chunk, config), chunks))
+    logprobs = _merge_rows(jax.lax.map(lambda chunk: _policy_logprobs(graphdef, params, chunk, config,
+                                                                      frozen=frozen), chunks))
     return jax.lax.stop_gradient(_constrain_rows(logprobs, mesh, 0))
 
 
@@ -205,13 +216,13 @@ def proximal_from_training_pass(config: UpdateConfig) -> bool:
     return importance is None or not importance.batch_normalize or config.num_microbatches == 1
 
 
-def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig, weight_scale=None):
+def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig, weight_scale=None, frozen=None):
     """Loss numerator of one micro-batch; aux: its denominator, the corrections' row statistics and, when ``rows``
     has no proximal logprobs in decoupled mode (`proximal_from_training_pass`), the training pass's logprobs
     without gradient, which then serve as the proximal ones (else None)."""
     batch, proximal, ref = rows
     need_entropy = config.corrections.entropy_coef > 0
-    out = _policy_logprobs(graphdef, params, batch, config, return_entropy=need_entropy)
+    out = _policy_logprobs(graphdef, params, batch, config, return_entropy=need_entropy, frozen=frozen)
     logprobs, entropy = out if need_entropy else (out, None)
     from_training_pass = proximal is None and config.corrections.mode == "decoupled"
     if from_training_pass:
@@ -238,7 +249,7 @@ class MinibatchGradients(NamedTuple):
 
 def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
                         graphdef: nnx.GraphDef, config: UpdateConfig, mesh: Mesh | None = None,
-                        param_shardings=None, weight_scale=None) -> MinibatchGradients:
+                        param_shardings=None, weight_scale=None, frozen=None) -> MinibatchGradients:
     """Gradient and loss of one mini-batch, accumulated over ``config.num_microbatches`` micro-batches.
 
     The gradient is the float32 sum over micro-batches times one scalar (``1 / denominator``, or NaN when the loss
@@ -257,6 +268,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
         param_shardings: if given, the gradient accumulator is pinned to these shardings.
         weight_scale: batch normalisation's divisor for every micro-batch (see `whole_batch_weight_scale`); None:
             each micro-batch's own mean weight.
+        frozen: the frozen base of a LoRA model (not differentiated), else None.
     """
     n = config.num_microbatches
     micro_rows = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, n), rows), mesh, 1)
@@ -268,7 +280,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
         grads_sum, numerator_sum, denominator_sum = carry
         micro, micro_key = xs
         (numerator, (denominator, row_stats, proximal)), grads = grad_fn(params, graphdef, micro, policy_version,
-                                                                        micro_key, config, weight_scale)
+                                                                        micro_key, config, weight_scale, frozen)
         grads_sum = constrain_like_params(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads))
         return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), (row_stats, proximal)
 
@@ -290,7 +302,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
 
 def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
                      optimizer: optax.GradientTransformation, config: UpdateConfig, mesh: Mesh | None = None,
-                     param_shardings=None, weight_scale=None) -> tuple[TrainState, dict, jax.Array | None]:
+                     param_shardings=None, weight_scale=None, frozen=None) -> tuple[TrainState, dict, jax.Array | None]:
     """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state, metrics and
     the proximal logprobs the training pass provided (`MinibatchGradients.proximal`, else None).
 
@@ -299,7 +311,8 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
     clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it).
     """
     out = minibatch_gradients(state.params, rows, state.policy_version, key, graphdef=graphdef, config=config,
-                              mesh=mesh, param_shardings=param_shardings, weight_scale=weight_scale)
+                              mesh=mesh, param_shardings=param_shardings, weight_scale=weight_scale,
+                              frozen=frozen)
     updates, opt_state = optax.with_extra_args_support(optimizer).update(out.grads, state.opt_state, state.params,
                                                                          global_norm=out.grad_norm)
     params = optax.apply_updates(state.params, updates)
@@ -331,13 +344,16 @@ def whole_batch_weight_scale(batch: TrainBatch, proximal, config: UpdateConfig):
                                rows_per_chunk=config.rows_per_chunk).weight_scale
 
 
-def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | None = None, *,
-                graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
-                mesh: Mesh | None = None, param_shardings=None) -> tuple[TrainState, dict, jax.Array | None]:
+def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | None = None,
+                frozen: nnx.State | None = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                config: UpdateConfig, mesh: Mesh | None = None, param_shardings=None,
+                reference_graphdef: nnx.GraphDef | None = None) -> tuple[TrainState, dict, jax.Array | None]:
     """The whole update for one rollout batch (un-jitted; see `make_update_fn`).
 
     Rows ``B`` must be a multiple of ``config.num_minibatches * config.num_microbatches`` (pad with fully masked
-    rows: `learner.bucketing`). ``ref_params`` is required when ``config.corrections.kl_coef > 0``.
+    rows: `learner.bucketing`). ``ref_params`` is required when ``config.corrections.kl_coef > 0``, unless
+    ``reference_graphdef`` is given: then the reference is that graph over ``frozen`` (LoRA: the base with the
+    adapters off, `learner.lora.base_config`). ``frozen``: the frozen base of a LoRA model, else None.
 
     Returns:
         The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split),
@@ -350,17 +366,20 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     if batch.tokens.shape[0] % parts:
         raise ValueError(f"batch rows {batch.tokens.shape[0]} are not a multiple of num_minibatches * "
                          f"num_microbatches = {parts}; pad the batch (learner.bucketing.pad_batch).")
-    if config.corrections.kl_coef > 0 and ref_params is None:
+    if config.corrections.kl_coef > 0 and ref_params is None and reference_graphdef is None:
         raise ValueError("ref_params are required when corrections.kl_coef > 0.")
     _check_sampling(batch, config)
     batch = _constrain_rows(batch, mesh, 0)
     from_training_pass = proximal_from_training_pass(config)
-    proximal = (recompute_logprobs(graphdef, state.params, batch, config, mesh)
+    proximal = (recompute_logprobs(graphdef, state.params, batch, config, mesh, frozen)
                 if config.corrections.mode == "decoupled" and not from_training_pass else None)
-    ref = recompute_logprobs(graphdef, ref_params, batch, config, mesh) if config.corrections.kl_coef > 0 else None
+    ref = None
+    if config.corrections.kl_coef > 0:
+        ref = (recompute_logprobs(graphdef, ref_params, batch, config, mesh) if reference_graphdef is None
+               else recompute_logprobs(reference_graphdef, frozen, batch, config, mesh))
     rng, epochs_key = jax.random.split(jax.random.wrap_key_data(state.rng))
     update = functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
-                               param_shardings=param_shardings,
+                               param_shardings=param_shardings, frozen=frozen,
                                weight_scale=None if from_training_pass
                                else whole_batch_weight_scale(batch, proximal, config))
 
@@ -390,9 +409,15 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
 
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
-                   mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None,
+                   mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None, *,
+                   frozen_shardings=None, reference_graphdef: nnx.GraphDef | None = None,
                    matmul_precision: str = "default"):
-    """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params) -> (state, metrics, proximal_logprobs)``.
+    """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params, frozen=None) -> (state, metrics,
+    proximal_logprobs)``.
+
+    LoRA: ``frozen_shardings`` are those of the frozen base passed as ``frozen`` (`learner.train_state.
+    create_sharded_frozen`), and with ``kl_coef > 0`` ``reference_graphdef`` (the base's graph) makes the
+    reference the base with the adapters off: ``ref_params`` is then None.
 
     The state is donated and keeps ``shardings`` (from `learner.train_state.train_state_shardings`); batch leaves
     are sharded over ``("data", "fsdp")``; ``ref_params`` (None unless ``kl_coef > 0``) like the parameters; metrics
@@ -402,18 +427,22 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     ``matmul_precision``: the precision of every dot of the program (`learner.precision`).
     """
     step = with_matmul_precision(functools.partial(update_step, graphdef=graphdef, optimizer=optimizer,
-                                                   config=config, mesh=mesh, param_shardings=shardings.params),
+                                                   config=config, mesh=mesh, param_shardings=shardings.params,
+                                                   reference_graphdef=reference_graphdef),
                                  matmul_precision)
-    ref_shardings = shardings.params if config.corrections.kl_coef > 0 else None
-    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings),
+    needs_ref_params = config.corrections.kl_coef > 0 and reference_graphdef is None
+    ref_shardings = shardings.params if needs_ref_params else None
+    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings, frozen_shardings),
                      out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
                      donate_argnums=0, compiler_options=compiler_options)
-    if ref_shardings is None:
-        return jitted
 
-    def update_with_reference(state, batch, ref_params):
-        if ref_params is None:  # before jit, whose in_shardings check would fail first, naming no argument
+    def update(state, batch, ref_params=None, frozen=None):
+        # before jit, whose in_shardings check would fail first, naming no argument
+        if needs_ref_params and ref_params is None:
             raise ValueError("ref_params are required when corrections.kl_coef > 0.")
-        return jitted(state, batch, ref_params)
+        if (frozen is None) != (frozen_shardings is None):
+            raise ValueError("frozen (the LoRA base) must be passed exactly when make_update_fn got frozen_shardings.")
+        return jitted(state, batch, ref_params, frozen)
 
-    return update_with_reference
+    update.lower = lambda state, batch, ref_params=None, frozen=None: jitted.lower(state, batch, ref_params, frozen)
+    return update

@@ -117,6 +117,26 @@ class SGLangControl:
         """``POST /continue_generation``."""
         self.http.post("/continue_generation")
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """``POST /load_lora_adapter {"lora_name", "lora_path"}``: a PEFT adapter directory, served under
+        ``lora_name`` (the server needs ``--enable-lora``; a request names it in ``GenerateRequest.lora_id``).
+
+        Raises:
+          ControlPlaneError: an error status, or a reply without ``success: true`` (with SGLang's
+            ``error_message``).
+        """
+        self._lora_call("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """``POST /unload_lora_adapter {"lora_name"}``."""
+        self._lora_call("/unload_lora_adapter", {"lora_name": lora_name})
+
+    def _lora_call(self, path: str, body: dict) -> None:
+        reply = self.http.post(path, body)
+        if not (isinstance(reply, dict) and reply.get("success") is True):
+            message = reply.get("error_message") if isinstance(reply, dict) else None
+            raise ControlPlaneError(f"POST {self.http.base_url}{path}: {message or f'no success in {reply!r}'}")
+
     def weight_version(self) -> str:
         """The served ``weight_version``: ``GET /model_info``, or ``GET /get_weight_version`` where the first is
         missing (SGLang renamed it; each answers 404 where it does not exist)."""

@@ -93,6 +93,16 @@ class VllmControl:
         """``POST /resume``."""
         self.http.post("/resume")
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: a PEFT adapter directory, served under
+        ``lora_name`` (the server needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; vLLM answers
+        a text, an error status when the name is taken or the adapter does not load)."""
+        self.http.post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """``POST /v1/unload_lora_adapter {"lora_name"}`` (HTTP 404 for an unknown name)."""
+        self.http.post("/v1/unload_lora_adapter", {"lora_name": lora_name})
+
     def is_paused(self) -> bool:
         """``GET /is_paused``."""
         reply = self.http.get("/is_paused")

@@ -28,6 +28,7 @@ from typing import Any
 import corrections
 
 from learner.checkpoints import CheckpointConfig
+from learner.lora import LoraConfig
 from learner.optimizer import OptimizerConfig
 from learner.rl import migration
 from learner.update import UpdateConfig
@@ -49,6 +50,17 @@ def _non_negative(default):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """Low-rank adapters on a frozen base (`lora_config`: learner.lora.LoraConfig; docs/lora.md)."""
+
+    rank: int = _non_negative(0)  # adapters' rank; 0: full fine-tuning (no adapters).
+    alpha: float = 16.0  # the adapters' product is scaled by alpha / rank.
+    # regular expressions over projection paths ("layers/0/attn/q_proj"); default: every attention/MLP projection.
+    targets: list = dataclasses.field(default_factory=lambda: list(LoraConfig.targets))
+    dtype: str = "float32"  # adapters' (and their optimizer state's) dtype.
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     """The policy model."""
 
@@ -59,6 +71,7 @@ class ModelSection:
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
     matmul_precision: str = _bounded("auto", choices=("auto", "highest", "high", "default"))
+    lora: LoraSection = LoraSection()  # rank > 0: train adapters only, the base frozen (in param_dtype).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +247,7 @@ class RunConfig:
         update = update_config(self, correction_config(self), length=None)
         optimizer_config(self, updates=optimizer_updates(self, update))
         checkpoint_config(self, "checkpoints")
+        lora_config(self)
         sampling_params(self, max_new_tokens=self.rollout.max_new_tokens, stop_token_ids=())
         for address in engine_addresses(self) or ["127.0.0.1:0"]:
             client_config(self, address, auth_token=None)
@@ -318,6 +332,21 @@ def warmup_optimizer_config(config: RunConfig) -> OptimizerConfig:
     rate = config.warmup.learning_rate
     return _library("warmup", OptimizerConfig, renames={"peak_learning_rate": "learning_rate"},
                     peak_learning_rate=rate, end_learning_rate=rate, total_steps=max(config.warmup.steps, 1))
+
+
+def lora_config(config: RunConfig) -> LoraConfig | None:
+    """The adapters of ``model.lora`` (None when its rank is 0: full fine-tuning).
+
+    >>> lora_config(load_config(None, ["model.lora.rank=8"])).scale
+    2.0
+    >>> lora_config(load_config(None)) is None
+    True
+    """
+    section = config.model.lora
+    if section.rank == 0:
+        return None
+    return _library("model.lora", LoraConfig, rank=section.rank, alpha=section.alpha,
+                    targets=tuple(section.targets), dtype=section.dtype)
 
 
 def checkpoint_config(config: RunConfig, directory: str) -> CheckpointConfig:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import pathlib
 import time
 import warnings
@@ -44,6 +45,7 @@ from jax.experimental import multihost_utils
 
 from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer
+from learner.lora import base_identity, check_base_identity
 from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity, sampler_order
@@ -196,20 +198,30 @@ class Run:
         except Exception:  # noqa: BLE001 -- unreadable: the restore skips it and the check below sees the one restored
             saved = None
         if saved is not None:
-            self._check_resume(saved.get("config") or {}, latest)
+            self._check_resume(saved, latest)
         position = DataPosition(self.stream.get_state())
         step, metadata = self.trainer.restore(self.checkpointer, position)
-        self._check_resume(metadata.get("config") or {}, step)
+        self._check_resume(metadata, step)
         self.stream.set_state(position.state)
         return step
 
-    def _check_resume(self, saved_config: dict, step: int) -> None:
-        changed = changed_keys(saved_config, self.config)
+    def _check_resume(self, metadata: dict, step: int) -> None:
+        """Refuses a checkpoint of another LoRA base or, unless allowed, of other settings (`changed_keys`)."""
+        if self.trainer.lora is not None:
+            check_base_identity(metadata.get("lora_base"), self._base_identity,
+                                f"{self.run_dir / 'checkpoints'} step {step}")
+        changed = changed_keys(metadata.get("config") or {}, self.config)
         if changed and not self.config.loop.allow_config_change:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
                 f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "
                 "anyway")
+
+    @functools.cached_property
+    def _base_identity(self) -> dict:
+        """The LoRA base's identity (`learner.lora.base_identity`), hashed once per run."""
+        model = self.config.model
+        return base_identity(model.hf_path, model.name, self.config.loop.seed)
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -222,7 +234,9 @@ class Run:
                                        f"checkpoint (the latest checkpoint stays {self.checkpointer.latest_step()})")
         self.checkpointer.save(step, self.trainer.checkpoint_tree(), policy_version=self.trainer.policy_version,
                                config=to_dict(self.config),
-                               data_iterator=DataPosition(self.stream.position(step - self.start_step)), force=True)
+                               data_iterator=DataPosition(self.stream.position(step - self.start_step)), force=True,
+                               extra_metadata=({"lora_base": self._base_identity} if self.trainer.lora is not None
+                                               else None))
 
     def steps(self) -> Iterator[StepRecord]:
         """Trains the steps after `step` up to ``loop.steps``, yielding a record per step (resumable after a

@@ -17,19 +17,20 @@ from learner.batch import TrainBatch
 from learner.checkpoints import Checkpointer, restore_target
 from learner.hf_checkpoint import model_config_from_checkpoint
 from learner.logprob_mode import rebuild_batch_logprobs
+from learner.lora import merge_adapters
 from learner.model import Transformer, model_config
 from learner.optimizer import make_optimizer, skipped_updates
 from learner.param_paths import parameter_names
 from learner.precision import resolve_matmul_precision, with_matmul_precision
 from learner.rl.batches import demonstration_batch
 from learner.rl.preflight import ConfigError
-from learner.rl.config import (RunConfig, correction_config, optimizer_config, optimizer_updates, update_config,
-                               warmup_optimizer_config)
+from learner.rl.config import (RunConfig, correction_config, lora_config, optimizer_config, optimizer_updates,
+                               update_config, warmup_optimizer_config)
 from learner.safetensors_io import load_safetensors
 from learner.sharding import batch_sharding, make_mesh
-from learner.train_state import create_sharded_train_state, train_state_shardings
+from learner.train_state import create_sharded_frozen, create_sharded_train_state, train_state_shardings
 from learner.truncation_bias import truncation_bias_metrics
-from learner.update import make_update_fn, recompute_logprobs
+from learner.update import make_update_fn, merge_model, recompute_logprobs
 
 
 def bucket_length(length: int) -> int:
@@ -52,6 +53,10 @@ def mean_metrics(metrics) -> dict[str, float]:
 
 class Trainer:
     """Mesh, train state, reference parameters and the jitted steps of one run.
+
+    With ``model.lora`` the train state holds the adapters, ``frozen`` the base (`learner.lora`): ``model_config`` is
+    the base's (what the engines serve, with the adapters merged into it: `host_weights`), ``train_config`` the
+    model trained. Without it both are the same and ``frozen`` is None.
 
     Args:
       config: the run.
@@ -87,18 +92,27 @@ class Trainer:
         self.optimizer_config = optimizer_config(config, optimizer_updates(config, self.update_config))
         self.optimizer = make_optimizer(self.optimizer_config)
         self.skipped_steps = 0  # consecutive RL steps that skipped a non-finite update
+        self.lora = lora_config(config)
+        self.train_config = dataclasses.replace(self.model_config, lora=self.lora)
         self.graphdef, self.state, self.shardings = create_sharded_train_state(
-            self.model_config, self.optimizer, self.mesh, seed=config.loop.seed)
-        self.reference = None  # frozen parameters of the KL reference policy, when kl_coef > 0
+            self.train_config, self.optimizer, self.mesh, seed=config.loop.seed)
+        self.frozen, self.frozen_shardings = create_sharded_frozen(self.train_config, self.mesh,
+                                                                   seed=config.loop.seed)
+        self.reference = None  # a stored copy of the KL reference policy, when kl_coef > 0 without LoRA
         self.compiler_options = {"xla_backend_optimization_level": 0} if config.update.fast_compile else None
         # Every pass below (training, proximal, reference, sampler replay) traces its dots at this precision.
         self.matmul_precision = resolve_matmul_precision(config.model.matmul_precision, self.model_config.dtype)
+        # LoRA's KL reference: the base's graph over the frozen arrays (the adapters off), not a copy
+        reference_graphdef = (nnx.graphdef(nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(0))))
+                              if self.lora is not None and self.update_config.corrections.kl_coef > 0 else None)
         self.update_fn = make_update_fn(self.graphdef, self.optimizer, self.update_config, self.mesh,
                                         self.shardings, compiler_options=self.compiler_options,
+                                        frozen_shardings=self.frozen_shardings, reference_graphdef=reference_graphdef,
                                         matmul_precision=self.matmul_precision)
         replicated = NamedSharding(self.mesh, P())
         self.proximal_fn = jax.jit(with_matmul_precision(
-            lambda params, batch: recompute_logprobs(self.graphdef, params, batch, self.update_config, self.mesh),
+            lambda params, frozen, batch: recompute_logprobs(self.graphdef, params, batch, self.update_config,
+                                                             self.mesh, frozen),
             self.matmul_precision), out_shardings=replicated, compiler_options=self.compiler_options)
         self.rebuild_fn = jax.jit(with_matmul_precision(self._rebuild, self.matmul_precision),
                                   out_shardings=(batch_sharding(self.mesh), replicated),
@@ -110,7 +124,8 @@ class Trainer:
 
     @property
     def uses_reference(self) -> bool:
-        return self.update_config.corrections.kl_coef > 0
+        """Whether the run keeps a copy of the KL reference policy (LoRA's is the frozen base itself)."""
+        return self.update_config.corrections.kl_coef > 0 and self.lora is None
 
     def device_batch(self, batch: TrainBatch) -> TrainBatch:
         """Host batch (the same on every process) -> global arrays sharded over the batch axes."""
@@ -128,19 +143,21 @@ class Trainer:
         device_batch = self.device_batch(batch)
         bias = {}
         if raw_logprobs:
-            rollout_logprobs, bias = self.rebuild_fn(self.state.params, device_batch)
+            rollout_logprobs, bias = self.rebuild_fn(self.state.params, self.frozen, device_batch)
             device_batch = device_batch.replace(rollout_logprobs=rollout_logprobs)
         # The update recomputes the proximal logprobs in decoupled mode and returns them; bypass mode needs a pass.
-        proximal = (self.proximal_fn(self.state.params, device_batch)
+        proximal = (self.proximal_fn(self.state.params, self.frozen, device_batch)
                     if self.update_config.corrections.mode == "bypass" else None)
         skipped = int(skipped_updates(self.state.opt_state))
-        self.state, metrics, recomputed = self.update_fn(self.state, device_batch, self.reference)
+        self.state, metrics, recomputed = self.update_fn(self.state, device_batch, self.reference, self.frozen)
         self.skipped_steps = self.skipped_steps + 1 if int(skipped_updates(self.state.opt_state)) > skipped else 0
         return mean_metrics(metrics) | mean_metrics(bias), np.asarray(recomputed if proximal is None else proximal)
 
-    def _rebuild(self, params: nnx.State, batch: TrainBatch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def _rebuild(self, params: nnx.State, frozen: nnx.State | None, batch: TrainBatch
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """RAW rollout logprobs -> the sampling distribution's at ``params``, and the kept-mass metrics."""
-        rebuilt = rebuild_batch_logprobs(self.graphdef, params, batch, chunk_size=self.update_config.logprob_chunk_size)
+        graphdef, params = nnx.split(merge_model(self.graphdef, params, frozen))
+        rebuilt = rebuild_batch_logprobs(graphdef, params, batch, chunk_size=self.update_config.logprob_chunk_size)
         return rebuilt["rollout_logprobs"], truncation_bias_metrics(rebuilt["log_kept_mass"], batch.loss_mask)
 
     def all_finite(self) -> bool:
@@ -196,6 +213,10 @@ class Trainer:
             # Shapes only: load_safetensors sets every parameter (and raises on a missing one).
             model = nnx.eval_shape(lambda: Transformer(self.model_config, rngs=nnx.Rngs(self.config.loop.seed)))
             load_safetensors(model, self.config.model.hf_path)
+            if self.lora is not None:  # the weights are the frozen base's; the adapters keep their init
+                self.frozen = jax.device_put(nnx.state(model), self.frozen_shardings)
+                self.state = self.state.replace(policy_version=self.state.policy_version + 1)
+                return
             self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params),
                                             policy_version=self.state.policy_version + 1)
 
@@ -216,20 +237,33 @@ class Trainer:
         state = self.state.replace(opt_state=optimizer.init(self.state.params))
         update = make_update_fn(self.graphdef, optimizer, sft_config, self.mesh,
                                 train_state_shardings(state, optimizer, self.mesh),
-                                compiler_options=self.compiler_options, matmul_precision=self.matmul_precision)
+                                compiler_options=self.compiler_options, frozen_shardings=self.frozen_shardings,
+                                matmul_precision=self.matmul_precision)
         rng = np.random.default_rng((self.config.task.seed, 1))
         losses = []
         for _ in range(warmup.steps):
             batch = demonstration_batch(self.task, rng, warmup.batch_size, warmup.noise, self.length,
                                         sft_config.row_multiple(self.data_parallel))
-            state, metrics, _ = update(state, self.device_batch(batch), None)
+            state, metrics, _ = update(state, self.device_batch(batch), None, self.frozen)
             losses.append(mean_metrics({"loss": metrics["actor/pg_loss"]})["loss"])
         self.state = jax.jit(lambda s: s.replace(opt_state=self.optimizer.init(s.params)),
                              out_shardings=self.shardings)(state)
         return losses
 
     def host_weights(self) -> dict[str, np.ndarray]:
-        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process."""
-        params = multihost_utils.process_allgather(self.state.params, tiled=True)
+        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process; with LoRA the
+        base's, the adapters merged into their kernels (`learner.lora.merge_adapters`)."""
+        weights = self._gather(self.state.params)
+        if self.lora is None:
+            return weights
+        return merge_adapters(self._gather(self.frozen) | weights, self.lora.scale)
+
+    def host_adapters(self) -> dict[str, np.ndarray]:
+        """The LoRA adapters as ``{path: array}``, gathered from every process (empty without LoRA)."""
+        return {} if self.lora is None else self._gather(self.state.params)
+
+    @staticmethod
+    def _gather(params) -> dict[str, np.ndarray]:
+        params = multihost_utils.process_allgather(params, tiled=True)
         names, _ = parameter_names(params)
         return {name: np.asarray(leaf) for name, leaf in zip(names, jax.tree.leaves(params))}

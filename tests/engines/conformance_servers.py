@@ -60,6 +60,7 @@ class FakeEngine:
     generate_requests: list = dataclasses.field(default_factory=list)
     abort_requests: list = dataclasses.field(default_factory=list)
     http_calls: list = dataclasses.field(default_factory=list)  # (method, path, query, body)
+    lora_adapters: dict = dataclasses.field(default_factory=dict)  # served LoRA adapters: name -> path
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -224,9 +225,35 @@ def sglang_http_routes(engine: FakeEngine):
     def legacy_version(query, body):
         return 200, {"weight_version": engine.weight_version}
 
+    def load_lora(query, body):  # SGLang's LoadLoRAAdapterReqOutput: success, error_message, loaded_adapters
+        error = _lora_load_error(engine, body)
+        if error:
+            return 400, {"success": False, "error_message": error, "loaded_adapters": dict(engine.lora_adapters)}
+        engine.lora_adapters[body["lora_name"]] = body["lora_path"]
+        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(engine.lora_adapters)}
+
+    def unload_lora(query, body):
+        if engine.lora_adapters.pop(body.get("lora_name"), None) is None:
+            return 400, {"success": False, "error_message": f"LoRA adapter {body.get('lora_name')} is not loaded",
+                         "loaded_adapters": dict(engine.lora_adapters)}
+        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(engine.lora_adapters)}
+
     return {("POST", "/pause_generation"): pause, ("POST", "/update_weights_from_disk"): update,
             ("POST", "/continue_generation"): resume, ("GET", "/model_info"): model_info,
-            ("GET", "/get_weight_version"): legacy_version}
+            ("GET", "/get_weight_version"): legacy_version, ("POST", "/load_lora_adapter"): load_lora,
+            ("POST", "/unload_lora_adapter"): unload_lora}
+
+
+def _lora_load_error(engine: FakeEngine, body: dict) -> str | None:
+    """Why the engines refuse to load the adapter in ``body`` (a name in use, no PEFT adapter at the path)."""
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not name or not path:
+        return "lora_name and lora_path are required"
+    if name in engine.lora_adapters:
+        return f"The lora adapter '{name}' has already been loaded."
+    if not (pathlib.Path(path) / "adapter_config.json").is_file():
+        return f"No adapter found for {path}"
+    return None
 
 
 def vllm_http_routes(engine: FakeEngine):
@@ -256,8 +283,23 @@ def vllm_http_routes(engine: FakeEngine):
     def is_paused(query, body):
         return 200, {"is_paused": not engine.resumed.is_set()}
 
+    def load_lora(query, body):  # vLLM answers a text on success, an ErrorResponse otherwise
+        error = _lora_load_error(engine, body)
+        if error:
+            return 400, {"object": "error", "message": error, "type": "BadRequestError", "code": 400}
+        engine.lora_adapters[body["lora_name"]] = body["lora_path"]
+        return 200, f"Success: LoRA adapter '{body['lora_name']}' added successfully."
+
+    def unload_lora(query, body):
+        name = body.get("lora_name")
+        if engine.lora_adapters.pop(name, None) is None:
+            return 404, {"object": "error", "message": f"The lora adapter '{name}' cannot be found.",
+                         "type": "NotFoundError", "code": 404}
+        return 200, f"Success: LoRA adapter '{name}' removed successfully."
+
     return {("POST", "/pause"): pause, ("POST", "/collective_rpc"): collective_rpc, ("POST", "/resume"): resume,
-            ("GET", "/is_paused"): is_paused}
+            ("GET", "/is_paused"): is_paused, ("POST", "/v1/load_lora_adapter"): load_lora,
+            ("POST", "/v1/unload_lora_adapter"): unload_lora}
 
 
 class ControlServer:
@@ -315,7 +357,7 @@ class FakeServers:
         """A fresh engine state for the next test (same servers)."""
         fresh = FakeEngine()
         for name in ("offset", "weight_version", "hold_after", "fail", "legacy_version_endpoint", "generate_requests",
-                     "abort_requests", "http_calls"):
+                     "abort_requests", "http_calls", "lora_adapters"):
             setattr(self.engine, name, getattr(fresh, name))
         self.engine.resumed.set()
         self.engine.holding.clear()

@@ -178,3 +178,23 @@ def test_requests_the_engine_cannot_honour_are_refused(servers, engine):
     with pytest.raises(RequestRefusedError, match="logprob_mode=raw: this sglang engine returns processed"):
         engine.submit(RolloutRequest(PROMPT, logprob_mode=LogprobMode.RAW))
     assert servers.engine.generate_requests == []
+
+
+def test_lora_adapters_load_and_unload_protocol_conformance(servers, engine, tmp_path):
+    """``/load_lora_adapter`` and ``/unload_lora_adapter`` with SGLang's bodies; ``success: false`` raises with
+    SGLang's ``error_message``."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    engine.sglang.load_lora_adapter("policy-v1", str(adapter))
+    assert servers.engine.lora_adapters == {"policy-v1": str(adapter)}
+    with pytest.raises(ControlPlaneError, match=r"/load_lora_adapter: HTTP 400.*already been loaded"):
+        engine.sglang.load_lora_adapter("policy-v1", str(adapter))
+    servers.engine.fail["/load_lora_adapter"] = (200, {"success": False, "error_message": "out of LoRA slots"})
+    with pytest.raises(ControlPlaneError, match=r"/load_lora_adapter: out of LoRA slots"):
+        engine.sglang.load_lora_adapter("policy-v2", str(adapter))
+    engine.sglang.unload_lora_adapter("policy-v1")
+    assert servers.engine.lora_adapters == {}
+    calls = [(method, path, body) for method, path, _, body in servers.engine.http_calls]
+    assert calls[0] == ("POST", "/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": str(adapter)})
+    assert calls[-1] == ("POST", "/unload_lora_adapter", {"lora_name": "policy-v1"})

@@ -156,3 +156,23 @@ def test_configuration_the_backend_refuses(servers, engine, tmp_path):
         VllmEngine(ClientConfig(servers.target), servers.http.url, write_fake_checkpoint, tmp_path / "w",
                    pause_mode=PauseMode.KEEP)
     assert servers.engine.generate_requests == []
+
+
+def test_lora_adapters_load_and_unload_protocol_conformance(servers, engine, tmp_path):
+    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with vLLM's bodies; a refused load names the
+    endpoint and vLLM's message."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    engine.vllm.load_lora_adapter("policy-v1", str(adapter))
+    assert servers.engine.lora_adapters == {"policy-v1": str(adapter)}
+    with pytest.raises(ControlPlaneError, match=r"/v1/load_lora_adapter: HTTP 400.*already been loaded"):
+        engine.vllm.load_lora_adapter("policy-v1", str(adapter))
+    with pytest.raises(ControlPlaneError, match=r"HTTP 400.*No adapter found"):
+        engine.vllm.load_lora_adapter("policy-v2", str(tmp_path / "missing"))
+    engine.vllm.unload_lora_adapter("policy-v1")
+    with pytest.raises(ControlPlaneError, match=r"/v1/unload_lora_adapter: HTTP 404.*cannot be found"):
+        engine.vllm.unload_lora_adapter("policy-v1")
+    calls = [(method, path, body) for method, path, _, body in servers.engine.http_calls]
+    assert calls[0] == ("POST", "/v1/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": str(adapter)})
+    assert calls[3] == ("POST", "/v1/unload_lora_adapter", {"lora_name": "policy-v1"})

@@ -1,0 +1,203 @@
+"""LoRA: low-rank adapters on a frozen base (Hu et al., 2021), as parameters of their own type.
+
+With ``ModelConfig.lora`` set, every `learner.model.Projection` whose path matches one of ``LoraConfig.targets``
+(``"layers/3/attn/q_proj"``, ...) gets a `LoRA` submodule ``lora`` holding two `LoRAParam`s::
+
+    layers/{i}/attn/q_proj/lora/a   [D, r]          (the kernel's input axes, then the rank)
+    layers/{i}/attn/q_proj/lora/b   [r, H, Dh]      (the rank, then the kernel's output axes)
+
+and the projection computes ``x @ kernel + scale * (x @ a) @ b`` with ``scale = alpha / rank``. ``a`` starts random
+(PEFT's default: uniform in ``+-1 / sqrt(fan_in)``), ``b`` at zero, so a fresh LoRA model computes exactly what its
+base computes. Adapters are built after the base's parameters from the same ``nnx.Rngs``, so the base weights of a
+LoRA model equal those of the model without LoRA from the same seed.
+
+What trains is chosen by an nnx filter (`trainable`): `LoRAParam` with LoRA, every ``nnx.Param`` without. The train
+state holds the trainable parameters and their optimizer state only; the rest (`frozen`) is the base, which stays in
+its own dtype (bf16 allowed) and is passed to the update as an argument it never differentiates or donates. The KL
+reference of a LoRA run is the base with the adapters off: the base model's graph over the same frozen arrays
+(`base_config`), no second copy of the weights.
+
+Adapters are sharded by the rule of their kernel (`learner.sharding.state_shardings`): ``a`` like the kernel's input
+axes, ``b`` like its output axes, the rank replicated.
+
+For the engines and exports the adapters are merged into the kernels (`merge_adapters`), or written as a PEFT
+adapter (`learner.peft_export`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import pathlib
+import re
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Which projections get adapters, and their rank, scale and dtype; validated when built.
+
+    Example:
+        >>> LoraConfig(rank=8, alpha=16.0).scale
+        2.0
+        >>> LoraConfig(rank=8, targets=("attn/[qv]_proj$",)).targets_path("layers/0/attn/v_proj")
+        True
+    """
+
+    rank: int  # r: the adapters' inner width.
+    alpha: float = 16.0  # the update is scaled by alpha / rank (PEFT's lora_alpha).
+    # Regular expressions searched in each projection's path ("layers/0/attn/q_proj", "layers/5/mlp/down_proj");
+    # a projection matching any gets adapters. The default: every attention and MLP projection of every layer.
+    targets: tuple[str, ...] = tuple(f"/{name}$" for name in TARGET_NAMES)
+    dtype: str = "float32"  # dtype of the adapters (and so of their optimizer state).
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank={self.rank!r} must be an int >= 1.")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"LoraConfig.alpha={self.alpha!r} must be a number > 0.")
+        if not self.targets or not all(isinstance(target, str) for target in self.targets):
+            raise ValueError(f"LoraConfig.targets={self.targets!r} must be a non-empty list of regular expressions "
+                             f"over projection paths, e.g. [\"/q_proj$\", \"/v_proj$\"].")
+        for target in self.targets:
+            try:
+                re.compile(target)
+            except re.error as error:
+                raise ValueError(f"LoraConfig.targets: {target!r} is not a regular expression ({error}).") from None
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"LoraConfig.dtype={self.dtype!r} must be float32 or bfloat16.")
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor of the adapters' product."""
+        return self.alpha / self.rank
+
+    def targets_path(self, path: str) -> bool:
+        """Whether the projection at ``path`` gets adapters."""
+        return any(re.search(target, path) for target in self.targets)
+
+
+class LoRAParam(nnx.Param):
+    """A trainable adapter matrix (a subclass of ``nnx.Param``: filters for ``nnx.Param`` still see it)."""
+
+
+class LoRA(nnx.Module):
+    """The adapter pair of one projection with kernel ``in_shape + out_shape``: ``scale * (x @ a) @ b``."""
+
+    def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], config: LoraConfig, *,
+                 rngs: nnx.Rngs):
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        self.a = LoRAParam(jax.random.uniform(rngs.params(), in_shape + (config.rank,), jnp.float32, -bound,
+                                              bound).astype(config.dtype))
+        self.b = LoRAParam(jnp.zeros((config.rank,) + out_shape, config.dtype))
+        self.scale = config.scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[N, in_size] -> [N, out_size]`` in the adapters' dtype."""
+        a, b = self.a[...], self.b[...]
+        a = a.reshape(-1, a.shape[-1])
+        return (x.astype(a.dtype) @ a) @ (self.scale * b.reshape(b.shape[0], -1))
+
+
+def attach_adapters(model: nnx.Module, config: LoraConfig, projection_type: type, rngs: nnx.Rngs) -> None:
+    """Gives every ``projection_type`` module of ``model`` whose path matches ``config.targets`` a `LoRA`.
+
+    Raises:
+        ValueError: no projection matches (naming ``model.lora.targets``).
+    """
+    targets = [(path, module) for path, module in nnx.iter_modules(model)
+               if isinstance(module, projection_type) and config.targets_path("/".join(map(str, path)))]
+    if not targets:
+        raise ValueError(f"model.lora.targets={list(config.targets)!r} matches no projection; paths look like "
+                         "\"layers/0/attn/q_proj\" or \"layers/0/mlp/down_proj\".")
+    for _, module in sorted(targets, key=lambda item: tuple(map(str, item[0]))):
+        kernel = module.kernel
+        module.lora = nnx.data(LoRA(kernel.shape[:module.num_in_axes], kernel.shape[module.num_in_axes:], config,
+                                    rngs=rngs))
+
+
+def trainable(config) -> nnx.filterlib.Filter:
+    """The nnx filter of what trains under a ``ModelConfig``: the adapters with LoRA, every parameter without."""
+    return LoRAParam if config.lora is not None else nnx.Param
+
+
+FROZEN = nnx.Not(LoRAParam)  # the base of a LoRA model: every variable but the adapters
+
+
+def base_config(config):
+    """The ``ModelConfig`` of the base (LoRA off): its graph over a LoRA model's frozen state is the KL reference."""
+    return dataclasses.replace(config, lora=None)
+
+
+_ADAPTER = re.compile(r"^(.*)/lora/([ab])$")
+
+
+def adapter_parts(path: str) -> tuple[str, str] | None:
+    """``"layers/0/attn/q_proj/lora/a"`` -> ``("layers/0/attn/q_proj", "a")``; None for any other path."""
+    match = _ADAPTER.match(path)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def merge_adapters(weights: Mapping[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
+    """``{path: array}`` of a LoRA model -> the base's paths, each adapted kernel replaced by
+    ``kernel + scale * a @ b`` (computed in float32, stored in the kernel's dtype).
+
+    Example:
+        >>> weights = {"p/kernel": np.zeros((2, 3)), "p/lora/a": np.ones((2, 1)), "p/lora/b": np.ones((1, 3))}
+        >>> merge_adapters(weights, 0.5)["p/kernel"].tolist()
+        [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]
+    """
+    merged = {path: array for path, array in weights.items() if adapter_parts(path) is None}
+    for path in weights:
+        parts = adapter_parts(path)
+        if parts is None or parts[1] != "a":
+            continue
+        prefix = parts[0]
+        kernel = np.asarray(merged[f"{prefix}/kernel"])
+        a = np.asarray(weights[f"{prefix}/lora/a"], np.float32)
+        b = np.asarray(weights[f"{prefix}/lora/b"], np.float32)
+        delta = a.reshape(-1, a.shape[-1]) @ b.reshape(b.shape[0], -1)
+        merged[f"{prefix}/kernel"] = (kernel.astype(np.float32) + scale * delta.reshape(kernel.shape)
+                                      ).astype(kernel.dtype)
+    return merged
+
+
+def base_identity(hf_path: str | None, model_name: str, seed: int) -> dict:
+    """What a LoRA checkpoint records of its base (it does not hold the base): the Hugging Face checkpoint's
+    resolved path and the sha256 of its ``config.json`` and ``*.safetensors`` files, or, for a base initialised from
+    a seed, the model name and the seed.
+
+    Example:
+        >>> base_identity(None, "tiny", 3)
+        {'path': None, 'sha256': None, 'model': 'tiny', 'seed': 3}
+    """
+    if not hf_path:
+        return {"path": None, "sha256": None, "model": model_name, "seed": seed}
+    directory = pathlib.Path(hf_path).resolve()
+    digest = hashlib.sha256()
+    for file in [directory / "config.json", *sorted(directory.glob("*.safetensors"))]:
+        digest.update(file.name.encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return {"path": str(directory), "sha256": digest.hexdigest(), "model": None, "seed": None}
+
+
+def check_base_identity(saved: Mapping | None, current: Mapping, checkpoint: str) -> None:
+    """Refuses to resume LoRA adapters on another base than they were trained on (by content, not by path)."""
+    if saved is None:
+        raise ValueError(f"{checkpoint} records no LoRA base (lora_base): it is not a LoRA run's checkpoint; resume "
+                         "it with model.lora.rank = 0, or use a new run_dir")
+    keys = ("sha256",) if current.get("sha256") else ("model", "seed")
+    if any(saved.get(key) != current.get(key) for key in keys):
+        raise ValueError(f"{checkpoint} holds LoRA adapters of the base {dict(saved)}, but model.hf_path / "
+                         f"model.name / loop.seed give the base {dict(current)}: resume on the base the adapters "
+                         "were trained on, or use a new run_dir")

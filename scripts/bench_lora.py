@@ -1,0 +1,127 @@
+"""Benchmark: LoRA against full fine-tuning at one model shape (issue #32, item 7; not a timed test).
+
+For each mode (full fine-tuning, LoRA on every attention and MLP projection) a fresh process builds the train state
+(and LoRA's frozen base), compiles one `learner.update.make_update_fn` call (decoupled PPO + token TIS + AdamW, one
+mini-batch) and times the next ``--steps`` calls on a synthetic batch. Reported per mode:
+
+* ``opt_state_mb``: the optimizer state's bytes (Adam's moments; LoRA's: the adapters' only);
+* ``peak_rss_mb``: the process's peak resident memory (CPU), or the device's peak bytes in use (GPU / TPU, from
+  ``memory_stats``), the compile included;
+* ``update_s``: the median update call;
+* ``publish_mb``: what one publish moves: every parameter for full fine-tuning; for LoRA the adapters alone (what
+  an engine that loads adapters gets) and, as ``merged_publish_mb``, the merged weights (an engine that takes
+  weights).
+
+Goals (issue #32): LoRA's update time <= full fine-tuning's, its optimizer state <= 5% of it. On this shared CPU run
+it briefly (``--model tiny``); on a quiet machine or a GPU::
+
+    python scripts/bench_lora.py --model qwen2-0.5b --batch 8 --length 256 --steps 5
+    python scripts/bench_lora.py --model llama-1b --batch 8 --length 512 --steps 5   # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ("full", "lora")
+
+
+def _peak_memory_mb() -> float:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() if jax.devices()[0].platform != "cpu" else None
+    if stats and "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"] / 1e6
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # kilobytes on Linux
+
+
+def _nbytes(tree) -> int:
+    import jax
+
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree) if hasattr(leaf, "dtype"))
+
+
+def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: int) -> dict:
+    """One mode's numbers, in this process."""
+    import dataclasses
+
+    import corrections
+    import jax
+    from flax import nnx
+
+    from learner.lora import LoraConfig
+    from learner.model import Transformer, model_config
+    from learner.optimizer import OptimizerConfig, make_optimizer
+    from learner.sharding import make_mesh
+    from learner.train_state import create_sharded_frozen, create_sharded_train_state
+    from learner.update import UpdateConfig, make_update_fn
+    from scripts.bench_learner import synthetic_batch
+
+    config = model_config(model)
+    if mode == "lora":
+        config = dataclasses.replace(config, lora=LoraConfig(rank=rank, alpha=2.0 * rank))
+    mesh = make_mesh(data=-1)
+    optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-5, total_steps=1000))
+    update_config = UpdateConfig(
+        corrections=corrections.CorrectionConfig(importance=corrections.ImportanceWeights("token", high=2.0)),
+        logprob_chunk_size=min(length, 512))
+    graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
+    frozen, frozen_shardings = create_sharded_frozen(config, mesh)
+    update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings, frozen_shardings=frozen_shardings)
+    data = synthetic_batch(config, batch, length)
+    start = time.perf_counter()
+    state, metrics, _ = update(state, data, None, frozen)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics, _ = update(state, data, None, frozen)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    base_bytes = _nbytes(nnx.state(nnx.eval_shape(lambda: Transformer(dataclasses.replace(config, lora=None),
+                                                                      rngs=nnx.Rngs(0)))))
+    row = dict(mode=mode, model=model, rank=rank if mode == "lora" else None, batch=batch, length=length,
+               trainable_mb=_nbytes(state.params) / 1e6, opt_state_mb=_nbytes(state.opt_state) / 1e6,
+               peak_memory_mb=_peak_memory_mb(), compile_s=compile_s, update_s=statistics.median(times),
+               publish_mb=_nbytes(state.params) / 1e6)
+    if mode == "lora":
+        row["merged_publish_mb"] = base_bytes / 1e6
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2-0.5b", help="learner.model.model_config name")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed update calls after the compiling one")
+    parser.add_argument("--mode", choices=MODES, help="measure one mode in this process (the driver's workers)")
+    args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(measure(args.mode, args.model, args.rank, args.batch, args.length, args.steps)))
+        return
+    rows = []
+    for mode in MODES:  # one process each: the peak memory is the mode's own
+        done = subprocess.run([sys.executable, "-m", "scripts.bench_lora", "--mode", mode, "--model", args.model,
+                               "--rank", str(args.rank), "--batch", str(args.batch), "--length", str(args.length),
+                               "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    full, lora = rows
+    for row in rows:
+        print(json.dumps(row))
+    print(f"LoRA / full: optimizer state {lora['opt_state_mb'] / full['opt_state_mb']:.4f} (goal <= 0.05), "
+          f"update time {lora['update_s'] / full['update_s']:.3f} (goal <= 1), peak memory "
+          f"{lora['peak_memory_mb'] / full['peak_memory_mb']:.3f}, "
+          f"publish {lora['publish_mb'] / full['publish_mb']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
