@@ -92,13 +92,13 @@ def test_the_trainers_passes_take_the_run_config_setting():
     batch = jax.tree.map(lambda x: np.resize(x, (rows, length)), batch)
     batch = batch.replace(tokens=batch.tokens % trainer.model_config.vocab_size,
                           sampling=jax.tree.map(lambda x: x[:rows], SAMPLING))
-    assert_every_dot(trainer.proximal_fn.lower(trainer.state.params, batch), highest=True, at_least=10)
-    assert_every_dot(trainer.rebuild_fn.lower(trainer.state.params, batch), highest=True, at_least=10)
+    assert_every_dot(trainer.proximal_fn.lower(trainer.state.params, trainer.frozen, batch), highest=True, at_least=10)
+    assert_every_dot(trainer.rebuild_fn.lower(trainer.state.params, trainer.frozen, batch), highest=True, at_least=10)
     assert_every_dot(trainer.update_fn.lower(trainer.state, batch.replace(sampling=None), None), highest=True,
                      at_least=30)
     plain = Trainer(dataclasses.replace(config, model=dataclasses.replace(config.model, matmul_precision="default")),
                     trainer.task)
-    assert_every_dot(plain.proximal_fn.lower(plain.state.params, batch), highest=False, at_least=10)
+    assert_every_dot(plain.proximal_fn.lower(plain.state.params, plain.frozen, batch), highest=False, at_least=10)
 
 
 @pytest.mark.parametrize("server_dtype, highest", [("float32", True), ("bfloat16", False)])
