@@ -22,7 +22,7 @@ import sys
 
 import jax
 
-from learner.distributed import initialize
+from learner.distributed import initialize, process_index_before_backends
 from learner.rl import NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig, load_config
 from learner.rl.devices import configure_learner
 from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
@@ -66,11 +66,14 @@ def main(argv=None) -> None:
     config_path, overrides = parse_args(argv)
     try:
         config = load_config(config_path, overrides)
-        configure_learner(config)  # memory budget and visible GPUs: before JAX starts its backends
     except ValueError as error:
         sys.exit(f"error: {error}")
     enable_compilation_cache()
     setup_jax(config)
+    try:  # memory budget and visible GPUs: before JAX starts its backends, once the process index is known
+        configure_learner(config, process_index=process_index_before_backends())
+    except ValueError as error:
+        sys.exit(f"error: {error}")
     try:
         with Run(config) as run:
             if run.finished:
