@@ -28,6 +28,7 @@ import corrections
 
 from learner.checkpoints import CheckpointConfig
 from learner.optimizer import OptimizerConfig
+from learner.precision import MATMUL_PRECISIONS
 from learner.update import UpdateConfig
 from rollout_client import ClientConfig, SamplingParams, ValidationConfig
 
@@ -56,7 +57,7 @@ class ModelSection:
     # Precision of every matmul of the learner's passes and the embedded server (learner.precision): "highest",
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
-    matmul_precision: str = _bounded("auto", choices=("auto", "highest", "high", "default"))
+    matmul_precision: str = _bounded("auto", choices=MATMUL_PRECISIONS)
 
 
 @dataclasses.dataclass(frozen=True)
