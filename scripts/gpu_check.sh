@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 28's checks on the GPU machine in ONE command, from the checkout's root: installs the carried wheels (.whl/),
-# runs tests/accelerator/ (golden logits, the update against the CPU's, the main job for 60 steps), then the
+# runs tests/accelerator/ (golden logits and the update against the CPU's; then the main job for 60 steps), then the
 # benchmark (scripts/bench_gpu.py: Tether vs tunix at qwen2-0.5b, MFU at llama-1b), each step under its own timeout,
 # with JAX_PLATFORMS=cuda so that a CPU fallback cannot pass. A failing or timed-out step does not stop the later
 # ones. Everything is written under OUT_DIR (default: $OUT, the device tool's output folder, else ./gpu_check_out);
@@ -53,7 +53,8 @@ if [[ $MODE == gpu ]]; then
   if compgen -G ".whl/*.whl" > /dev/null; then
     # pip when the image has it, else the wheels unpacked as they are (a wheel is a zip of its site-packages files)
     step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-      || step wheels_unzipped 60 bash -c 'for w in .whl/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done' "$PYTHON"
+      || { step wheels_unzipped 60 bash -c 'for w in .whl/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done' \
+             "$PYTHON" && FAILURES=$((FAILURES - 1)); }  # unpacked: pip's failure does not count
     export PYTHONPATH="/tmp/site:$PWD"
   else
     note "wheels: none in .whl/ (the image must have every package)"
@@ -81,15 +82,20 @@ assert '$MODE' == 'cpu' or jax.default_backend() == 'gpu', 'no GPU: JAX_PLATFORM
 " || note "versions: JAX does not see the accelerator, or the budget is spent; the later steps will fail fast"
 [[ -f $OUT_DIR/versions.log ]] && note "$(head -2 "$OUT_DIR/versions.log" | tr '\n' ' ')"
 
-if ! wanted accelerator_tests; then :
-elif "$PYTHON" -c "import pytest" 2> /dev/null; then
-  step accelerator_tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -m accelerator -s -rA \
-    --junitxml="$OUT_DIR/accelerator_tests.xml" tests/accelerator
-  [[ -f $OUT_DIR/accelerator_tests.log ]] \
-    && grep -E "max \||main job:|passed|failed|error" "$OUT_DIR/accelerator_tests.log" | tail -20 | tee -a "$SUMMARY"
-else
-  FAILURES=$((FAILURES + 1)); note "accelerator_tests: SKIPPED (pytest is not importable: carry its wheels in .whl/, see this script's header)"
-fi
+tests() {  # tests NAME SECONDS FILES...: pytest on the accelerator-marked tests of FILES, their numbers to the summary
+  local name=$1 seconds=$2; shift 2
+  wanted "$name" || return 0
+  if ! "$PYTHON" -c "import pytest" 2> /dev/null; then
+    FAILURES=$((FAILURES + 1))
+    note "$name: SKIPPED (pytest is not importable: carry its wheels in .whl/, see this script's header)"; return 1
+  fi
+  step "$name" "$seconds" "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -m accelerator -s -rA \
+    --junitxml="$OUT_DIR/$name.xml" "$@"
+  [[ -f $OUT_DIR/$name.log ]] && grep -E "max \||main job:|passed|failed|error" "$OUT_DIR/$name.log" | tail -12 | tee -a "$SUMMARY"
+}
+# the main job alone, so that its time cannot cut the others short
+tests accelerator_tests 120 tests/accelerator/test_golden_logits.py tests/accelerator/test_update_matches_cpu.py
+tests main_job 150 tests/accelerator/test_main_job.py
 
 wanted bench_compare && step bench_compare 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_COMPARE[@]}" --out "$OUT_DIR/bench_compare"
 wanted bench_mfu && step bench_mfu 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
