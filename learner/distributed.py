@@ -48,3 +48,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     return True
+
+
+def process_index_before_backends() -> int:
+    """This process's index in the distributed system (0 without one), read without starting a backend:
+    ``jax.process_index()`` starts them, and a process's memory budget must be set before that.
+
+        >>> process_index_before_backends()
+        0
+    """
+    if not jax.distributed.is_initialized():
+        return 0
+    from jax._src import distributed  # no public accessor before a backend exists
+
+    return distributed.global_state.process_id

@@ -25,7 +25,7 @@ import sys
 import jax
 
 from learner.disk_full import DiskFullLogFilter, disk_full_cause
-from learner.distributed import initialize
+from learner.distributed import initialize, process_index_before_backends
 from learner.rl.devices import configure_learner
 from learner.rl.preflight import ConfigError, check_paths_and_names
 from learner.rl import (NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig,
@@ -108,11 +108,13 @@ def main(argv=None) -> None:
     with errors_as_lines(ValueError):
         config = load_config(config_path, overrides)
         check_paths_and_names(config)
-        configure_learner(config)  # memory budget and visible GPUs: before JAX starts its backends
     enable_compilation_cache()
     logging.getLogger("absl").addFilter(DiskFullLogFilter())  # orbax's threads: reported once, below
     sys.unraisablehook = _drop_closed_loop_callbacks
     setup_jax(config)
+    # The memory budget and visible GPUs: before JAX starts its backends, once the process index is known.
+    with errors_as_lines(ValueError):
+        configure_learner(config, process_index=process_index_before_backends())
     with errors_as_lines(run_dir=config.run_dir):
         with Run(config) as run:
             run.train()

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -48,6 +49,10 @@ def test_the_script_runs_on_the_cpu_at_the_tiny_shape(tmp_path):
                     "--rows", "2", "--length", "64", "--peak-size", "256", "--rounds", "1", "--calls", "1",
                     "--out", str(tmp_path)], check=True, env=env, cwd=REPO_ROOT, timeout=600)
     results = json.loads((tmp_path / "bench_gpu.json").read_text())
-    assert results["compare"]["tether"]["tokens_per_s"] > 0
-    assert 0 < results["mfu"]["mfu"] < 1 and results["mfu"]["peak_tflops"] > 0
-    assert "MFU" in (tmp_path / "bench_gpu.md").read_text()
+    tether, mfu = results["compare"]["tether"], results["mfu"]
+    for row in tether, mfu:  # the reported figures follow from the timed seconds each row records
+        assert len(row["seconds"]) == 1 and row["median_s"] == statistics.median(row["seconds"]) > 0
+        assert row["tokens_per_s"] == pytest.approx(2 * 64 / row["median_s"])
+    assert mfu["model_tflops"] == pytest.approx(model_flops("tiny", 2, 64) / mfu["median_s"] / 1e12)
+    assert mfu["peak_tflops"] > 0 and mfu["mfu"] == pytest.approx(mfu["model_tflops"] / mfu["peak_tflops"])
+    assert f"**{mfu['mfu']:.1%}**" in (tmp_path / "bench_gpu.md").read_text()

@@ -30,6 +30,7 @@ import corrections
 from learner.checkpoints import CheckpointConfig
 from learner.lora import LoraConfig
 from learner.optimizer import OptimizerConfig
+from learner.precision import MATMUL_PRECISIONS
 from learner.rl import migration
 from learner.update import UpdateConfig
 from rollout_client import ClientConfig, SamplingParams, ValidationConfig
@@ -70,7 +71,7 @@ class ModelSection:
     # Precision of every matmul of the learner's passes and the embedded server (learner.precision): "highest",
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
-    matmul_precision: str = _bounded("auto", choices=("auto", "highest", "high", "default"))
+    matmul_precision: str = _bounded("auto", choices=MATMUL_PRECISIONS)
     lora: LoraSection = LoraSection()  # rank > 0: train adapters only, the base frozen (in param_dtype).
 
 
@@ -390,12 +391,16 @@ def embedded_server(config: RunConfig) -> bool:
     return config.server.engine == "tether" and config.server.address is None
 
 
-def memory_fractions(config: RunConfig) -> tuple[float | None, float | None]:
+def memory_fractions(config: RunConfig, process_index: int = 0) -> tuple[float | None, float | None]:
     """The learner's and the embedded server's share of each device's memory (None: JAX's default).
+    ``process_index``: this learner process's; only process 0 launches the embedded server, so the others own their
+    devices and keep JAX's default unless ``mesh.device_memory_fraction`` is set.
 
     >>> memory_fractions(load_config(None))
     (0.65, 0.25)
     >>> memory_fractions(load_config(None, ["server.address='10.0.0.1:50051'"]))
+    (None, None)
+    >>> memory_fractions(load_config(None), process_index=1)
     (None, None)
     """
     learner, server = config.mesh.device_memory_fraction, config.server.device_memory_fraction
@@ -405,7 +410,7 @@ def memory_fractions(config: RunConfig) -> tuple[float | None, float | None]:
                 raise ValueError(f"{key}={value!r}: applies to the reference server the run launches "
                                  "(server.engine = \"tether\" without server.address); unset it")
         return learner, None
-    if config.server.device is not None:  # each on its own devices
+    if config.server.device is not None or process_index != 0:  # each on its own devices
         return learner, server
     learner = SHARED_DEVICE_FRACTIONS[0] if learner is None else learner
     server = SHARED_DEVICE_FRACTIONS[1] if server is None else server

@@ -73,10 +73,11 @@ def engine_environment(config: RunConfig, environ: Mapping[str, str] = os.enviro
 
 
 def configure_learner(config: RunConfig, environ: dict[str, str] = os.environ,
-                      gpu_dir: pathlib.Path = NVIDIA_GPUS) -> None:
+                      gpu_dir: pathlib.Path = NVIDIA_GPUS, process_index: int = 0) -> None:
     """This process's memory budget and, with ``server.device``, the GPUs it uses (all but the server's): call it
-    before JAX starts its backends (they read both once)."""
-    fraction, _ = memory_fractions(config)
+    before JAX starts its backends (they read both once). ``process_index``: this process's in a multi-process run
+    (`learner.distributed.process_index_before_backends`); only process 0 shares its devices with the server."""
+    fraction, _ = memory_fractions(config, process_index)
     if fraction is not None:
         environ[MEMORY_FRACTION_ENV] = f"{fraction:g}"
     if config.server.device is not None:

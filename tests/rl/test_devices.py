@@ -3,6 +3,11 @@ the defaults, the refusals naming their keys, the variables a real child process
 the learner keeps when the server has its own (CPU-side: what the budgets do on a GPU is tests/accelerator/'s)."""
 
 import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
 import types
 
 import jax
@@ -14,6 +19,8 @@ from learner.rl import engines
 from learner.rl.config import memory_fractions
 from learner.rl.devices import configure_learner, engine_environment, local_gpu_ids
 from rollout_client import EngineProcess
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("overrides, want", [
@@ -99,3 +106,31 @@ def test_the_launched_server_process_runs_with_its_budget_and_device(tmp_path, m
     for name, value in want.items():
         assert reported[name] == value, name
     assert reported["XLA_PYTHON_CLIENT_PREALLOCATE"] is None  # preallocated: a budget that does not fit fails at start
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ([], (None, None)),  # process 1 launches no server: its devices are its own
+    (["mesh.device_memory_fraction=0.65"], (0.65, None)),
+    (["server.device=1"], (None, None)),
+])
+def test_processes_other_than_0_keep_jax_default_unless_set(overrides, want):
+    assert memory_fractions(load_config(None, overrides), process_index=1) == want
+
+
+def test_each_process_of_a_distributed_run_reads_its_index_and_budget_before_any_backend(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
+    processes = [subprocess.Popen([sys.executable, "-m", "tests.rl.budget_reporting_process", f"127.0.0.1:{port}",
+                                   str(i)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for i in range(2)]
+    try:
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert [p.returncode for p in processes] == [0, 0], [err[-2000:] for _, err in outputs]
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert reports == [{"index": 0, "budget": "0.65", "backends_started": False},
+                       {"index": 1, "budget": None, "backends_started": False}]
