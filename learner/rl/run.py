@@ -47,6 +47,7 @@ from learner.rl.hooks import Hook, default_hooks
 from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.trainer import Trainer
 from learner.logprob_mode import check_logprob_mode
+from learner.model import count_params
 from learner.tasks import Demonstrations, load_task
 from rollout_client import LogprobMode, RolloutBuffer
 
@@ -123,6 +124,9 @@ class Run:
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
         self.trainer = Trainer(config, self.task)
+        if self.leader:
+            print(f"train state: {count_params(self.trainer.model_config):,} parameters built in "
+                  f"{self.trainer.build_seconds:.1f} s", flush=True)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
         stop_ids = self.task.tokenizer.eos_ids

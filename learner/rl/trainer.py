@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import corrections
 import jax
@@ -66,8 +67,11 @@ class Trainer:
         self.optimizer_config = optimizer_config(config, optimizer_updates(config, self.update_config))
         self.optimizer = make_optimizer(self.optimizer_config)
         self.skipped_steps = 0  # consecutive RL steps that skipped a non-finite update
+        started = time.perf_counter()
         self.graphdef, self.state, self.shardings = create_sharded_train_state(
             self.model_config, self.optimizer, self.mesh, seed=config.loop.seed)
+        jax.block_until_ready(self.state)
+        self.build_seconds = time.perf_counter() - started  # the train state's build, for the run log
         self.reference = None  # frozen parameters of the KL reference policy, when kl_coef > 0
         self.compiler_options = {"xla_backend_optimization_level": 0} if config.update.fast_compile else None
         self.update_fn = make_update_fn(self.graphdef, self.optimizer, self.update_config, self.mesh,

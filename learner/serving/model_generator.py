@@ -3,8 +3,11 @@
 Sequences occupy fixed slots of one batched KV cache (`max_batch_size` rows of
 `max_seq_len` slots), so concurrent requests decode together. A new sequence is
 prefilled alone into its row; every `step` then runs `decode_steps_per_call` decode
-steps for all rows in one jitted `lax.scan` (fewer Python round trips; pauses take
-effect at that granularity). The token at position x of sample i is drawn with
+steps in one jitted `lax.scan` (fewer Python round trips; pauses take effect at that
+granularity) over the active rows only: gathered from the cache into a power-of-two
+number of rows (`decode_rows`; padded with idle rows, which write nothing) and
+scattered back, so a step costs what its live sequences need whatever
+`max_batch_size` is, with at most log2(max_batch_size) + 1 decode programs. The token at position x of sample i is drawn with
 key ``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
 sequences share the batch. Weights are received in the learner's parameter dtype
 and cast to the serving dtype; kept sequences keep their cached keys and values
@@ -133,10 +136,14 @@ class ModelGenerator(Generator):
         self._active[slot] = False
 
     def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        self._cache, self._valid, tokens, logprobs = self._decode(
-            self._params, self._cache, self._valid, self._tokens, self._positions, self._active, self._keys,
-            self._temperature, self._top_k, self._top_p, self._min_p, self._processed)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        rows = decode_rows(self._active)
+        self._cache, self._valid, row_tokens, row_logprobs = self._decode(
+            self._params, self._cache, self._valid, rows, *(array[rows] for array in (
+                self._tokens, self._positions, self._active, self._keys, self._temperature, self._top_k,
+                self._top_p, self._min_p, self._processed)))
+        tokens = np.zeros((self._info.max_batch_size, self._steps), np.int32)
+        logprobs = np.zeros((self._info.max_batch_size, self._steps), np.float32)
+        tokens[rows], logprobs[rows] = np.asarray(row_tokens), np.asarray(row_logprobs)
         self._tokens[self._active] = tokens[self._active, -1]
         self._positions[self._active] += self._steps
         outputs = {}
@@ -150,6 +157,18 @@ class ModelGenerator(Generator):
         check_weights_match(self._expected, weights)
         leaves = [jnp.asarray(weights[name], self._dtype) for name in self._names]
         self._params = jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+
+def decode_rows(active: np.ndarray) -> np.ndarray:
+    """The cache rows one decode step runs: every active row, then idle ones up to a power of two (at most all).
+
+    Example:
+        >>> decode_rows(np.array([False, True, False, False, True, True, False, False])).tolist()
+        [1, 4, 5, 0]
+    """
+    busy, idle = np.flatnonzero(active), np.flatnonzero(~active)
+    size = min(1 << max(busy.size - 1, 0).bit_length(), active.size)
+    return np.concatenate([busy, idle[:size - busy.size]]).astype(np.int32)
 
 
 def _prefill(graphdef, params, cache, valid, slot, prompt, prompt_len, key, temperature, top_k, top_p, min_p,
@@ -171,10 +190,12 @@ def _prefill(graphdef, params, cache, valid, slot, prompt, prompt_len, key, temp
     return cache, valid, token, logprob
 
 
-def _decode(graphdef, num_steps, params, cache, valid, tokens, positions, active, keys, temperature, top_k, top_p,
-            min_p, processed):
-    """`num_steps` decode steps for every row; inactive rows write nothing."""
+def _decode(graphdef, num_steps, params, full_cache, full_valid, rows, tokens, positions, active, keys, temperature,
+            top_k, top_p, min_p, processed):
+    """`num_steps` decode steps for the cache rows `rows` (the other arguments are theirs); inactive rows write
+    nothing."""
     model = nnx.merge(graphdef, params)
+    cache, valid = jax.tree.map(lambda c: c[rows], (full_cache, full_valid))
     max_len = valid.shape[1]
     slot_ids = jnp.arange(max_len)[None, :]
 
@@ -191,4 +212,6 @@ def _decode(graphdef, num_steps, params, cache, valid, tokens, positions, active
 
     (cache, valid, _, _), (new_tokens, logprobs) = jax.lax.scan(
         one_step, (cache, valid, tokens, positions), None, length=num_steps)
-    return cache, valid, new_tokens.T, logprobs.T
+    full_cache, full_valid = jax.tree.map(lambda full, part: full.at[rows].set(part), (full_cache, full_valid),
+                                          (cache, valid))
+    return full_cache, full_valid, new_tokens.T, logprobs.T
