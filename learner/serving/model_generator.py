@@ -7,8 +7,9 @@ steps in one jitted `lax.scan` (fewer Python round trips; pauses take effect at 
 granularity) over the active rows only: gathered from the cache into a power-of-two
 number of rows (`decode_rows`; padded with idle rows, which write nothing) and
 scattered back, so a step costs what its live sequences need whatever
-`max_batch_size` is, with at most log2(max_batch_size) + 1 decode programs. The token at position x of sample i is drawn with
-key ``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
+`max_batch_size` is, with at most log2(max_batch_size) + 1 decode programs. The
+token at position x of sample i is drawn with key
+``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
 sequences share the batch. Weights are received in the learner's parameter dtype
 and cast to the serving dtype; kept sequences keep their cached keys and values
 across a weight update. Besides safetensors files, UpdateWeights(path) reads the
