@@ -450,6 +450,19 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), layer_cache
 
 
+def token_embedding(config: ModelConfig, rngs: nnx.Rngs) -> nnx.Embed:
+    """The Transformer's token embedding ``[vocab_size, hidden_size]``, normal with stddev 1/sqrt(hidden_size)."""
+    return nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.dtype, param_dtype=config.param_dtype,
+                     embedding_init=nnx.initializers.normal(1.0 / math.sqrt(config.hidden_size)), rngs=rngs)
+
+
+def output_head(config: ModelConfig, rngs: nnx.Rngs) -> Projection | None:
+    """The Transformer's untied output projection, or None with tied embeddings (no key drawn)."""
+    if config.tie_embeddings:
+        return None
+    return Projection((config.hidden_size,), (config.vocab_size,), use_bias=False, config=config, rngs=rngs)
+
+
 class Transformer(nnx.Module):
     """Decoder-only transformer; see the module docstring for the call forms and the cache contract.
 
@@ -462,16 +475,12 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        # learner.param_init builds the same parts in the same order (the order they draw from rngs).
         self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=config.dtype,
-                               param_dtype=config.param_dtype,
-                               embedding_init=nnx.initializers.normal(1.0 / math.sqrt(config.hidden_size)),
-                               rngs=rngs)
+        self.embed = token_embedding(config, rngs)
         self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
         self.final_norm = RMSNorm(config)
-        self.lm_head = (None if config.tie_embeddings else
-                        Projection((config.hidden_size,), (config.vocab_size,), use_bias=False, config=config,
-                                   rngs=rngs))
+        self.lm_head = output_head(config, rngs)
         if config.lora is not None:  # after the base's parameters: the same seed gives the same base
             attach_adapters(self, config.lora, Projection, rngs)
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from learner.lora import FROZEN, trainable
 from learner.model import ModelConfig, Transformer
+from learner.param_init import init_sharded_params
 from learner.sharding import DEFAULT_RULES, Rules, state_shardings
 
 
@@ -89,7 +90,8 @@ def create_sharded_train_state(config: ModelConfig, optimizer: optax.GradientTra
     """Builds the model and its train state directly in their shardings (no full copy on one device).
 
     Works unchanged with several processes: every process runs it and holds its shards. The model is
-    initialised from ``nnx.Rngs(seed)``, the state's key from ``seed``.
+    initialised from ``nnx.Rngs(seed)`` by `learner.param_init` (a few small programs, not one growing with the
+    number of layers), the state's key from ``seed``.
 
     Returns:
         ``(graphdef, state, shardings)``; ``shardings`` is `train_state_shardings` of the state.
@@ -104,9 +106,14 @@ def create_sharded_train_state(config: ModelConfig, optimizer: optax.GradientTra
     def init():
         return create_train_state(Transformer(config, rngs=nnx.Rngs(seed)), optimizer, seed)
 
+    def complete(params):  # the optimizer state and counters of params; params pass through (donated)
+        return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                          policy_version=jnp.zeros((), jnp.int32), rng=jax.random.key_data(jax.random.key(seed)))
+
     shardings = train_state_shardings(jax.eval_shape(init), optimizer, mesh, rules)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
-    return graphdef, jax.jit(init, out_shardings=shardings)(), shardings
+    params = nnx.filter_state(_sharded_model_state(config, mesh, seed, rules), trainable(config))
+    return graphdef, jax.jit(complete, out_shardings=shardings, donate_argnums=0)(params), shardings
 
 
 def create_sharded_frozen(config: ModelConfig, mesh: Mesh, *, seed: int = 0, rules: Rules = DEFAULT_RULES
@@ -124,9 +131,12 @@ def create_sharded_frozen(config: ModelConfig, mesh: Mesh, *, seed: int = 0, rul
     """
     if config.lora is None:
         return None, None
+    frozen = nnx.filter_state(_sharded_model_state(config, mesh, seed, rules), FROZEN)
+    return frozen, state_shardings(frozen, mesh, rules)
 
-    def init():
-        return nnx.state(Transformer(config, rngs=nnx.Rngs(seed)), FROZEN)
 
-    shardings = state_shardings(jax.eval_shape(init), mesh, rules)
-    return jax.jit(init, out_shardings=shardings)(), shardings
+def _sharded_model_state(config: ModelConfig, mesh: Mesh, seed: int, rules: Rules) -> nnx.State:
+    """Every variable of ``Transformer(config, rngs=nnx.Rngs(seed))`` (adapters included), built in its shardings
+    by `learner.param_init`'s small programs."""
+    abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
+    return init_sharded_params(config, state_shardings(abstract, mesh, rules), seed)

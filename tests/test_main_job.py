@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -94,6 +95,7 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     stdout = run_training(run_dir, "loop.steps=4", "checkpoints.every=2")
     check_run(run_dir, 4, "loop.steps=4")
+    assert re.search(r"^train state: [\d,]+ parameters built in \d+\.\d s$", stdout, re.MULTILINE), stdout[:2000]
     assert any(line.startswith("| policy version learner / server") and "| 6 / 6 " in line
                for line in stdout.splitlines())
     agreement = json.loads((run_dir / "process_0.json").read_text())

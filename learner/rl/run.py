@@ -57,6 +57,7 @@ from learner.rl.prompts import DataPosition, PromptStream
 from learner.rl.run_lock import hold_run_dir
 from learner.rl.trainer import Trainer, model_context
 from learner.logprob_mode import check_logprob_mode
+from learner.model import count_params
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
 from rollout_client import LogprobMode, RolloutBuffer
 
@@ -149,6 +150,9 @@ class Run:
                              "is multi-turn; its turns and episodes are bounded by its own limits (task.args "
                              "max_turn_tokens and the task's max_completion_tokens); unset rollout.max_new_tokens")
         self.trainer = Trainer(config, self.task)
+        if self.leader:
+            print(f"train state: {count_params(self.trainer.model_config):,} parameters built in "
+                  f"{self.trainer.build_seconds:.1f} s", flush=True)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
         stop_ids = self.task.tokenizer.eos_ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import corrections
 import jax
@@ -94,10 +95,13 @@ class Trainer:
         self.skipped_steps = 0  # consecutive RL steps that skipped a non-finite update
         self.lora = lora_config(config)
         self.train_config = dataclasses.replace(self.model_config, lora=self.lora)
+        started = time.perf_counter()
         self.graphdef, self.state, self.shardings = create_sharded_train_state(
             self.train_config, self.optimizer, self.mesh, seed=config.loop.seed)
         self.frozen, self.frozen_shardings = create_sharded_frozen(self.train_config, self.mesh,
                                                                    seed=config.loop.seed)
+        jax.block_until_ready((self.state, self.frozen))
+        self.build_seconds = time.perf_counter() - started  # the train state's (and LoRA base's) build, for the log
         self.reference = None  # a stored copy of the KL reference policy, when kl_coef > 0 without LoRA
         self.compiler_options = {"xla_backend_optimization_level": 0} if config.update.fast_compile else None
         # Every pass below (training, proximal, reference, sampler replay) traces its dots at this precision.

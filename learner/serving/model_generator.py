@@ -3,9 +3,16 @@
 Sequences occupy fixed slots of one batched KV cache (`max_batch_size` rows of
 `max_seq_len` slots), so concurrent requests decode together. A new sequence is
 prefilled alone into its row; every `step` then runs `decode_steps_per_call` decode
-steps for all rows in one jitted `lax.scan` (fewer Python round trips; pauses take
-effect at that granularity). The token at position x of sample i is drawn with
-key ``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
+steps in one jitted `lax.scan` (fewer Python round trips; pauses take effect at that
+granularity) over the active rows only: live sequences are kept in the lowest rows
+(a finished one's row is refilled by moving the highest live row down), and a step
+decodes the first power-of-two rows that hold them (`decode_rows`; idle rows among
+them write nothing), sliced from the cache and written back in place, so a step
+costs what its live sequences need whatever `max_batch_size` is, with at most
+log2(max_batch_size) + 1 decode programs. (A gather/scatter of scattered rows
+instead costs a pass over the whole cache on XLA:CPU.) The
+token at position x of sample i is drawn with key
+``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
 sequences share the batch. Weights are received in the learner's parameter dtype
 and cast to the serving dtype; kept sequences keep their cached keys and values
 across a weight update. Besides safetensors files, UpdateWeights(path) reads the
@@ -97,6 +104,7 @@ class ModelGenerator(Generator):
                                 donate_argnums=(1, 2))
         self._decode = jax.jit(with_matmul_precision(functools.partial(_decode, self._graphdef, self._steps),
                                                      matmul_precision), donate_argnums=(1, 2))
+        self._move_row = jax.jit(_move_row, donate_argnums=(0, 1))
 
     @property
     def info(self) -> GeneratorInfo:
@@ -135,12 +143,27 @@ class ModelGenerator(Generator):
         slot = self._slots.pop(sequence_id)
         self._first_tokens.pop(sequence_id, None)
         self._active[slot] = False
+        last = int(np.flatnonzero(self._active)[-1]) if self._active.any() else -1
+        if last > slot:  # keep the live rows lowest: the highest one moves into the freed row
+            self._cache, self._valid = self._move_row(self._cache, self._valid, last, slot)
+            for array in self._row_arrays():
+                array[slot] = array[last]
+            self._active[last] = False
+            moved = next(i for i, s in self._slots.items() if s == last)
+            self._slots[moved] = slot
+
+    def _row_arrays(self) -> tuple[np.ndarray, ...]:
+        """The per-row host arrays, in `_decode`'s argument order."""
+        return (self._tokens, self._positions, self._active, self._keys, self._temperature, self._top_k,
+                self._top_p, self._min_p, self._processed)
 
     def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        self._cache, self._valid, tokens, logprobs = self._decode(
-            self._params, self._cache, self._valid, self._tokens, self._positions, self._active, self._keys,
-            self._temperature, self._top_k, self._top_p, self._min_p, self._processed)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        rows = decode_rows(self._active)
+        self._cache, self._valid, row_tokens, row_logprobs = self._decode(
+            self._params, self._cache, self._valid, *(array[:rows] for array in self._row_arrays()))
+        tokens = np.zeros((self._info.max_batch_size, self._steps), np.int32)
+        logprobs = np.zeros((self._info.max_batch_size, self._steps), np.float32)
+        tokens[:rows], logprobs[:rows] = np.asarray(row_tokens), np.asarray(row_logprobs)
         self._tokens[self._active] = tokens[self._active, -1]
         self._positions[self._active] += self._steps
         outputs = {}
@@ -154,6 +177,23 @@ class ModelGenerator(Generator):
         check_weights_match(self._expected, weights)
         leaves = [jnp.asarray(weights[name], self._dtype) for name in self._names]
         self._params = jax.tree_util.tree_unflatten(self._treedef, leaves)
+
+
+def decode_rows(active: np.ndarray) -> int:
+    """How many leading cache rows a decode step runs: the power of two (at most all rows) holding every active one.
+
+    Example:
+        >>> decode_rows(np.array([True, True, False, True, False, False, False, False]))
+        4
+    """
+    used = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
+    return min(1 << (used - 1).bit_length(), active.size)
+
+
+def _move_row(cache, valid, source, target):
+    """Copies row `source` of the cache and of `valid` into row `target` (in place: both are donated)."""
+    return jax.tree.map(lambda c: jax.lax.dynamic_update_slice_in_dim(
+        c, jax.lax.dynamic_slice_in_dim(c, source, 1, 0), target, 0), (cache, valid))
 
 
 def _prefill(graphdef, params, cache, valid, slot, prompt, prompt_len, key, temperature, top_k, top_p, min_p,
@@ -175,10 +215,12 @@ def _prefill(graphdef, params, cache, valid, slot, prompt, prompt_len, key, temp
     return cache, valid, token, logprob
 
 
-def _decode(graphdef, num_steps, params, cache, valid, tokens, positions, active, keys, temperature, top_k, top_p,
-            min_p, processed):
-    """`num_steps` decode steps for every row; inactive rows write nothing."""
+def _decode(graphdef, num_steps, params, full_cache, full_valid, tokens, positions, active, keys, temperature, top_k,
+            top_p, min_p, processed):
+    """`num_steps` decode steps for the first ``len(tokens)`` cache rows (the other arguments are theirs); inactive
+    rows write nothing."""
     model = nnx.merge(graphdef, params)
+    cache, valid = jax.tree.map(lambda c: c[:tokens.shape[0]], (full_cache, full_valid))
     max_len = valid.shape[1]
     slot_ids = jnp.arange(max_len)[None, :]
 
@@ -195,4 +237,6 @@ def _decode(graphdef, num_steps, params, cache, valid, tokens, positions, active
 
     (cache, valid, _, _), (new_tokens, logprobs) = jax.lax.scan(
         one_step, (cache, valid, tokens, positions), None, length=num_steps)
-    return cache, valid, new_tokens.T, logprobs.T
+    full_cache, full_valid = jax.tree.map(lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, 0, 0),
+                                          (full_cache, full_valid), (cache, valid))
+    return full_cache, full_valid, new_tokens.T, logprobs.T

@@ -1,0 +1,108 @@
+"""The model engine decodes only its active rows, kept lowest in the cache: the scheduler with the real
+`ModelGenerator` in process."""
+
+import functools
+import threading
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from learner.model import Transformer, model_config
+from learner.serving import model_generator
+from learner.serving.model_generator import ModelGenerator
+from rollout_client.sampling_params import LogprobMode, PauseMode
+from rollout_client.server.generator import ResolvedSampling, SequenceSpec
+from rollout_client.server.scheduler import Scheduler
+
+STEPS_PER_CALL = 4
+MAX_NEW_TOKENS = (4, 8, 12, 16, 40)  # finished after decode calls 1, 2, 3, 4, 10 (the prefill gives one token)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(model_config("tiny"), rngs=nnx.Rngs(3))
+
+
+def make_generator(model, max_batch_size=16):
+    return ModelGenerator(model, max_batch_size=max_batch_size, max_seq_len=64, decode_steps_per_call=STEPS_PER_CALL)
+
+
+def spec(index, max_new_tokens, temperature=0.8):
+    prompt = np.array([3 + index, 17, 42, 5, 9][:2 + index % 4], np.int32)
+    sampling = ResolvedSampling(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=max_new_tokens,
+                                stop_token_ids=(), seed=11)
+    return SequenceSpec(prompt_token_ids=prompt, sampling=sampling, sample_index=index,
+                        logprob_mode=LogprobMode.PROCESSED)
+
+
+def record_decode_rows(monkeypatch):
+    """(active mask, leading rows decoded) of every decode call."""
+    calls = []
+
+    def recording(active):
+        rows = original(active)
+        calls.append((active.copy(), rows))
+        return rows
+
+    original = model_generator.decode_rows
+    monkeypatch.setattr(model_generator, "decode_rows", recording)
+    return calls
+
+
+def run_scheduler(generator, specs):
+    """Every spec through a `Scheduler`, all admitted before the first step; the final outputs by spec index."""
+    scheduler = Scheduler(generator)
+    outputs = {}
+    finished = threading.Semaphore(0)
+
+    def sink(output, index):  # every sequence's only output: no chunking asked
+        outputs[index] = output
+        finished.release()
+
+    try:
+        scheduler.pause(PauseMode.KEEP)
+        for index, sequence in enumerate(specs):
+            scheduler.submit(sequence, functools.partial(sink, index=index))
+        scheduler.resume()
+        for _ in specs:
+            assert finished.acquire(timeout=600)
+    finally:
+        scheduler.close()
+    return [outputs[index] for index in range(len(specs))]
+
+
+def test_each_decode_runs_the_active_rows_padded_to_a_power_of_two(model, monkeypatch):
+    calls = record_decode_rows(monkeypatch)
+    generator = make_generator(model)
+    outputs = run_scheduler(generator, [spec(i, n) for i, n in enumerate(MAX_NEW_TOKENS)])
+    assert [len(output.token_ids) for output in outputs] == list(MAX_NEW_TOKENS)
+    assert [active.sum() for active, _ in calls] == [5, 4, 3, 2] + [1] * 6
+    assert [rows for _, rows in calls] == [8, 4, 4, 2] + [1] * 6  # of max_batch_size = 16
+    for active, _ in calls:  # the first sequences to finish had the lowest rows: the live ones moved down
+        assert np.flatnonzero(active).tolist() == list(range(active.sum()))
+
+
+def test_outputs_equal_the_full_batch_decode(model, monkeypatch):
+    """Same tokens, and logprobs to float32 rounding, as decoding every row of the cache (what the engine did
+    before): each row's computation is its own, but XLA may sum a dot of 2 rows in another order than of 16."""
+    specs = [spec(i, n, temperature=t) for i, (n, t) in enumerate(zip(MAX_NEW_TOKENS, (1.0, 0.7, 1.3, 1.0, 0.9)))]
+    bucketed = run_scheduler(make_generator(model), specs)
+    monkeypatch.setattr(model_generator, "decode_rows", lambda active: active.size)
+    full = run_scheduler(make_generator(model), specs)
+    for got, want in zip(bucketed, full):
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-6)
+        assert got.finish_reason == want.finish_reason
+
+
+def test_decode_programs_stay_few(model):
+    """Every active count from 1 to 8 compiles one decode program per power of two: 1, 2, 4, 8."""
+    generator = make_generator(model, max_batch_size=8)
+    for index in range(8):
+        generator.add(index, spec(index, 64))
+        generator.step()
+    for index in range(8):
+        generator.remove(index)
+        generator.step()
+    assert generator._decode._cache_size() == 4
