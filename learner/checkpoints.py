@@ -388,3 +388,33 @@ class Checkpointer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def read_step(step_dir: str | epath.PathLike, select_state=None) -> tuple[dict[str, Any], Any]:
+    """One checkpoint ``<directory>/<step>`` read on the host, without a `Checkpointer` (which would clean up and
+    prune the directory): its metadata and, given ``select_state``, part of its state, as NumPy arrays.
+
+    Read through an orbax ``CheckpointManager`` on ``<directory>``, as the checkpoint was written: a stand-alone
+    read of the ``state`` or ``metadata`` folder looks for orbax's step bookkeeping in that folder and warns.
+
+    Args:
+      step_dir: the checkpoint's directory.
+      select_state: called with the state's tree metadata, returns the subtree to read (a partial restore); None:
+        no array is read.
+
+    Returns:
+      ``(metadata, state subtree or None)``.
+    """
+    step_dir = epath.Path(step_dir)
+    if not step_dir.is_absolute():  # orbax wants absolute local paths
+        step_dir = step_dir.resolve()
+    handlers = {_STATE: ocp.PyTreeCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(step_dir.parent, options=ocp.CheckpointManagerOptions(create=False),
+                               item_handlers=handlers) as manager:
+        items = {_METADATA: ocp.args.JsonRestore()}
+        if select_state is not None:
+            item = select_state(manager.item_metadata(int(step_dir.name))[_STATE])
+            restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+            items[_STATE] = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        restored = manager.restore(int(step_dir.name), args=ocp.args.Composite(**items))
+    return dict(restored[_METADATA]), restored.get(_STATE) if select_state is not None else None

@@ -25,13 +25,11 @@ import pathlib
 import warnings
 from collections.abc import Sequence
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from learner.checkpoints import MANIFEST, verify_manifest
+from learner.checkpoints import MANIFEST, read_step, verify_manifest
 from learner.hf_checkpoint import TOKENIZER_FILES, model_config_from_checkpoint, write_hf_checkpoint
 from learner.lora import LoraConfig, merge_adapters
 from learner.model import ModelConfig, Transformer, model_config
@@ -77,21 +75,13 @@ def read_checkpoint_params(step_dir: str | pathlib.Path) -> dict[str, np.ndarray
     Only the parameters are read (a partial orbax restore), whether the state is a ``TrainState`` or
     ``{"train": TrainState, "reference": params}`` (runs with a KL reference).
     """
-    path = str(pathlib.Path(step_dir, "state").resolve())
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(path).item_metadata
-    prefix = ("train",) if "train" in metadata else ()
-    wanted = metadata
-    for key in prefix:
-        wanted = wanted[key]
-    item = {"params": wanted["params"]}
-    for key in reversed(prefix):
-        item = {key: item}
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
-                                                                  partial_restore=True))
-    for key in prefix:
-        tree = tree[key]
+    def params_only(metadata):
+        if "train" in metadata:
+            return {"train": {"params": metadata["train"]["params"]}}
+        return {"params": metadata["params"]}
+
+    tree = read_step(step_dir, params_only)[1]
+    tree = tree.get("train", tree)
     return {name: np.asarray(array) for name, array in named_leaves(tree["params"]).items()}
 
 
@@ -131,8 +121,7 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
         ``out_dir``.
     """
     step_dir = _choose_step(pathlib.Path(run_dir) / "checkpoints", step)
-    metadata = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(str((step_dir / "metadata").resolve()))
-    run_config = metadata.get("config") or {}
+    run_config = read_step(step_dir)[0].get("config") or {}
     model = run_config.get("model") or {}
     hf_path = model.get("hf_path")
     if hf_path:

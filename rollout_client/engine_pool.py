@@ -172,6 +172,9 @@ class EnginePool(Engine):
 
     def _dispatch(self, request, outer: concurrent.futures.Future, resends: int = 0) -> None:
         with self._lock:
+            if self._closed:
+                outer.set_exception(EnginesDownError("the engine pool was closed"))
+                return
             if self._fatal is not None:
                 outer.set_exception(EnginesDownError(self._fatal))
                 return
@@ -204,8 +207,11 @@ class EnginePool(Engine):
             member.served += error is None
             member.requests.discard(done)
             cut_by_update = member.publishing or member.publishes != publishes  # e.g. a restart to publish (MLX)
+            closed = self._closed  # `close` cancelled it: the engine is fine, the run is over
         if error is None:
             outer.set_result(done.result())
+        elif closed:
+            outer.set_exception(EnginesDownError("the engine pool was closed"))
         elif _engine_down(error) or self._dead(engine):
             # A launched engine whose process runs was restarting (or was briefly unreachable): resend, a few times.
             alive = getattr(engine, "process", None) is not None and not self._dead(engine)
@@ -383,6 +389,8 @@ class EnginePool(Engine):
         return totals | counts
 
     def close(self) -> None:
+        """Closes every member; requests waiting or still in flight fail with `EnginesDownError` ("the engine pool
+        was closed"), without taking any engine out or resending."""
         with self._lock:
             self._closed = True
             waiting, self._waiting = self._waiting, []

@@ -13,6 +13,7 @@ silently get logprob 0, so every batch built here is checked to fit (`check_scor
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -24,9 +25,12 @@ from learner.batch import TrainBatch
 from learner.bucketing import BucketConfig, pad_batch
 from learner.logprob_mode import replay_params
 from learner.sampler_replay import SamplerParams, transforms
-from learner.tasks import EnvironmentTask
+from learner.tasks import REWARD_BOUND, EnvironmentTask
 from rollout_client import RolloutBatch, collate
 from rollout_client.sampling_params import SamplerOrder
+
+logger = logging.getLogger(__name__)
+_LOGGED_REWARD_ERRORS = 5  # out-of-bound rewards named per step; the rest counted
 
 TRAIN_BATCH_DTYPES = TrainBatch(tokens=np.int32, positions=np.int32, attention_mask=np.bool_, loss_mask=np.float32,
                                 advantages=np.float32, rollout_logprobs=np.float32, policy_version=np.int32)
@@ -139,8 +143,27 @@ def _cast(tree, dtypes):
     return jax.tree.map(lambda x, dtype: np.asarray(x, dtype), tree, dtypes)
 
 
+def bounded_rewards(rewards) -> tuple[np.ndarray, list[str]]:
+    """float32 rewards with NaN (skipped) where a task's reward is infinite or beyond ``|r| <= REWARD_BOUND``, and
+    one line per such sample. Checked in float64, before the cast: 1e300 is finite there and inf in float32. A task
+    built on `learner.tasks.RewardSet` skips these itself; a plug-in task's rewards are checked here.
+
+    >>> values, lines = bounded_rewards([1.0, 1e300, float("nan"), -2e6])
+    >>> np.isnan(values).tolist(), len(lines)
+    ([False, True, True, True], 2)
+    >>> print(lines[1])
+    reward -2e+06 of sample 3 is beyond |reward| <= 1e+06 (rewards are trained in float32): skipped
+    """
+    rewards = np.asarray(rewards, np.float64)
+    beyond = ~np.isnan(rewards) & ~(np.abs(rewards) <= REWARD_BOUND)
+    lines = [f"reward {rewards[i]:.6g} of sample {i} is beyond |reward| <= {REWARD_BOUND:g} (rewards are trained in "
+             "float32): skipped" for i in np.flatnonzero(beyond)]
+    return np.where(beyond, np.nan, rewards).astype(np.float32), lines
+
+
 def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[Mapping[str, Any]], task,
-                     spec: PayloadSpec, num_samples: int, logprob_mode: str) -> tuple[Payload, RolloutBatch]:
+                     spec: PayloadSpec, num_samples: int, logprob_mode: str,
+                     reward_errors: list[str] | None = None) -> tuple[Payload, RolloutBatch]:
     """Complete groups -> ``(payload, collated)``: the step's `Payload` (checked against ``spec``) and the
     `rollout_client.collate` batch with the sampler settings the engine echoed.
 
@@ -148,17 +171,25 @@ def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[M
     fully masked padding. Rewards come from ``task.rewards`` with each group's prompt record
     (``rows_of_groups[g]``); a group with a NaN reward (a reward the task skipped, e.g. one that raised) is left out
     too; an environment task's rewards are its episodes' (`learner.rl.episodes.Episode.reward`: NaN after an
-    environment error). Advantages are GRPO's, per group, broadcast over each sample's trained tokens (an episode's
-    observations are masked: `rollout_client.Sample.completion_mask`).
+    environment error). Rewards that are infinite or beyond `learner.tasks.REWARD_BOUND` are skipped the same way
+    (`bounded_rewards`), logged, and their lines appended to ``reward_errors`` when given (the run counts them in
+    ``reward/skipped_samples``). Advantages are GRPO's, per group, broadcast over each sample's trained tokens (an
+    episode's observations are masked: `rollout_client.Sample.completion_mask`).
     """
     complete = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group) == num_samples]
     if not complete:
         raise NoUsableRolloutsError("every group of this rollout batch was dropped (stale or invalid samples)")
     records = [row for group, row in complete for _ in group]
     flat = [s for group, _ in complete for s in group]
-    rewards = np.asarray([s.reward for s in flat] if isinstance(task, EnvironmentTask)  # episodes: the env's
-                         else task.rewards(records, [s.completion_token_ids for s in flat]),
-                         np.float32).reshape(len(complete), num_samples)
+    rewards, lines = bounded_rewards([s.reward for s in flat] if isinstance(task, EnvironmentTask)  # episodes'
+                                     else task.rewards(records, [s.completion_token_ids for s in flat]))
+    rewards = rewards.reshape(len(complete), num_samples)
+    for line in lines[:_LOGGED_REWARD_ERRORS]:
+        logger.warning("%s", line)
+    if len(lines) > _LOGGED_REWARD_ERRORS:
+        logger.warning("... and %d more rewards beyond the bound", len(lines) - _LOGGED_REWARD_ERRORS)
+    if reward_errors is not None:
+        reward_errors.extend(lines)
     scored = ~np.isnan(rewards).any(axis=1)
     if not scored.any():
         raise NoUsableRolloutsError(f"no group of this rollout batch could be scored: {len(groups) - len(complete)} "

@@ -264,9 +264,10 @@ class Run:
         if self.leader:
             groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
+            beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
             try:
                 payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
-                                                     rollout.logprob_mode)
+                                                     rollout.logprob_mode, reward_errors=beyond_bound)
             except NoUsableRolloutsError as error:
                 drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
                          if "dropped" in name and count}
@@ -315,6 +316,7 @@ class Run:
                 "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
+            metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)
         return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
                           proximal_logprobs=proximal[:samples], policy_version=trainer.policy_version,
                           server_version=server_version)

@@ -85,3 +85,16 @@ def test_a_run_whose_every_update_was_skipped_never_finishes(tmp_path, monkeypat
                                                    r"Non-finite at step 3: .*actor/pg_loss.* latest checkpoint is 2"):
         with Run(config, hooks=[CheckpointHook(every=1)]) as run:
             run.train()
+
+
+def test_a_plugin_tasks_reward_beyond_the_bound_is_skipped_and_counted(tmp_path):
+    """A task computing its own rewards (no RewardSet) returns 1e300 for one sample a step: its group is left out,
+    the sample counted in reward/skipped_samples, and the update trains on finite rewards."""
+    config = short_config(tmp_path / "run", "loop.steps=2", "task.args={num_prompts=64}",
+                          'task.name="tests.faults.flaky_reward_task:HugeFirstReward"')
+    with Run(config, hooks=[]) as run:
+        records = list(run.steps())
+    for record in records:
+        assert record.metrics["reward/skipped_samples"] == 1
+        assert record.samples == 2 and record.metrics["rollout/kept_fraction"] == 0.5  # 2 groups of 2, one left out
+        assert np.isfinite(record.metrics["reward/mean"]) and record.metrics["actor/skipped_updates"] == 0

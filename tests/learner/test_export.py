@@ -186,6 +186,22 @@ def test_read_checkpoint_params_reads_a_run_with_a_kl_reference(tmp_path):
         np.testing.assert_array_equal(read[name], value, err_msg=name)
 
 
+def test_export_logs_no_warning(tmp_path, tokenizer, caplog, monkeypatch):
+    """The checkpoint is read as it was written (orbax's step bookkeeping is in ``<step>/``, not in ``state/`` or
+    ``metadata/``): no 'Metadata file does not exist' warning, nor any other, with paths relative to the cwd."""
+    config = ARCHITECTURES["qwen2"]
+    source = write_hf_checkpoint(tmp_path / "source", Transformer(config, rngs=nnx.Rngs(0)), config,
+                                 tokenizer=tokenizer)
+    _, params = _make_run(tmp_path, source, config, {3: 1})
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING"):
+        main(["run", "out"])
+    assert [record.getMessage() for record in caplog.records if record.levelname != "INFO"] == []
+    model = Transformer(config, rngs=nnx.Rngs(9))
+    load_safetensors(model, tmp_path / "out")
+    np.testing.assert_array_equal(_weights(model)["embed/embedding"], params[3]["embed/embedding"])
+
+
 # --- write_hf_checkpoint ------------------------------------------------------------------------------------------
 
 CONFIG = ARCHITECTURES["qwen2"]

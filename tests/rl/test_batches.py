@@ -5,7 +5,7 @@ import pytest
 from rollout_client.sampling_params import SamplerOrder
 
 from learner.rl import PayloadSpec, assemble_payload, demonstration_batch, load_config
-from learner.rl.batches import check_scored_window
+from learner.rl.batches import bounded_rewards, check_scored_window
 from learner.tasks import load_task
 from rollout_client import FinishReason, LogprobMode, Sample, SamplingParams
 
@@ -74,6 +74,39 @@ def test_groups_with_a_skipped_reward_are_left_out():
     with pytest.raises(RuntimeError, match="no group of this rollout batch could be scored: 0 lost samples "
                                            r"\(stale or invalid\), 1 had a skipped reward"):
         assemble_payload(groups[2:], records[2:], _SkipsAnswer7(), spec, 2, "processed")
+
+
+class _HugeOn7:
+    """A plug-in task computing its rewards without `learner.tasks.RewardSet`: float64, 1e300 on completions "7" and
+    -inf on "8" (1e300 is finite in float64 and inf in the float32 the update uses)."""
+
+    tokenizer = TOKENIZER
+
+    def rewards(self, rows, completions):
+        texts = [TOKENIZER.decode(c[:-1]) for c in completions]
+        rewards = TASK.rewards(rows, completions).astype(np.float64)
+        return np.select([np.equal(texts, "7"), np.equal(texts, "8")], [1e300, -np.inf], rewards)
+
+
+def test_a_plugin_tasks_rewards_beyond_the_bound_are_skipped_named_and_counted(caplog):
+    records = [TASK.prompts()[i] for i in range(3)]
+    right = [record["answer"] for record in records]
+    groups = [[_sample(records[0], right[0], "a", 0), _sample(records[0], "7", "a", 1)],  # 1e300: left out
+              [_sample(records[1], right[1], "b", 0), _sample(records[1], "x", "b", 1)],  # rewards 1, 0
+              [_sample(records[2], "8", "c", 0), _sample(records[2], "y", "c", 1)]]  # -inf: left out
+    spec = PayloadSpec(rows=4, length=16, sampling=False, raw=False)
+    errors = []
+    with caplog.at_level("WARNING", logger="learner.rl.batches"):
+        payload, collated = assemble_payload(groups, records, _HugeOn7(), spec, num_samples=2,
+                                             logprob_mode="processed", reward_errors=errors)
+    assert int(payload.real_rows) == 2 and collated.tokens.shape[0] == 2
+    np.testing.assert_array_equal(payload.rewards, [1, 0, 0, 0])
+    assert np.isfinite(payload.batch.advantages).all()
+    assert errors == ["reward 1e+300 of sample 1 is beyond |reward| <= 1e+06 (rewards are trained in float32): "
+                      "skipped", "reward -inf of sample 4 is beyond |reward| <= 1e+06 (rewards are trained in "
+                      "float32): skipped"]
+    assert [record.getMessage() for record in caplog.records] == errors
+    assert np.isnan(bounded_rewards([1e6, -1e6, 1.0000001e6])[0]).tolist() == [False, False, True]  # |r| <= bound
 
 
 def test_a_batch_whose_groups_were_all_dropped_is_an_error():

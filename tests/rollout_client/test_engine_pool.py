@@ -143,3 +143,22 @@ def test_pool_config_errors_name_the_field():
         PoolConfig(max_relaunches=-1)
     with pytest.raises(ValueError, match="give_up_after_s=0: must be > 0"):
         PoolConfig(give_up_after_s=0)
+
+
+def test_closing_the_pool_with_requests_in_flight_takes_no_engine_out(tmp_path, caplog):
+    """A normal exit closes the pool while prefetched requests still run: they fail as 'closed', and the engine is
+    not reported as 'taken out: the engine was replaced while the request ran' (nor are they resent)."""
+    server = launch(tmp_path, "server").process
+    try:  # a client of someone else's server (no process of its own), as server.address makes one
+        member = Member(server.address, TetherEngine(ClientConfig(target=server.address, **CLIENT)))
+        with caplog.at_level("WARNING", logger="rollout_client.engine_pool"):
+            with EnginePool([member]) as pool:
+                pool.submit(RolloutRequest([5, 6, 7], SLOW)).result(timeout=120)  # connected and serving
+                futures = [pool.submit(request) for request in requests(4)]
+            for future in futures:  # each resolved by the close, none left waiting for an engine
+                with pytest.raises(EnginesDownError, match="the engine pool was closed"):
+                    future.result(timeout=60)
+    finally:
+        server.stop()
+    assert [record.getMessage() for record in caplog.records] == []
+    assert pool.metrics()["engines/taken_out"] == 0 and pool.metrics()["engines/redispatched"] == 0
