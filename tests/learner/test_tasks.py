@@ -26,7 +26,8 @@ from learner.tasks import (
     task_names,
 )
 
-DIGIT_TASKS = [name for name in task_names() if name != "dataset"]  # the dataset task needs a file
+# The dataset task needs a file; the calculator is an environment (its tests: tests/rl/test_episodes.py).
+DIGIT_TASKS = [name for name in task_names() if name not in ("dataset", "tool_calculator")]
 PROMPT_12_PLUS_79 = np.concatenate([[TOKENIZER.bos_id], TOKENIZER.encode("12+79"), [TOKENIZER.sep_id]])
 
 
@@ -228,10 +229,12 @@ def test_user_task_instance_loads_without_args(user_tasks):
     ("user_tasks:Nope", None, "task.name='user_tasks:Nope': module 'user_tasks' has no attribute 'Nope'"),
     ("no_such_module:Copy", None, "task.name='no_such_module:Copy': No module named 'no_such_module'"),
     ("foo", None, "task.name='foo': unknown task; registered: addition_1digit, addition_2digit, dataset, "
-                  "reverse_digits, sort_digits (or give an import path 'package.module:attribute')"),
-    ("user_tasks:Copy", {"n": 5, "m": 1}, "task.args: Copy() got an unexpected keyword argument 'm'"),
+                  "reverse_digits, sort_digits, tool_calculator (or give an import path "
+                  "'package.module:attribute')"),
+    ("user_tasks:Copy", {"n": 5, "m": 1}, "task.args: Copy() got an unexpected keyword argument 'm'; valid: n"),
     ("user_tasks:Copy", None, "task.args: Copy() missing a required argument: 'n'"),
-    ("sort_digits", {"digits": 3}, "task.args: sort_digits() got an unexpected keyword argument 'digits'"),
+    ("sort_digits", {"digits": 3}, "task.args: sort_digits() got an unexpected keyword argument 'digits'; valid: "
+                                    "min_length, max_length, num_prompts, seed"),
     ("user_tasks:COPY_3", {"n": 5}, "task.args: 'user_tasks:COPY_3' is a task instance, which takes no args; "
                                     "got ['n']"),
     ("user_tasks:NoRewards", {"n": 5}, "task.name='user_tasks:NoRewards': NoRewards is not a Task: it lacks rewards"),
