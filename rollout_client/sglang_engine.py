@@ -22,6 +22,7 @@ when the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``logprob_mode=R
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from rollout_client.sampling_params import PauseMode
 from rollout_client.smg.dialects import EngineSampling
 from rollout_client.smg.dialects import SmgDialect
 
-__all__ = ["SGLANG", "SGLANG_CAPABILITIES", "SGLangControl", "SGLangEngine", "sglang_generate_request"]
+__all__ = ["SGLANG", "SGLANG_CAPABILITIES", "SGLangControl", "SGLangEngine", "adapter_name", "sglang_generate_request"]
 
 STREAM_INTERVAL = 8  # tokens per streamed chunk: an abort keeps all but the last < 8; fewer messages per sample
 
@@ -87,6 +88,11 @@ SGLANG = SmgDialect(
     logprob_modes=SGLANG_CAPABILITIES.logprob_modes, generate_request=sglang_generate_request,
     abort_requests=lambda ids: [sglang_scheduler_pb2.AbortRequest(request_id=request_id, reason="aborted by Tether")
                                 for request_id in ids])
+
+
+def adapter_name(policy_version: int) -> str:
+    """The name (and ``GenerateRequest.lora_id``) under which an adapter publish serves ``policy_version``."""
+    return f"tether-v{policy_version}"
 
 
 class SGLangControl:
@@ -162,6 +168,10 @@ class SGLangEngine(HttpControlledEngine):
         ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``).
       control_timeout_s: per HTTP call (a weight load takes as long as reading the checkpoint).
       auth_token: SGLang's ``--api-key`` / ``--admin-api-key``, for the HTTP API.
+      publish_adapters: `publish` gets LoRA adapters (``write_checkpoint`` writes a PEFT adapter directory), loads
+        them with ``/load_lora_adapter`` as `adapter_name` (version), unloads the previous version's once the new one
+        serves, and every request names the adapter of the version it was admitted at (``GenerateRequest.lora_id``;
+        the server runs the base with ``--enable-lora``). False: merged weights, ``/update_weights_from_disk``.
     """
 
     name = "sglang"
@@ -170,8 +180,12 @@ class SGLangEngine(HttpControlledEngine):
 
     def __init__(self, config: ClientConfig, control_url: str, write_checkpoint: CheckpointWriter,
                  weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode = LogprobMode.PROCESSED,
-                 keep_weight_versions: int = 2, control_timeout_s: float = 600.0, auth_token: str | None = None):
+                 keep_weight_versions: int = 2, control_timeout_s: float = 600.0, auth_token: str | None = None,
+                 publish_adapters: bool = False):
         self.sglang = SGLangControl(HttpControl(control_url, control_timeout_s, auth_token))
+        self.publish_adapters = publish_adapters
+        if publish_adapters:
+            self.dialect = dataclasses.replace(SGLANG, adapter_id=adapter_name)
         super().__init__(config, self.sglang.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
                          pause_mode=PauseMode.ABORT, keep_weight_versions=keep_weight_versions)
 
@@ -198,12 +212,22 @@ class SGLangEngine(HttpControlledEngine):
         self.sglang.pause(mode)
 
     def _load(self, directory: pathlib.Path, policy_version: int) -> None:
-        self.sglang.update_weights_from_disk(str(directory), str(policy_version))
+        if self.publish_adapters:
+            self.sglang.load_lora_adapter(adapter_name(policy_version), str(directory))
+        else:
+            self.sglang.update_weights_from_disk(str(directory), str(policy_version))
 
     def _resume(self) -> None:
         self.sglang.continue_generation()
 
     def _confirm(self, policy_version: int) -> None:
+        """Merged weights: the served ``weight_version`` is ``policy_version``. Adapters: the load succeeded (its
+        reply said so), and the previous version's adapter, which no request admitted from now on names, is
+        unloaded."""
+        if self.publish_adapters:
+            if self.policy_version is not None:
+                self.sglang.unload_lora_adapter(adapter_name(self.policy_version))
+            return
         served = self.sglang.weight_version()
         if served != str(policy_version):
             raise ControlPlaneError(f"the SGLang engine at {self.sglang.http.base_url} reports weight_version "

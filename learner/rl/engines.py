@@ -34,11 +34,29 @@ from rollout_client.vllm_engine import VllmEngine
 from rollout_client.server.cli import AUTH_TOKEN_ENV
 
 from learner.hf_checkpoint import write_hf_checkpoint
+from learner.peft_export import write_peft_adapter
 from learner.rl.config import RunConfig, client_config, engine_addresses
 from learner.rl.devices import engine_environment
 from learner.safetensors_io import config_to_hf
 
 ENGINES = {"tether": TetherEngine, "mlx": MlxEngine, "sglang": SGLangEngine, "vllm": VllmEngine}  # server.engine
+ADAPTER_ENGINES = ("sglang",)  # their smg GenerateRequest names a LoRA adapter (lora_id); vLLM's has no such field
+
+
+def publishes_adapters(config: RunConfig) -> bool:
+    """Whether publishes send the LoRA adapters alone (``model.lora.publish``; docs/lora.md), not merged weights.
+
+    Raises:
+      ValueError: ``model.lora.publish = "adapter"`` with an engine that cannot name an adapter per request.
+    """
+    lora, engine = config.model.lora, config.server.engine
+    if lora.rank == 0:
+        return False
+    if lora.publish == "adapter" and engine not in ADAPTER_ENGINES:
+        raise ValueError(f"model.lora.publish='adapter': the {engine} engine cannot serve an adapter per request "
+                         f"(only {', '.join(ADAPTER_ENGINES)}: its smg GenerateRequest has lora_id; see docs/lora.md); "
+                         "set model.lora.publish='merged' or 'auto'")
+    return lora.publish == "adapter" or (lora.publish == "auto" and engine in ADAPTER_ENGINES)
 
 
 def requirements(config: RunConfig) -> EngineRequirements:
@@ -170,12 +188,17 @@ def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> En
     tokenizer = trainer.task.tokenizer if hasattr(trainer.task.tokenizer, "save_pretrained") else config.model.hf_path
     writer = functools.partial(write_hf_checkpoint, config=trainer.model_config, tokenizer=tokenizer,
                                eos_token_ids=tuple(eos_ids), overwrite=True)
+    adapters = {}
+    if publishes_adapters(config):
+        writer = functools.partial(write_peft_adapter, lora=trainer.lora, config=trainer.model_config,
+                                   base_model_name_or_path=config.model.hf_path, overwrite=True)
+        adapters = {"publish_adapters": True}
     token = os.environ.get(server.auth_token_env) if server.auth_token_env else None
     client = client_config(config, server.address, auth_token=None, vocab_size=trainer.model_config.vocab_size)
     engine = backend(client, server.control_url, writer, server.weights_dir,
                      logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
                      keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
-                     auth_token=token)
+                     auth_token=token, **adapters)
     try:
         check_capabilities(server.engine, engine.capabilities, requirements(config))
         info = engine.client.model_info

@@ -48,7 +48,7 @@ from learner.checkpoints import Checkpointer
 from learner.lora import base_identity, check_base_identity
 from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity, sampler_order
+from learner.rl.engines import build_engine, check_identity, publishes_adapters, sampler_order
 from learner.rl import migration
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
@@ -174,7 +174,7 @@ class Run:
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
-            weights = self.trainer.host_weights()
+            weights = self._published()
             engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
             rollout = config.rollout
             episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
@@ -188,7 +188,7 @@ class Run:
                                         max_staleness=rollout.max_staleness, prefetch=rollout.max_staleness > 0)
             stack.callback(self.buffer.close)
         else:
-            self.trainer.host_weights()  # the gather is collective: every process takes part in process 0's
+            self._published()  # the gather is collective: every process takes part in process 0's
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
@@ -226,6 +226,11 @@ class Run:
         """The LoRA base's identity (`learner.lora.base_identity`), hashed once per run."""
         model = self.config.model
         return base_identity(model.hf_path, model.name, self.config.loop.seed)
+
+    def _published(self) -> dict:
+        """What a publish sends (a collective gather): the LoRA adapters alone where the engine serves them
+        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base)."""
+        return self.trainer.host_adapters() if publishes_adapters(self.config) else self.trainer.host_weights()
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -290,7 +295,7 @@ class Run:
                 f"finishes). Non-finite at step {step}: {', '.join(nonfinite) or 'the gradient'}. The parameters are "
                 f"unchanged since step {step - skipped}; the latest checkpoint is {self.checkpointer.latest_step()}")
         update_s = time.monotonic() - started - rollout_s
-        weights = trainer.host_weights()
+        weights = self._published()
         rewards = payload.rewards[:samples]
         server_version = None
         if self.leader:

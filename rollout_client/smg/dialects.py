@@ -66,6 +66,8 @@ class SmgDialect:
       abort_requests: engine request ids -> the ``AbortRequest`` messages that abort them.
       complete_repeats_chunks: the final ``complete`` message of a streamed request repeats every token the chunks
         carried (then the chunks are dropped); False: it carries only tokens not streamed (often none).
+      adapter_id: policy version -> the LoRA adapter that serves it, set as ``GenerateRequest.lora_id`` on the
+        requests admitted at that version (SGLang's adapter publish); None: the engine's weights serve it.
     """
 
     name: str
@@ -76,6 +78,7 @@ class SmgDialect:
     generate_request: Callable[[str, Sequence[int], EngineSampling], object]
     abort_requests: Callable[[Sequence[str]], list]
     complete_repeats_chunks: bool = False
+    adapter_id: Callable[[int], str] | None = None
 
 
 def _mlx_generate_request(request_id: str, prompt: Sequence[int], sampling: EngineSampling):

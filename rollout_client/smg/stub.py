@@ -212,8 +212,10 @@ class _FanOut:
         delivered = False
         try:
             stub.engine_calls += 1
-            call = stub.engine.Generate(stub.dialect.generate_request(engine_id, prompt, sent),
-                                        timeout=self._timeout, metadata=self._metadata)
+            message = stub.dialect.generate_request(engine_id, prompt, sent)
+            if stub.dialect.adapter_id is not None:
+                message.lora_id = stub.dialect.adapter_id(version)
+            call = stub.engine.Generate(message, timeout=self._timeout, metadata=self._metadata)
             async for response in call:
                 kind = response.WhichOneof("response")
                 part = getattr(response, kind)

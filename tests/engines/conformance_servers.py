@@ -130,6 +130,8 @@ class FakeSglangScheduler(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
 
     def Generate(self, request, context):
         self.engine.generate_requests.append(request)
+        if request.lora_id and request.lora_id not in self.engine.lora_adapters:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_id!r} is not loaded")
         params = request.sampling_params
         stops = set() if params.ignore_eos else {*params.stop_token_ids, EOS}
         interval = params.stream_interval if params.HasField("stream_interval") else 1

@@ -7,9 +7,15 @@ what goes on the wire (every sampling field explicit, with the value meant), how
 SGLang samples and loads as its source says.
 """
 
+import functools
+import json
+
 import numpy as np
 import pytest
 
+from learner.lora import LoraConfig
+from learner.model import model_config
+from learner.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
 from rollout_client import ClientConfig, FinishReason, LogprobMode, RolloutRequest, SamplingParams, ValidationConfig
 from rollout_client.errors import ServerNotReadyError
 from rollout_client.http_control import ControlPlaneError, ControlPlaneUnavailableError
@@ -198,3 +204,43 @@ def test_lora_adapters_load_and_unload_protocol_conformance(servers, engine, tmp
     calls = [(method, path, body) for method, path, _, body in servers.engine.http_calls]
     assert calls[0] == ("POST", "/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": str(adapter)})
     assert calls[-1] == ("POST", "/unload_lora_adapter", {"lora_name": "policy-v1"})
+
+
+def test_adapter_publish_loads_the_versioned_adapter_and_requests_name_it_protocol_conformance(servers, tmp_path):
+    """``publish_adapters``: each publish writes the PEFT adapter as ``weights_dir/v<version>``, then pause ->
+    ``/load_lora_adapter tether-v<version>`` -> continue -> ``/unload_lora_adapter`` of the previous version; no
+    ``/update_weights_from_disk``; every request names the adapter of its version in ``GenerateRequest.lora_id``."""
+    servers.reset()
+    lora = LoraConfig(rank=2, alpha=4.0)
+    config = model_config("tiny")
+    rng = np.random.default_rng(0)
+    writer = functools.partial(write_peft_adapter, lora=lora, config=config, overwrite=True)
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                       validation=ValidationConfig(vocab_size=VOCAB)),
+                          servers.http.url, writer, tmp_path / "weights", publish_adapters=True)
+    try:
+        adapters = {"layers/0/attn/q_proj/lora/a": rng.normal(size=(64, 2)).astype(np.float32),
+                    "layers/0/attn/q_proj/lora/b": rng.normal(size=(2, 4, 16)).astype(np.float32)}
+        samples = []
+        for version in (1, 2):
+            assert engine.publish(version, adapters) == version
+            (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=3, stop_token_ids=()))
+                                      ).result(timeout=30)
+            samples.append(sample)
+    finally:
+        engine.close()
+    first, second = (tmp_path / "weights" / name for name in ("v000000000001", "v000000000002"))
+    calls = [(method, path, body) for method, path, _, body in servers.engine.http_calls]
+    assert calls == [("POST", "/pause_generation", {"mode": "abort"}),
+                     ("POST", "/load_lora_adapter", {"lora_name": "tether-v1", "lora_path": str(first)}),
+                     ("POST", "/continue_generation", {}),
+                     ("POST", "/pause_generation", {"mode": "abort"}),
+                     ("POST", "/load_lora_adapter", {"lora_name": "tether-v2", "lora_path": str(second)}),
+                     ("POST", "/continue_generation", {}),
+                     ("POST", "/unload_lora_adapter", {"lora_name": "tether-v1"})]
+    assert servers.engine.lora_adapters == {"tether-v2": str(second)}
+    for directory in (first, second):
+        assert sorted(path.name for path in directory.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+        assert json.loads((directory / ADAPTER_CONFIG).read_text())["r"] == 2
+    assert [request.lora_id for request in servers.engine.generate_requests] == ["tether-v1", "tether-v2"]
+    assert [sample.policy_versions.tolist() for sample in samples] == [[1, 1, 1], [2, 2, 2]]

@@ -7,8 +7,8 @@ import pytest
 
 from learner.model import model_config
 from learner.rl import load_config
-from learner.rl.engines import (ENGINES, build_engine, check_identity, learner_identity, reference_server_args,
-                                requirements)
+from learner.rl.engines import (ENGINES, build_engine, check_identity, learner_identity, publishes_adapters,
+                                reference_server_args, requirements)
 from rollout_client.sglang_engine import SGLangEngine
 from rollout_client.vllm_engine import VllmEngine
 from rollout_client import (EngineCapabilities, EngineCapabilityError, EngineInfo, LogprobMode, MlxEngine,
@@ -130,3 +130,17 @@ def test_reference_server_is_built_from_the_hf_checkpoint_when_there_is_one():
     assert from_checkpoint[:4] == ["--hf-path", "/ckpt", "--param-dtype", "bfloat16"]
     assert "--model-config" not in from_checkpoint and from_checkpoint[from_checkpoint.index("--eos-ids") + 1:][:2] == [
         "2", "7"]
+
+
+def test_adapter_publish_only_where_a_request_can_name_the_adapter():
+    """vLLM's smg ``GenerateRequest`` has no LoRA field: a LoRA run publishes merged weights to it ("auto") and is
+    refused, by key, when it asks for adapter publish; SGLang's "auto" publishes the adapter."""
+    lora = ["model.lora.rank=4"]
+    with pytest.raises(ValueError, match=r"model.lora.publish='adapter': the vllm engine cannot serve an adapter"):
+        publishes_adapters(load_config(None, [*lora, "model.lora.publish=adapter", "server.engine=vllm"]))
+    with pytest.raises(ValueError, match=r"model.lora.publish='adapter': the tether engine"):
+        publishes_adapters(load_config(None, [*lora, "model.lora.publish=adapter"]))
+    assert not publishes_adapters(load_config(None, [*lora, "server.engine=vllm"]))
+    assert publishes_adapters(load_config(None, [*lora, "server.engine=sglang"]))
+    assert not publishes_adapters(load_config(None, [*lora, "model.lora.publish=merged", "server.engine=sglang"]))
+    assert not publishes_adapters(load_config(None, ["model.lora.publish=adapter", "server.engine=vllm"]))  # no LoRA
