@@ -82,13 +82,15 @@ class EchoTask:
 
 class CountingEngine(Engine):
     """In-process engine: completion ``[100 + k, 101 + k, 102 + k]`` for the k-th request, logprob ``-(k + 1)``,
-    stamped with its current version; records every request. ``delay_s`` makes requests overlap."""
+    stamped with its current version; records every request. ``delay_s`` makes requests overlap; with
+    ``hold_until=n`` no request is answered before n have arrived (or 60 s passed)."""
 
     name = "counting"
     capabilities = None
 
-    def __init__(self, delay_s=0.0):
-        self.requests, self.version, self.delay_s = [], 0, delay_s
+    def __init__(self, delay_s=0.0, hold_until=0):
+        self.requests, self.version, self.delay_s, self.hold_until = [], 0, delay_s, hold_until
+        self.arrived = threading.Event()
         self.pool = concurrent.futures.ThreadPoolExecutor(32)
         self.lock = threading.Lock()
 
@@ -100,8 +102,11 @@ class CountingEngine(Engine):
             k = len(self.requests)
             self.requests.append(request)
             version = self.version
+            if len(self.requests) >= self.hold_until:
+                self.arrived.set()
 
         def run():
+            self.arrived.wait(timeout=60)
             time.sleep(self.delay_s)
             n = min(3, request.sampling.max_new_tokens)
             ids = np.arange(100 + k, 100 + k + n, dtype=np.int32)
@@ -249,12 +254,14 @@ def test_a_failed_reset_gives_an_episode_without_policy_tokens_that_the_buffer_a
 
 
 def test_turns_of_many_episodes_interleave_on_the_engine():
-    engine = CountingEngine(delay_s=0.05)
+    # No first turn is answered before all 16 have arrived (a loaded machine cannot reorder them); episodes run one
+    # after another would wait out the 60 s hold and alternate turns.
+    engine = CountingEngine(hold_until=16)
     task = EchoTask(done_after=2)
     episode_engine = EpisodeEngine(engine, task)
     futures = [episode_engine.submit(EpisodeRequest(task.prompts()[i], SamplingParams(), num_samples=4))
                for i in range(4)]
-    groups = [f.result(timeout=60) for f in futures]
+    groups = [f.result(timeout=120) for f in futures]
     assert [len(g) for g in groups] == [4] * 4
     turn_of = [int(r.request_id.rsplit("-", 1)[1]) for r in engine.requests]
     # Sequential episodes would alternate 0, 1, 0, 1, ...; in flight together, the first turns all come first.
