@@ -12,7 +12,7 @@ corrections with recompute, the completion half of every row trained), ``--rows`
 Every worker reports its device's peak memory in use. Results go to ``--out`` as ``bench_gpu.json`` and a Markdown
 table (also printed). On the CPU it runs at tiny shapes (what tests/test_bench_gpu.py checks):
 
-    python scripts/bench_gpu.py --out /tmp/bench                                              # on a GPU
+    python scripts/bench_gpu.py --out bench_out                                                # on a GPU
     python scripts/bench_gpu.py --compare tiny --mfu tiny --rows 2 --length 64 --peak-size 256 --rounds 1 --calls 1
 """
 

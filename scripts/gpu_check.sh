@@ -52,10 +52,11 @@ export PYTHONPATH="$PWD"
 if [[ $MODE == gpu ]]; then
   if compgen -G ".whl/*.whl" > /dev/null; then
     # pip when the image has it, else the wheels unpacked as they are (a wheel is a zip of its site-packages files)
-    step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-      || { step wheels_unzipped 60 bash -c 'for w in .whl/*.whl; do "$0" -m zipfile -e "$w" /tmp/site || exit 1; done' \
-             "$PYTHON" && FAILURES=$((FAILURES - 1)); }  # unpacked: pip's failure does not count
-    export PYTHONPATH="/tmp/site:$PWD"
+    site=$(mktemp -d)  # the carried packages, first on the path
+    step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl \
+      || { step wheels_unzipped 60 bash -c 'for w in .whl/*.whl; do "$0" -m zipfile -e "$w" "$1" || exit 1; done' \
+             "$PYTHON" "$site" && FAILURES=$((FAILURES - 1)); }  # unpacked: pip's failure does not count
+    export PYTHONPATH="$site:$PWD"
   else
     note "wheels: none in .whl/ (the image must have every package)"
   fi
