@@ -16,13 +16,14 @@ Goals (issue #32): LoRA's update time <= full fine-tuning's, its optimizer state
 it briefly (``--model tiny``); on a quiet machine or a GPU::
 
     python scripts/bench_lora.py --model qwen2-0.5b --batch 8 --length 256 --steps 5
-    python scripts/bench_lora.py --model llama-1b --batch 8 --length 512 --steps 5   # a GPU
+    python scripts/bench_lora.py --model llama-1b --batch 8 --length 1024 --steps 5 --dtype bfloat16   # a GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import resource
 import statistics
 import subprocess
@@ -47,7 +48,7 @@ def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree) if hasattr(leaf, "dtype"))
 
 
-def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: int) -> dict:
+def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: int, dtype: str) -> dict:
     """One mode's numbers, in this process."""
     import dataclasses
 
@@ -63,7 +64,7 @@ def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: in
     from learner.update import UpdateConfig, make_update_fn
     from scripts.bench_learner import synthetic_batch
 
-    config = model_config(model)
+    config = model_config(model, dtype=dtype)  # float32 parameters (the frozen base too), ``dtype`` compute
     if mode == "lora":
         config = dataclasses.replace(config, lora=LoraConfig(rank=rank, alpha=2.0 * rank))
     mesh = make_mesh(data=-1)
@@ -87,7 +88,8 @@ def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: in
         times.append(time.perf_counter() - start)
     base_bytes = _nbytes(nnx.state(nnx.eval_shape(lambda: Transformer(dataclasses.replace(config, lora=None),
                                                                       rngs=nnx.Rngs(0)))))
-    row = dict(mode=mode, model=model, rank=rank if mode == "lora" else None, batch=batch, length=length,
+    row = dict(mode=mode, model=model, rank=rank if mode == "lora" else None, batch=batch, length=length, dtype=dtype,
+               backend=jax.default_backend(),
                trainable_mb=_nbytes(state.params) / 1e6, opt_state_mb=_nbytes(state.opt_state) / 1e6,
                peak_memory_mb=_peak_memory_mb(), compile_s=compile_s, update_s=statistics.median(times),
                publish_mb=_nbytes(state.params) / 1e6)
@@ -103,24 +105,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed update calls after the compiling one")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    parser.add_argument("--out", help="also write the rows and the ratios to this JSON file")
     parser.add_argument("--mode", choices=MODES, help="measure one mode in this process (the driver's workers)")
     args = parser.parse_args()
     if args.mode:
-        print(json.dumps(measure(args.mode, args.model, args.rank, args.batch, args.length, args.steps)))
+        print(json.dumps(measure(args.mode, args.model, args.rank, args.batch, args.length, args.steps, args.dtype)))
         return
     rows = []
     for mode in MODES:  # one process each: the peak memory is the mode's own
         done = subprocess.run([sys.executable, "-m", "scripts.bench_lora", "--mode", mode, "--model", args.model,
                                "--rank", str(args.rank), "--batch", str(args.batch), "--length", str(args.length),
-                               "--steps", str(args.steps)], capture_output=True, text=True, check=True)
+                               "--steps", str(args.steps), "--dtype", args.dtype], capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"bench_lora: the {mode} worker failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
     full, lora = rows
-    for row in rows:
-        print(json.dumps(row))
-    print(f"LoRA / full: optimizer state {lora['opt_state_mb'] / full['opt_state_mb']:.4f} (goal <= 0.05), "
-          f"update time {lora['update_s'] / full['update_s']:.3f} (goal <= 1), peak memory "
-          f"{lora['peak_memory_mb'] / full['peak_memory_mb']:.3f}, "
-          f"publish {lora['publish_mb'] / full['publish_mb']:.4f}")
+    ratios = {key: lora[key] / full[key] for key in ("opt_state_mb", "update_s", "peak_memory_mb", "publish_mb")}
+    print(f"LoRA / full: optimizer state {ratios['opt_state_mb']:.4f} (goal <= 0.05), "
+          f"update time {ratios['update_s']:.3f} (goal <= 1), peak memory {ratios['peak_memory_mb']:.3f}, "
+          f"publish {ratios['publish_mb']:.4f}")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps({"rows": rows, "lora_over_full": ratios}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

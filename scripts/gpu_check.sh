@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28's checks on the GPU machine in ONE command, from the checkout's root: installs the carried wheels (.whl/),
 # runs tests/accelerator/ (golden logits and the update against the CPU's; then the main job for 60 steps), then the
-# benchmark (scripts/bench_gpu.py: Tether vs tunix at qwen2-0.5b, MFU at llama-1b), each step under its own timeout,
+# benchmarks (scripts/bench_gpu.py: Tether vs tunix at qwen2-0.5b; scripts/bench_lora.py: LoRA vs full fine-tuning
+# at llama-1b; bench_gpu.py: MFU at llama-1b), each step under its own timeout,
 # with JAX_PLATFORMS=cuda so that a CPU fallback cannot pass. A failing or timed-out step does not stop the later
 # ones. Everything is written under OUT_DIR (default: $OUT, the device tool's output folder, else ./gpu_check_out);
 # the summary (each step's status, the tests' key numbers, the benchmark tables) is printed at the end.
@@ -63,10 +64,12 @@ if [[ $MODE == gpu ]]; then
   export JAX_PLATFORMS=cuda
   BENCH_COMPARE=(--compare qwen2-0.5b --mfu "")
   BENCH_MFU=(--compare "" --mfu llama-1b)
+  BENCH_LORA=(--model llama-1b --batch 8 --length 1024 --steps 5 --dtype bfloat16)
 else
   export JAX_PLATFORMS=cpu TETHER_ACCELERATOR_TESTS_ON_CPU=1
   BENCH_COMPARE=(--compare tiny --mfu "" --rows 2 --length 64 --rounds 1 --calls 1)
   BENCH_MFU=(--compare "" --mfu tiny --rows 2 --length 64 --rounds 1 --calls 1 --peak-size 256)
+  BENCH_LORA=(--model tiny --batch 2 --length 64 --steps 1)
 fi
 export JAX_ENABLE_COMPILATION_CACHE=false  # every compile is measured as a user's first one
 
@@ -99,6 +102,8 @@ tests accelerator_tests 120 tests/accelerator/test_golden_logits.py tests/accele
 tests main_job 200 tests/accelerator/test_main_job.py  # main at staleness 1: 108 s for 60 steps
 
 wanted bench_compare && step bench_compare 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_COMPARE[@]}" --out "$OUT_DIR/bench_compare"
+wanted bench_lora && step bench_lora 120 "$PYTHON" scripts/bench_lora.py "${BENCH_LORA[@]}" --out "$OUT_DIR/bench_lora.json" \
+  && grep -E "^LoRA / full" "$OUT_DIR/bench_lora.log" | tee -a "$SUMMARY"
 wanted bench_mfu && step bench_mfu 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
 for table in "$OUT_DIR"/bench_compare/bench_gpu.md "$OUT_DIR"/bench_mfu/bench_gpu.md; do
   [[ -f $table ]] && tee -a "$SUMMARY" < "$table"
