@@ -107,8 +107,9 @@ class LoRA(nnx.Module):
         return (x.astype(a.dtype) @ a) @ (self.scale * b.reshape(b.shape[0], -1))
 
 
-def attach_adapters(model: nnx.Module, config: LoraConfig, projection_type: type, rngs: nnx.Rngs) -> None:
-    """Gives every ``projection_type`` module of ``model`` whose path matches ``config.targets`` a `LoRA`.
+def adapter_targets(model: nnx.Module, config: LoraConfig, projection_type: type) -> list[tuple[tuple, nnx.Module]]:
+    """``(path, module)`` of every ``projection_type`` module of ``model`` that gets adapters, in the order their
+    adapters draw from the random stream (sorted paths).
 
     Raises:
         ValueError: no projection matches (naming ``model.lora.targets``).
@@ -118,10 +119,19 @@ def attach_adapters(model: nnx.Module, config: LoraConfig, projection_type: type
     if not targets:
         raise ValueError(f"model.lora.targets={list(config.targets)!r} matches no projection; paths look like "
                          "\"layers/0/attn/q_proj\" or \"layers/0/mlp/down_proj\".")
-    for _, module in sorted(targets, key=lambda item: tuple(map(str, item[0]))):
-        kernel = module.kernel
-        module.lora = nnx.data(LoRA(kernel.shape[:module.num_in_axes], kernel.shape[module.num_in_axes:], config,
-                                    rngs=rngs))
+    return sorted(targets, key=lambda item: tuple(map(str, item[0])))
+
+
+def adapter_shapes(projection: nnx.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(in_shape, out_shape)`` of the `LoRA` of a projection (its kernel is ``in_shape + out_shape``)."""
+    shape = projection.kernel.shape
+    return tuple(shape[:projection.num_in_axes]), tuple(shape[projection.num_in_axes:])
+
+
+def attach_adapters(model: nnx.Module, config: LoraConfig, projection_type: type, rngs: nnx.Rngs) -> None:
+    """Gives every ``projection_type`` module of ``model`` whose path matches ``config.targets`` a `LoRA`."""
+    for _, module in adapter_targets(model, config, projection_type):
+        module.lora = nnx.data(LoRA(*adapter_shapes(module), config, rngs=rngs))
 
 
 def trainable(config) -> nnx.filterlib.Filter:

@@ -1,7 +1,7 @@
 """The Transformer's initial parameters, built in their shardings by a few small programs, one per kind of part.
 
 One jitted program for the token embedding, one for a transformer block (compiled once, run for every layer), one
-for the final norm, one for the output head and, with LoRA, one for the adapters. A single program for the whole model (what
+for the final norm, one for the output head and, with LoRA, one for a layer's adapters (also run for every layer). A single program for the whole model (what
 ``jax.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))`` is) holds one threefry expansion per kernel, so its
 size grows with the number of layers (~70k HLO instructions at the qwen2-0.5b shape) and XLA:GPU compiled it for
 minutes. The parts draw from one ``nnx.Rngs(seed)`` stream in the Transformer's construction order, the stream's
@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from learner.lora import FROZEN, LoRAParam, attach_adapters, base_config
+from learner.lora import FROZEN, LoRA, LoraConfig, adapter_shapes, adapter_targets
 from learner.model import Block, ModelConfig, Projection, RMSNorm, Transformer, output_head, token_embedding
 
 
@@ -57,11 +57,18 @@ def init_sharded_params(config: ModelConfig, shardings: nnx.State, seed: int = 0
             programs[key] = jax.jit(_part_program(build, rngs_graphdef), out_shardings=(part_shardings, replicated))
         part_state, rngs_state = programs[key](rngs_state)
         nnx.update(module, part_state)
-    if config.lora is not None:  # drawn last, as Transformer.__init__ attaches them after the base
-        adapter_shardings = nnx.filter_state(shardings, LoRAParam)
-        program = jax.jit(_adapter_program(config, rngs_graphdef), out_shardings=(adapter_shardings, replicated))
-        adapters, rngs_state = program(rngs_state)
-        nnx.update(model, adapters)
+    if config.lora is not None:  # drawn last, as Transformer.__init__ attaches them after the base, in its order
+        for group in _adapter_groups(model, config):
+            group_shardings = [_at(shardings, path)["lora"] for path, _ in group]
+            shapes = tuple(adapter_shapes(module) for _, module in group)
+            leaves, treedef = jax.tree.flatten(group_shardings)
+            key = (LoRA, shapes, treedef, tuple(leaves))
+            if key not in programs:
+                programs[key] = jax.jit(_adapter_program(shapes, config.lora, rngs_graphdef),
+                                        out_shardings=(group_shardings, replicated))
+            adapters, rngs_state = programs[key](rngs_state)
+            for (_, module), adapter in zip(group, adapters):
+                nnx.update(module.lora, adapter)
     params = nnx.state(model)
     unset = [path for path, leaf in jax.tree.leaves_with_path(params) if not isinstance(leaf, jax.Array)]
     if unset:  # a part of the Transformer this module does not build
@@ -80,13 +87,33 @@ def _part_program(build: Callable[[nnx.Rngs], nnx.Module], rngs_graphdef: nnx.Gr
     return program
 
 
-def _adapter_program(config: ModelConfig, rngs_graphdef: nnx.GraphDef
-                     ) -> Callable[[nnx.State], tuple[nnx.State, nnx.State]]:
-    """``rngs state -> (the LoRA adapters of config's model, the advanced rngs state)``, to be jitted; the base they
-    attach to is abstract (only its shapes are read)."""
+def _adapter_groups(model: Transformer, config: ModelConfig) -> list[list[tuple[tuple, Projection]]]:
+    """The targeted projections in their drawing order, cut into runs of one layer each (``layers/<i>/...``; any
+    other target is a run of its own): every layer with the same targets then shares one program."""
+    groups: list[list[tuple[tuple, Projection]]] = []
+    owner = None
+    for path, module in adapter_targets(model, config.lora, Projection):
+        path_owner = tuple(map(str, path[:2])) if path[0] == "layers" else tuple(map(str, path))
+        if path_owner != owner:
+            groups.append([])
+            owner = path_owner
+        groups[-1].append((path, module))
+    return groups
+
+
+def _at(state: nnx.State, path: tuple) -> nnx.State:
+    """The sub-state of ``state`` at a module's ``path``."""
+    for key in path:
+        state = state[key]
+    return state
+
+
+def _adapter_program(shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], lora: LoraConfig,
+                     rngs_graphdef: nnx.GraphDef) -> Callable[[nnx.State], tuple[list[nnx.State], nnx.State]]:
+    """``rngs state -> (the states of a LoRA per (in_shape, out_shape) of shapes, the advanced rngs state)``, to be
+    jitted; one run builds one layer's adapters."""
     def program(rngs_state):
         rngs = nnx.merge(rngs_graphdef, rngs_state)
-        model = nnx.eval_shape(lambda: Transformer(base_config(config), rngs=nnx.Rngs(0)))
-        attach_adapters(model, config.lora, Projection, rngs)
-        return nnx.state(model, LoRAParam), nnx.state(rngs)
+        adapters = [nnx.state(LoRA(in_shape, out_shape, lora, rngs=rngs)) for in_shape, out_shape in shapes]
+        return adapters, nnx.state(rngs)
     return program

@@ -29,7 +29,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from learner.lora import FROZEN, trainable
+from learner.lora import base_config, trainable
 from learner.model import ModelConfig, Transformer
 from learner.param_init import init_sharded_params
 from learner.sharding import DEFAULT_RULES, Rules, state_shardings
@@ -131,7 +131,7 @@ def create_sharded_frozen(config: ModelConfig, mesh: Mesh, *, seed: int = 0, rul
     """
     if config.lora is None:
         return None, None
-    frozen = nnx.filter_state(_sharded_model_state(config, mesh, seed, rules), FROZEN)
+    frozen = _sharded_model_state(base_config(config), mesh, seed, rules)  # adapters are drawn after the base
     return frozen, state_shardings(frozen, mesh, rules)
 
 

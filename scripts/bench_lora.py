@@ -48,6 +48,10 @@ def _nbytes(tree) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree) if hasattr(leaf, "dtype"))
 
 
+def _progress(mode: str, message: str) -> None:
+    print(f"bench_lora [{mode}]: {message}", file=sys.stderr, flush=True)  # on stderr: a timeout shows where
+
+
 def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: int, dtype: str) -> dict:
     """One mode's numbers, in this process."""
     import dataclasses
@@ -72,14 +76,18 @@ def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: in
     update_config = UpdateConfig(
         corrections=corrections.CorrectionConfig(importance=corrections.ImportanceWeights("token", high=2.0)),
         logprob_chunk_size=min(length, 512))
+    start = time.perf_counter()
     graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
     frozen, frozen_shardings = create_sharded_frozen(config, mesh)
+    jax.block_until_ready((state, frozen))
+    _progress(mode, f"train state built in {time.perf_counter() - start:.1f} s")
     update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings, frozen_shardings=frozen_shardings)
     data = synthetic_batch(config, batch, length)
     start = time.perf_counter()
     state, metrics, _ = update(state, data, None, frozen)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - start
+    _progress(mode, f"first update (compile included) in {compile_s:.1f} s")
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -116,9 +124,9 @@ def main() -> None:
     for mode in MODES:  # one process each: the peak memory is the mode's own
         done = subprocess.run([sys.executable, "-m", "scripts.bench_lora", "--mode", mode, "--model", args.model,
                                "--rank", str(args.rank), "--batch", str(args.batch), "--length", str(args.length),
-                               "--steps", str(args.steps), "--dtype", args.dtype], capture_output=True, text=True)
+                               "--steps", str(args.steps), "--dtype", args.dtype], stdout=subprocess.PIPE, text=True)
         if done.returncode:
-            sys.exit(f"bench_lora: the {mode} worker failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            sys.exit(f"bench_lora: the {mode} worker failed (exit {done.returncode}; its stderr is above)")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     full, lora = rows

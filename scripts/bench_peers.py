@@ -383,7 +383,8 @@ def worker_env(cache_dir: pathlib.Path | None = None, memory_fraction: float | N
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false" if cache_dir is None else "true"
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1])
+    inherited = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]  # e.g. carried wheels
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]), *inherited])
     return env
 
 

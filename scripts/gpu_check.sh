@@ -102,7 +102,7 @@ tests accelerator_tests 120 tests/accelerator/test_golden_logits.py tests/accele
 tests main_job 200 tests/accelerator/test_main_job.py  # main at staleness 1: 108 s for 60 steps
 
 wanted bench_compare && step bench_compare 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_COMPARE[@]}" --out "$OUT_DIR/bench_compare"
-wanted bench_lora && step bench_lora 120 "$PYTHON" scripts/bench_lora.py "${BENCH_LORA[@]}" --out "$OUT_DIR/bench_lora.json" \
+wanted bench_lora && step bench_lora 240 "$PYTHON" scripts/bench_lora.py "${BENCH_LORA[@]}" --out "$OUT_DIR/bench_lora.json" \
   && grep -E "^LoRA / full" "$OUT_DIR/bench_lora.log" | tee -a "$SUMMARY"
 wanted bench_mfu && step bench_mfu 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
 for table in "$OUT_DIR"/bench_compare/bench_gpu.md "$OUT_DIR"/bench_mfu/bench_gpu.md; do

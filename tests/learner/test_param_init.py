@@ -45,26 +45,32 @@ def test_lora_adapters_and_base_equal_the_single_program_init():
     assert [leaf.sharding for leaf in jax.tree.leaves(frozen)] == jax.tree.leaves(frozen_shardings)
 
 
-def _compiled_normal_draws(tmp_path, num_layers):
-    """Calls of ``jax.random.normal`` (``_normal``) in every program compiled while building a state with
-    ``num_layers`` blocks (XLA inlines each into its own threefry expansion)."""
+def _compiled_random_draws(tmp_path, num_layers, lora):
+    """Calls of ``jax.random.normal`` / ``uniform`` (``_normal``, ``_uniform``: LoRA's ``a``) in every program compiled
+    while building a train state (and, with LoRA, the frozen base) with ``num_layers`` blocks (XLA inlines each into
+    its own threefry expansion)."""
     dump = tmp_path / f"layers{num_layers}"
     # A shape no other test compiles, so that the first build's programs are not in memory already.
-    config = model_config("tiny", hidden_size=40, head_dim=10, intermediate_size=72, num_layers=num_layers)
+    config = model_config("tiny", hidden_size=40, head_dim=10, intermediate_size=72, num_layers=num_layers,
+                          lora=lora)
+    mesh = make_mesh(data=4, tensor=2)
     previous = jax.config.read("jax_dump_ir_to")
     jax.config.update("jax_dump_ir_to", str(dump))
     try:
-        create_sharded_train_state(config, optax.adamw(1e-3), make_mesh(data=4, tensor=2))
+        create_sharded_train_state(config, optax.adamw(1e-3), mesh)
+        create_sharded_frozen(config, mesh)
     finally:
         jax.config.update("jax_dump_ir_to", previous)
-    return sum(len(re.findall(r"call @_normal", f.read_text())) for f in dump.glob("*.mlir"))
+    return sum(len(re.findall(r"call @_(normal|uniform)\b", f.read_text())) for f in dump.glob("*.mlir"))
 
 
-def test_init_programs_do_not_grow_with_the_number_of_layers(tmp_path):
+@pytest.mark.parametrize("lora", [None, LoraConfig(rank=2)], ids=["full", "lora"])
+def test_init_programs_do_not_grow_with_the_number_of_layers(tmp_path, lora):
     """One threefry expansion per kernel in one program made XLA:GPU compile the init for minutes: the programs
-    compiled for 8 blocks draw no more normals than for 2 (the block's program is compiled once, reused). The
-    single-program init drew 23 and 65 here."""
-    two = _compiled_normal_draws(tmp_path, 2)
-    eight = _compiled_normal_draws(tmp_path, 8)
+    compiled for 8 blocks draw no more than for 2 (the block's program, and a layer's adapters' program, are compiled
+    once and reused). The single-program init drew 23 and 65 normals here; with LoRA the one adapter program (and
+    the base built twice) drew 32 and 92 (an H100 took 87 s to build llama-1b's LoRA state that way; now 17 and 17)."""
+    two = _compiled_random_draws(tmp_path, 2, lora)
+    eight = _compiled_random_draws(tmp_path, 8, lora)
     assert two > 0  # the dump saw the init programs
     assert eight <= two
