@@ -214,7 +214,7 @@ def test_lora_adapters_load_under_caller_minted_ids_over_grpc_protocol_conforman
     assert (load.lora_name, load.lora_path, load.pinned, load.lora_id) == ("policy", str(adapter), False, "id-7")
     unload = [request for name, request in servers.engine.lora_calls if name == "UnloadLoRAAdapter"][-1]
     assert (unload.lora_name, unload.lora_id) == ("policy", "id-7")
-    assert servers.engine.http_calls == []  # nothing over HTTP: SGLang's /load_lora_adapter mints ids requests cannot name
+    assert servers.engine.http_calls == []  # not over HTTP: SGLang's /load_lora_adapter mints ids no request knows
 
     servers.reset()
     servers.engine.lora_rpcs = False
