@@ -81,7 +81,7 @@ class SGLangAdapters:
 
     def _call(self, method: str, request):
         try:
-            return self.client.engine_call(method, request)
+            return self.client.engine_rpc(method, request)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise ControlPlaneError(f"SglangScheduler.{method} at the SGLang engine {self.address}: "

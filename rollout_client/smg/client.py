@@ -50,7 +50,7 @@ class AsyncSmgClient(AsyncRolloutClient):
         if self._info is not None:
             self._info.policy_version = policy_version
 
-    async def engine_call(self, method: str, request):
+    async def engine_rpc(self, method: str, request):
         """One unary RPC of the engine's own service (e.g. SGLang's ``LoadLoRAAdapter``), with the control deadline
         and the client's credentials; returns its reply (a gRPC error propagates)."""
         return await self._stub.call(method, request, self.config.control_deadline_s, self._metadata)
@@ -107,6 +107,6 @@ class SmgClient(RolloutClient):
     def release(self, policy_version: int) -> None:
         self._run(self._client.release(policy_version))
 
-    def engine_call(self, method: str, request):
-        """`AsyncSmgClient.engine_call`, blocking."""
-        return self._run(self._client.engine_call(method, request))
+    def engine_rpc(self, method: str, request):
+        """`AsyncSmgClient.engine_rpc`, blocking."""
+        return self._run(self._client.engine_rpc(method, request))
