@@ -218,12 +218,16 @@ class SGLangEngine(HttpControlledEngine):
         self.sglang.continue_generation()
 
     def _confirm(self, policy_version: int) -> None:
-        """Merged weights: the served ``weight_version`` is ``policy_version``. Adapters: the load succeeded and the
-        engine lists the new id (checked by `SGLangAdapters.load`), and the previous version's adapter, which no
-        request admitted from now on names, is unloaded (the engine's adapter slots do not fill up)."""
+        """Merged weights: the served ``weight_version`` is ``policy_version``. Adapters: the engine lists the new
+        adapter's id, and the previous version's adapter, which no request admitted from now on names, is unloaded
+        if the engine still holds it (its adapter slots do not fill up)."""
         if self.publish_adapters:
-            if self.policy_version is not None:
-                previous = adapter_name(self.policy_version)
+            loaded, name = self.adapters.loaded(), adapter_name(policy_version)
+            if name not in loaded:
+                raise ControlPlaneError(f"the SGLang engine at {self.address} does not list LoRA adapter {name!r} "
+                                        f"after loading it (loaded ids: {sorted(loaded)})")
+            previous = None if self.policy_version is None else adapter_name(self.policy_version)
+            if previous in loaded:
                 self.adapters.unload(previous, previous)
             return
         served = self.sglang.weight_version()

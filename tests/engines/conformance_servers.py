@@ -55,7 +55,8 @@ class FakeEngine:
     offset: int = 0  # the loaded weights (from WEIGHTS_FILE)
     weight_version: str = "default"
     hold_after: int | None = None  # a request stops after this many tokens until it is aborted
-    fail: dict = dataclasses.field(default_factory=dict)  # HTTP path -> (status, body) to answer instead
+    fail: dict = dataclasses.field(default_factory=dict)  # HTTP path -> (status, body) to answer instead;
+    #   "ListLoadedLoRAAdapters" -> True: that RPC lists nothing (a faulty engine)
     legacy_version_endpoint: bool = False  # SGLang: 404 on /model_info, answer /get_weight_version
     generate_requests: list = dataclasses.field(default_factory=list)
     abort_requests: list = dataclasses.field(default_factory=list)
@@ -200,6 +201,8 @@ class FakeSglangScheduler(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         self.engine.lora_calls.append(("ListLoadedLoRAAdapters", request))
         if not self.engine.lora_rpcs:
             return super().ListLoadedLoRAAdapters(request, context)
+        if self.engine.fail.get("ListLoadedLoRAAdapters"):  # a faulty engine: lists nothing
+            return sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse()
         return sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse(loaded_adapters=[
             sglang_scheduler_pb2.LoadedLoRAAdapter(lora_id=lora_id, lora_name=name,
                                                    lora_path=self.engine.lora_adapters[name])

@@ -279,3 +279,35 @@ def test_adapter_publish_loads_the_versioned_adapter_and_requests_name_it_protoc
     assert [(name, request.lora_id) for name, request in servers.engine.lora_calls if name != "ListLoadedLoRAAdapters"
             ] == [("UnloadLoRAAdapter", "tether-v2"), ("LoadLoRAAdapter", "tether-v2")]
     assert servers.engine.lora_ids == {"tether-v2": "tether-v2"}
+
+
+def test_adapter_publish_confirms_the_engine_holds_the_new_adapter_protocol_conformance(servers, tmp_path):
+    """After the load the engine must list the new id (``ListLoadedLoRAAdapters``), else the publish fails and
+    requests keep the previous version; a previous adapter the engine no longer holds (it restarted) is not
+    unloaded."""
+    servers.reset()
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                       validation=ValidationConfig(vocab_size=VOCAB)),
+                          servers.http.url, _adapter_writer, tmp_path / "weights", publish_adapters=True)
+    try:
+        engine.publish(1, {})
+        servers.engine.lora_ids.clear()  # the engine restarted and lost tether-v1
+        servers.engine.lora_adapters.clear()
+        assert engine.publish(2, {}) == 2
+        assert [name for name, _ in servers.engine.lora_calls].count("UnloadLoRAAdapter") == 0
+        servers.engine.fail["ListLoadedLoRAAdapters"] = True  # the engine answers success but holds nothing new
+        with pytest.raises(ControlPlaneError, match=r"does not list LoRA adapter 'tether-v3' after loading it"):
+            engine.publish(3, {})
+        assert engine.policy_version == 2
+        (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=2, stop_token_ids=()))
+                                  ).result(timeout=30)
+    finally:
+        engine.close()
+    assert servers.engine.generate_requests[-1].lora_id == "tether-v2"
+    assert sample.policy_versions.tolist() == [2, 2]
+
+
+def _adapter_writer(directory, weights) -> None:
+    """A PEFT adapter directory as the fake engine checks it (``adapter_config.json``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ADAPTER_CONFIG).write_text("{}")
