@@ -23,9 +23,9 @@ from rollout_client.smg.client import SmgClient
 
 __all__ = ["SGLangAdapters"]
 
-UNIMPLEMENTED_FIX = ("it does not implement smg's LoRA RPCs (smg-grpc-servicer 0.14.1, which `sglang serve "
-                     "--grpc-mode` runs, answers UNIMPLEMENTED): publish merged weights instead "
-                     "(model.lora.publish='merged'; SGLangEngine(publish_adapters=False))")
+_UNIMPLEMENTED_FIX = ("it does not implement smg's LoRA RPCs (smg-grpc-servicer 0.14.1, which `sglang serve "
+                      "--grpc-mode` runs, answers UNIMPLEMENTED): publish merged weights instead "
+                      "(model.lora.publish='merged'; SGLangEngine(publish_adapters=False))")
 
 
 class SGLangAdapters:
@@ -82,6 +82,6 @@ class SGLangAdapters:
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise ControlPlaneError(f"SglangScheduler.{method} at the SGLang engine {self.address}: "
-                                        f"{UNIMPLEMENTED_FIX}") from error
+                                        f"{_UNIMPLEMENTED_FIX}") from error
             raise ControlPlaneError(f"SglangScheduler.{method} at the SGLang engine {self.address}: "
                                     f"{error.code().name}: {error.details()}") from error
