@@ -9,7 +9,8 @@ Control plane (`SGLangControl`), SGLang's native HTTP API (``python/sglang/srt/e
 ``POST /pause_generation {"mode"}`` (``PauseGenerationReqInput``), ``POST /update_weights_from_disk {"model_path",
 "load_format", "weight_version", "flush_cache", "abort_all_requests"}`` (``UpdateWeightFromDiskReqInput``; 200 with
 ``{"success": true, ...}``, 400 with ``success: false`` and a message), ``POST /continue_generation``, and the served
-version from ``GET /model_info`` (``weight_version``; older servers: ``GET /get_weight_version``).
+version from ``GET /model_info`` (``weight_version``; older servers: ``GET /get_weight_version``). LoRA adapters
+(``publish_adapters``) are loaded over the smg proto itself, under ids requests name (`rollout_client.sglang_adapters`).
 
 Versions: the smg proto carries no per-token ``weight_versions`` (SGLang's HTTP ``meta_info`` does; the gRPC
 ``GenerateStreamChunk``/``GenerateComplete`` have no such field), so the client stamps the version served at
@@ -38,6 +39,7 @@ from rollout_client.http_control import ControlPlaneError
 from rollout_client.http_control import HttpControl
 from rollout_client.http_control import HttpControlledEngine
 from rollout_client.http_control import final_repeats_last_chunk
+from rollout_client.sglang_adapters import SGLangAdapters
 from rollout_client.weight_dirs import CheckpointWriter
 from rollout_client.request_guards import RequestRefusedError
 from rollout_client.sampling_params import LogprobMode
@@ -91,7 +93,8 @@ SGLANG = SmgDialect(
 
 
 def adapter_name(policy_version: int) -> str:
-    """The name (and ``GenerateRequest.lora_id``) under which an adapter publish serves ``policy_version``."""
+    """The name, and the caller-minted id requests give as ``GenerateRequest.lora_id``, under which an adapter
+    publish serves ``policy_version`` (`rollout_client.sglang_adapters`)."""
     return f"tether-v{policy_version}"
 
 
@@ -123,26 +126,6 @@ class SGLangControl:
         """``POST /continue_generation``."""
         self.http.post("/continue_generation")
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """``POST /load_lora_adapter {"lora_name", "lora_path"}``: a PEFT adapter directory, served under
-        ``lora_name`` (the server needs ``--enable-lora``; a request names it in ``GenerateRequest.lora_id``).
-
-        Raises:
-          ControlPlaneError: an error status, or a reply without ``success: true`` (with SGLang's
-            ``error_message``).
-        """
-        self._lora_call("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
-
-    def unload_lora_adapter(self, lora_name: str) -> None:
-        """``POST /unload_lora_adapter {"lora_name"}``."""
-        self._lora_call("/unload_lora_adapter", {"lora_name": lora_name})
-
-    def _lora_call(self, path: str, body: dict) -> None:
-        reply = self.http.post(path, body)
-        if not (isinstance(reply, dict) and reply.get("success") is True):
-            message = reply.get("error_message") if isinstance(reply, dict) else None
-            raise ControlPlaneError(f"POST {self.http.base_url}{path}: {message or f'no success in {reply!r}'}")
-
     def weight_version(self) -> str:
         """The served ``weight_version``: ``GET /model_info``, or ``GET /get_weight_version`` where the first is
         missing (SGLang renamed it; each answers 404 where it does not exist)."""
@@ -169,9 +152,11 @@ class SGLangEngine(HttpControlledEngine):
       control_timeout_s: per HTTP call (a weight load takes as long as reading the checkpoint).
       auth_token: SGLang's ``--api-key`` / ``--admin-api-key``, for the HTTP API.
       publish_adapters: `publish` gets LoRA adapters (``write_checkpoint`` writes a PEFT adapter directory), loads
-        them with ``/load_lora_adapter`` as `adapter_name` (version), unloads the previous version's once the new one
-        serves, and every request names the adapter of the version it was admitted at (``GenerateRequest.lora_id``;
-        the server runs the base with ``--enable-lora``). False: merged weights, ``/update_weights_from_disk``.
+        them over the smg proto's ``LoadLoRAAdapter`` with `adapter_name` (version) as name and id, unloads the
+        previous version's once the new one serves, and every request names the adapter of the version it was
+        admitted at (``GenerateRequest.lora_id``; `rollout_client.sglang_adapters`). The engine must implement those
+        RPCs (smg-grpc-servicer 0.14.1 does not: refused here, at construction). False: merged weights,
+        ``/update_weights_from_disk``.
     """
 
     name = "sglang"
@@ -188,6 +173,13 @@ class SGLangEngine(HttpControlledEngine):
             self.dialect = dataclasses.replace(SGLANG, adapter_id=adapter_name)
         super().__init__(config, self.sglang.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
                          pause_mode=PauseMode.ABORT, keep_weight_versions=keep_weight_versions)
+        self.adapters = SGLangAdapters(self.client, config.target)
+        if publish_adapters:
+            try:
+                self.adapters.loaded()  # an engine without smg's LoRA RPCs is refused now, not at the first publish
+            except BaseException:
+                self.close()
+                raise
 
     def _check(self, request) -> None:
         """PROCESSED logprobs with truncation, and stop ids that leave out an eos id, cannot be honoured."""
@@ -212,8 +204,13 @@ class SGLangEngine(HttpControlledEngine):
         self.sglang.pause(mode)
 
     def _load(self, directory: pathlib.Path, policy_version: int) -> None:
+        """Merged weights: ``/update_weights_from_disk``. Adapters: ``LoadLoRAAdapter``, after unloading an adapter
+        of the same name left by an earlier attempt at this version (no admitted request names it)."""
         if self.publish_adapters:
-            self.sglang.load_lora_adapter(adapter_name(policy_version), str(directory))
+            name = adapter_name(policy_version)
+            if name in self.adapters.loaded():
+                self.adapters.unload(name, name)
+            self.adapters.load(name, str(directory), name)
         else:
             self.sglang.update_weights_from_disk(str(directory), str(policy_version))
 
@@ -221,12 +218,17 @@ class SGLangEngine(HttpControlledEngine):
         self.sglang.continue_generation()
 
     def _confirm(self, policy_version: int) -> None:
-        """Merged weights: the served ``weight_version`` is ``policy_version``. Adapters: the load succeeded (its
-        reply said so), and the previous version's adapter, which no request admitted from now on names, is
-        unloaded."""
+        """Merged weights: the served ``weight_version`` is ``policy_version``. Adapters: the engine lists the new
+        adapter's id, and the previous version's adapter, which no request admitted from now on names, is unloaded
+        if the engine still holds it (its adapter slots do not fill up)."""
         if self.publish_adapters:
-            if self.policy_version is not None:
-                self.sglang.unload_lora_adapter(adapter_name(self.policy_version))
+            loaded, name = self.adapters.loaded(), adapter_name(policy_version)
+            if name not in loaded:
+                raise ControlPlaneError(f"the SGLang engine at {self.address} does not list LoRA adapter {name!r} "
+                                        f"after loading it (loaded ids: {sorted(loaded)})")
+            previous = None if self.policy_version is None else adapter_name(self.policy_version)
+            if previous in loaded:
+                self.adapters.unload(previous, previous)
             return
         served = self.sglang.weight_version()
         if served != str(policy_version):

@@ -94,13 +94,16 @@ class VllmControl:
         self.http.post("/resume")
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: a PEFT adapter directory, served under
-        ``lora_name`` (the server needs ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; vLLM answers
-        a text, an error status when the name is taken or the adapter does not load)."""
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: a PEFT adapter directory, served to OpenAI
+        requests whose ``model`` is ``lora_name``. The route exists with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (or
+        ``True``) on vLLM's HTTP server, the engine needs ``--enable-lora`` (else HTTP 500). vLLM 0.33.0 answers a
+        text; 400 for a name already loaded (``load_inplace`` would replace it), 404 for a path without an adapter.
+        Not used by `publish`: smg's vLLM ``GenerateRequest`` cannot name an adapter (docs/lora.md)."""
         self.http.post("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
 
     def unload_lora_adapter(self, lora_name: str) -> None:
-        """``POST /v1/unload_lora_adapter {"lora_name"}`` (HTTP 404 for an unknown name)."""
+        """``POST /v1/unload_lora_adapter {"lora_name"}`` (404 for an unknown name). vLLM 0.33.0 forgets the name only:
+        the engine keeps the weights in its LRU adapter cache (``--max-cpu-loras``)."""
         self.http.post("/v1/unload_lora_adapter", {"lora_name": lora_name})
 
     def is_paused(self) -> bool:

@@ -59,8 +59,8 @@ class LoraSection:
     # regular expressions over projection paths ("layers/0/attn/q_proj"); default: every attention/MLP projection.
     targets: list = dataclasses.field(default_factory=lambda: list(LoraConfig.targets))
     dtype: str = "float32"  # adapters' (and their optimizer state's) dtype.
-    # what a publish sends: "adapter" the adapters alone (engines that name one per request: sglang), "merged" the
-    # base with them merged, "auto" the adapter where the engine serves one, else merged (docs/lora.md).
+    # what a publish sends: "adapter" the adapters alone (sglang, over smg's LoadLoRAAdapter RPC), "merged" the
+    # base with them merged, "auto" merged (no stock engine loads adapters over its smg data plane; docs/lora.md).
     publish: str = _bounded("auto", choices=("auto", "merged", "adapter"))
 
 

@@ -40,11 +40,18 @@ from learner.rl.devices import engine_environment
 from learner.safetensors_io import config_to_hf
 
 ENGINES = {"tether": TetherEngine, "mlx": MlxEngine, "sglang": SGLangEngine, "vllm": VllmEngine}  # server.engine
-ADAPTER_ENGINES = ("sglang",)  # their smg GenerateRequest names a LoRA adapter (lora_id); vLLM's has no such field
+ADAPTER_ENGINES = ("sglang",)  # their smg proto loads an adapter under an id a GenerateRequest names (lora_id)
+WHY_NO_ADAPTER = {  # server.engine -> why it cannot serve an adapter per request (docs/lora.md)
+    "vllm": "smg-grpc-proto 0.4.28's vllm_engine.proto GenerateRequest (fields 1-11) has no LoRA field and "
+            "smg-grpc-servicer 0.14.1's VllmEngineServicer.Generate passes vLLM no lora_request",
+    "tether": "rollout.v1 has no adapter field; it takes merged weights",
+    "mlx": "it takes merged weights by restart"}
 
 
 def publishes_adapters(config: RunConfig) -> bool:
-    """Whether publishes send the LoRA adapters alone (``model.lora.publish``; docs/lora.md), not merged weights.
+    """Whether publishes send the LoRA adapters alone (``model.lora.publish = "adapter"``; docs/lora.md), not merged
+    weights. ``"auto"`` publishes merged weights: no stock engine loads adapters over its smg data plane (SGLang's
+    servicer, smg-grpc-servicer 0.14.1, answers its LoRA RPCs UNIMPLEMENTED).
 
     Raises:
       ValueError: ``model.lora.publish = "adapter"`` with an engine that cannot name an adapter per request.
@@ -54,9 +61,9 @@ def publishes_adapters(config: RunConfig) -> bool:
         return False
     if lora.publish == "adapter" and engine not in ADAPTER_ENGINES:
         raise ValueError(f"model.lora.publish='adapter': the {engine} engine cannot serve an adapter per request "
-                         f"(only {', '.join(ADAPTER_ENGINES)}: its smg GenerateRequest has lora_id; see docs/lora.md); "
-                         "set model.lora.publish='merged' or 'auto'")
-    return lora.publish == "adapter" or (lora.publish == "auto" and engine in ADAPTER_ENGINES)
+                         f"({WHY_NO_ADAPTER.get(engine, 'no adapter field')}; only {', '.join(ADAPTER_ENGINES)} "
+                         "can, see docs/lora.md); set model.lora.publish='merged' or 'auto'")
+    return lora.publish == "adapter"
 
 
 def requirements(config: RunConfig) -> EngineRequirements:

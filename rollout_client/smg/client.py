@@ -50,6 +50,11 @@ class AsyncSmgClient(AsyncRolloutClient):
         if self._info is not None:
             self._info.policy_version = policy_version
 
+    async def engine_rpc(self, method: str, request):
+        """One unary RPC of the engine's own service (e.g. SGLang's ``LoadLoRAAdapter``), with the control deadline
+        and the client's credentials; returns its reply (a gRPC error propagates)."""
+        return await self._stub.call(method, request, self.config.control_deadline_s, self._metadata)
+
     def metrics(self) -> dict[str, int]:
         return {**super().metrics(), "generate/engine_calls": self._stub.engine_calls}
 
@@ -101,3 +106,7 @@ class SmgClient(RolloutClient):
 
     def release(self, policy_version: int) -> None:
         self._run(self._client.release(policy_version))
+
+    def engine_rpc(self, method: str, request):
+        """`AsyncSmgClient.engine_rpc`, blocking."""
+        return self._run(self._client.engine_rpc(method, request))

@@ -66,8 +66,9 @@ class SmgDialect:
       abort_requests: engine request ids -> the ``AbortRequest`` messages that abort them.
       complete_repeats_chunks: the final ``complete`` message of a streamed request repeats every token the chunks
         carried (then the chunks are dropped); False: it carries only tokens not streamed (often none).
-      adapter_id: policy version -> the LoRA adapter that serves it, set as ``GenerateRequest.lora_id`` on the
-        requests admitted at that version (SGLang's adapter publish); None: the engine's weights serve it.
+      adapter_id: policy version -> the id (the engine's key, not a name) of the LoRA adapter that serves it, set as
+        ``GenerateRequest.lora_id`` on the requests admitted at that version (SGLang's adapter publish); None: the
+        engine's weights serve it.
     """
 
     name: str

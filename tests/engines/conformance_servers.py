@@ -55,12 +55,16 @@ class FakeEngine:
     offset: int = 0  # the loaded weights (from WEIGHTS_FILE)
     weight_version: str = "default"
     hold_after: int | None = None  # a request stops after this many tokens until it is aborted
-    fail: dict = dataclasses.field(default_factory=dict)  # HTTP path -> (status, body) to answer instead
+    fail: dict = dataclasses.field(default_factory=dict)  # HTTP path -> (status, body) to answer instead;
+    #   "ListLoadedLoRAAdapters" -> True: that RPC lists nothing (a faulty engine)
     legacy_version_endpoint: bool = False  # SGLang: 404 on /model_info, answer /get_weight_version
     generate_requests: list = dataclasses.field(default_factory=list)
     abort_requests: list = dataclasses.field(default_factory=list)
     http_calls: list = dataclasses.field(default_factory=list)  # (method, path, query, body)
     lora_adapters: dict = dataclasses.field(default_factory=dict)  # served LoRA adapters: name -> path
+    lora_ids: dict = dataclasses.field(default_factory=dict)  # SGLang: name -> the caller-minted id it was loaded under
+    lora_rpcs: bool = True  # SGLang: False answers the LoRA RPCs UNIMPLEMENTED, as smg-grpc-servicer 0.14.1 does
+    lora_calls: list = dataclasses.field(default_factory=list)  # SGLang: (RPC name, request) of each LoRA RPC
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -130,8 +134,8 @@ class FakeSglangScheduler(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
 
     def Generate(self, request, context):
         self.engine.generate_requests.append(request)
-        if request.lora_id and request.lora_id not in self.engine.lora_adapters:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_id!r} is not loaded")
+        if request.lora_id and request.lora_id not in self.engine.lora_ids.values():  # an id, never a name
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter is loaded under id {request.lora_id!r}")
         params = request.sampling_params
         stops = set() if params.ignore_eos else {*params.stop_token_ids, EOS}
         interval = params.stream_interval if params.HasField("stream_interval") else 1
@@ -159,6 +163,50 @@ class FakeSglangScheduler(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         return sglang_scheduler_pb2.GetModelInfoResponse(
             vocab_size=VOCAB, max_context_length=MAX_CONTEXT, eos_token_ids=[EOS], model_type="llama",
             architectures=["LlamaForCausalLM"], weight_version=self.engine.weight_version, is_generation=True)
+
+    # The LoRA RPCs as ``sglang_scheduler.proto`` documents them (smg-grpc-proto 0.4.28): the caller mints the id
+    # (``LoadLoRAAdapterRequest.lora_id``, required), requests name it (``GenerateRequest.lora_id``), replies list
+    # every loaded id; a name already loaded is refused as SGLang's ``LoRAManager.validate_new_adapter`` refuses it.
+
+    def LoadLoRAAdapter(self, request, context):
+        self.engine.lora_calls.append(("LoadLoRAAdapter", request))
+        if not self.engine.lora_rpcs:
+            return super().LoadLoRAAdapter(request, context)
+        engine = self.engine
+        error = _lora_load_error(engine, request.lora_name, request.lora_path)
+        if not request.lora_id:
+            error = "lora_id is required: the scheduler-direct path has no TokenizerManager to mint one"
+        elif request.lora_name in engine.lora_adapters:
+            error = f"Failed to load LoRA adapter {request.lora_name} because it is already loaded"
+        if error is None:
+            engine.lora_adapters[request.lora_name] = request.lora_path
+            engine.lora_ids[request.lora_name] = request.lora_id
+        return sglang_scheduler_pb2.LoadLoRAAdapterResponse(success=error is None, message=error or "",
+                                                            loaded_lora_ids=list(engine.lora_ids.values()))
+
+    def UnloadLoRAAdapter(self, request, context):
+        self.engine.lora_calls.append(("UnloadLoRAAdapter", request))
+        if not self.engine.lora_rpcs:
+            return super().UnloadLoRAAdapter(request, context)
+        engine = self.engine
+        error = None
+        if engine.lora_ids.get(request.lora_name) != request.lora_id or not request.lora_id:
+            error = f"no LoRA adapter {request.lora_name!r} is loaded under id {request.lora_id!r}"
+        else:
+            del engine.lora_adapters[request.lora_name], engine.lora_ids[request.lora_name]
+        return sglang_scheduler_pb2.UnloadLoRAAdapterResponse(success=error is None, message=error or "",
+                                                              loaded_lora_ids=list(engine.lora_ids.values()))
+
+    def ListLoadedLoRAAdapters(self, request, context):
+        self.engine.lora_calls.append(("ListLoadedLoRAAdapters", request))
+        if not self.engine.lora_rpcs:
+            return super().ListLoadedLoRAAdapters(request, context)
+        if self.engine.fail.get("ListLoadedLoRAAdapters"):  # a faulty engine: lists nothing
+            return sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse()
+        return sglang_scheduler_pb2.ListLoadedLoRAAdaptersResponse(loaded_adapters=[
+            sglang_scheduler_pb2.LoadedLoRAAdapter(lora_id=lora_id, lora_name=name,
+                                                   lora_path=self.engine.lora_adapters[name])
+            for name, lora_id in self.engine.lora_ids.items()])
 
 
 class FakeVllmEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -227,34 +275,18 @@ def sglang_http_routes(engine: FakeEngine):
     def legacy_version(query, body):
         return 200, {"weight_version": engine.weight_version}
 
-    def load_lora(query, body):  # SGLang's LoadLoRAAdapterReqOutput: success, error_message, loaded_adapters
-        error = _lora_load_error(engine, body)
-        if error:
-            return 400, {"success": False, "error_message": error, "loaded_adapters": dict(engine.lora_adapters)}
-        engine.lora_adapters[body["lora_name"]] = body["lora_path"]
-        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(engine.lora_adapters)}
-
-    def unload_lora(query, body):
-        if engine.lora_adapters.pop(body.get("lora_name"), None) is None:
-            return 400, {"success": False, "error_message": f"LoRA adapter {body.get('lora_name')} is not loaded",
-                         "loaded_adapters": dict(engine.lora_adapters)}
-        return 200, {"success": True, "error_message": "", "loaded_adapters": dict(engine.lora_adapters)}
-
     return {("POST", "/pause_generation"): pause, ("POST", "/update_weights_from_disk"): update,
             ("POST", "/continue_generation"): resume, ("GET", "/model_info"): model_info,
-            ("GET", "/get_weight_version"): legacy_version, ("POST", "/load_lora_adapter"): load_lora,
-            ("POST", "/unload_lora_adapter"): unload_lora}
+            ("GET", "/get_weight_version"): legacy_version}
 
 
-def _lora_load_error(engine: FakeEngine, body: dict) -> str | None:
-    """Why the engines refuse to load the adapter in ``body`` (a name in use, no PEFT adapter at the path)."""
-    name, path = body.get("lora_name"), body.get("lora_path")
+def _lora_load_error(engine: FakeEngine, name: str | None, path: str | None) -> str | None:
+    """Why the engines refuse to load an adapter for its name and path alone (both required; a PEFT adapter
+    directory at the path)."""
     if not name or not path:
-        return "lora_name and lora_path are required"
-    if name in engine.lora_adapters:
-        return f"The lora adapter '{name}' has already been loaded."
+        return "Both 'lora_name' and 'lora_path' must be provided."
     if not (pathlib.Path(path) / "adapter_config.json").is_file():
-        return f"No adapter found for {path}"
+        return f"Loading lora {name} failed: No adapter found for {path}"
     return None
 
 
@@ -285,23 +317,34 @@ def vllm_http_routes(engine: FakeEngine):
     def is_paused(query, body):
         return 200, {"is_paused": not engine.resumed.is_set()}
 
-    def load_lora(query, body):  # vLLM answers a text on success, an ErrorResponse otherwise
-        error = _lora_load_error(engine, body)
+    def load_lora(query, body):  # vLLM 0.33.0 OpenAIServingModels.load_lora_adapter: a text, or an ErrorResponse
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return 400, _vllm_error(400, "InvalidUserInput", _lora_load_error(engine, name, path))
+        if name in engine.lora_adapters and not body.get("load_inplace"):
+            return 400, _vllm_error(400, "InvalidUserInput", (
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, set "
+                "'load_inplace' to True."))
+        error = _lora_load_error(engine, name, path)
         if error:
-            return 400, {"object": "error", "message": error, "type": "BadRequestError", "code": 400}
-        engine.lora_adapters[body["lora_name"]] = body["lora_path"]
-        return 200, f"Success: LoRA adapter '{body['lora_name']}' added successfully."
+            return 404, _vllm_error(404, "NotFoundError", error)
+        engine.lora_adapters[name] = path
+        return 200, f"Success: LoRA adapter '{name}' added successfully."
 
     def unload_lora(query, body):
         name = body.get("lora_name")
         if engine.lora_adapters.pop(name, None) is None:
-            return 404, {"object": "error", "message": f"The lora adapter '{name}' cannot be found.",
-                         "type": "NotFoundError", "code": 404}
+            return 404, _vllm_error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
         return 200, f"Success: LoRA adapter '{name}' removed successfully."
 
     return {("POST", "/pause"): pause, ("POST", "/collective_rpc"): collective_rpc, ("POST", "/resume"): resume,
             ("GET", "/is_paused"): is_paused, ("POST", "/v1/load_lora_adapter"): load_lora,
             ("POST", "/v1/unload_lora_adapter"): unload_lora}
+
+
+def _vllm_error(code: int, kind: str, message: str) -> dict:
+    """vLLM's ``ErrorResponse`` body (``{"error": {"message", "type", "param", "code"}}``)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 class ControlServer:
@@ -359,7 +402,7 @@ class FakeServers:
         """A fresh engine state for the next test (same servers)."""
         fresh = FakeEngine()
         for name in ("offset", "weight_version", "hold_after", "fail", "legacy_version_endpoint", "generate_requests",
-                     "abort_requests", "http_calls", "lora_adapters"):
+                     "abort_requests", "http_calls", "lora_adapters", "lora_ids", "lora_rpcs", "lora_calls"):
             setattr(self.engine, name, getattr(fresh, name))
         self.engine.resumed.set()
         self.engine.holding.clear()

@@ -186,42 +186,67 @@ def test_requests_the_engine_cannot_honour_are_refused(servers, engine):
     assert servers.engine.generate_requests == []
 
 
-def test_lora_adapters_load_and_unload_protocol_conformance(servers, engine, tmp_path):
-    """``/load_lora_adapter`` and ``/unload_lora_adapter`` with SGLang's bodies; ``success: false`` raises with
-    SGLang's ``error_message``."""
+def test_lora_adapters_load_under_caller_minted_ids_over_grpc_protocol_conformance(servers, tmp_path):
+    """smg's ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter`` / ``ListLoadedLoRAAdapters`` with the proto's fields: the id
+    is the caller's and requests name it; ``success: false`` raises with the engine's message; an engine that answers
+    UNIMPLEMENTED (smg-grpc-servicer 0.14.1) is refused when adapter publish is asked for, naming the fix."""
+    servers.reset()
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                       validation=ValidationConfig(vocab_size=VOCAB)),
+                          servers.http.url, write_fake_checkpoint, tmp_path / "weights", publish_adapters=True)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    engine.sglang.load_lora_adapter("policy-v1", str(adapter))
-    assert servers.engine.lora_adapters == {"policy-v1": str(adapter)}
-    with pytest.raises(ControlPlaneError, match=r"/load_lora_adapter: HTTP 400.*already been loaded"):
-        engine.sglang.load_lora_adapter("policy-v1", str(adapter))
-    servers.engine.fail["/load_lora_adapter"] = (200, {"success": False, "error_message": "out of LoRA slots"})
-    with pytest.raises(ControlPlaneError, match=r"/load_lora_adapter: out of LoRA slots"):
-        engine.sglang.load_lora_adapter("policy-v2", str(adapter))
-    engine.sglang.unload_lora_adapter("policy-v1")
-    assert servers.engine.lora_adapters == {}
-    calls = [(method, path, body) for method, path, _, body in servers.engine.http_calls]
-    assert calls[0] == ("POST", "/load_lora_adapter", {"lora_name": "policy-v1", "lora_path": str(adapter)})
-    assert calls[-1] == ("POST", "/unload_lora_adapter", {"lora_name": "policy-v1"})
+    try:
+        engine.adapters.load("policy", str(adapter), "id-7")
+        assert engine.adapters.loaded() == {"id-7": "policy"}
+        with pytest.raises(ControlPlaneError, match=r"LoadLoRAAdapter 'policy' at the SGLang engine .*already loaded"):
+            engine.adapters.load("policy", str(adapter), "id-8")
+        with pytest.raises(ControlPlaneError, match=r"LoadLoRAAdapter 'other'.*No adapter found"):
+            engine.adapters.load("other", str(tmp_path / "missing"), "id-9")
+        with pytest.raises(ControlPlaneError, match=r"UnloadLoRAAdapter 'policy'.*under id 'id-8'"):
+            engine.adapters.unload("policy", "id-8")
+        engine.adapters.unload("policy", "id-7")
+        assert engine.adapters.loaded() == {}
+    finally:
+        engine.close()
+    load = next(request for name, request in servers.engine.lora_calls if name == "LoadLoRAAdapter")
+    assert (load.lora_name, load.lora_path, load.pinned, load.lora_id) == ("policy", str(adapter), False, "id-7")
+    unload = [request for name, request in servers.engine.lora_calls if name == "UnloadLoRAAdapter"][-1]
+    assert (unload.lora_name, unload.lora_id) == ("policy", "id-7")
+    assert servers.engine.http_calls == []  # not over HTTP: SGLang's /load_lora_adapter mints ids no request knows
+
+    servers.reset()
+    servers.engine.lora_rpcs = False
+    with pytest.raises(ControlPlaneError, match=r"ListLoadedLoRAAdapters at the SGLang engine .*UNIMPLEMENTED.*"
+                                                r"model.lora.publish='merged'"):
+        SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0, validation=ValidationConfig(vocab_size=VOCAB)),
+                     servers.http.url, write_fake_checkpoint, tmp_path / "weights", publish_adapters=True)
+    SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0, validation=ValidationConfig(vocab_size=VOCAB)),
+                 servers.http.url, write_fake_checkpoint, tmp_path / "weights").close()  # merged weights need none
 
 
 def test_adapter_publish_loads_the_versioned_adapter_and_requests_name_it_protocol_conformance(servers, tmp_path):
     """``publish_adapters``: each publish writes the PEFT adapter as ``weights_dir/v<version>``, then pause ->
-    ``/load_lora_adapter tether-v<version>`` -> continue -> ``/unload_lora_adapter`` of the previous version; no
-    ``/update_weights_from_disk``; every request names the adapter of its version in ``GenerateRequest.lora_id``."""
+    ``LoadLoRAAdapter`` (name and id ``tether-v<version>``) -> continue -> ``UnloadLoRAAdapter`` of the previous
+    version; no ``/update_weights_from_disk``; every request names the id of its version in
+    ``GenerateRequest.lora_id``. A restarted learner publishing a version the engine still holds replaces it."""
     servers.reset()
     lora = LoraConfig(rank=2, alpha=4.0)
     config = model_config("tiny")
     rng = np.random.default_rng(0)
     writer = functools.partial(write_peft_adapter, lora=lora, config=config, overwrite=True)
-    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
-                                       validation=ValidationConfig(vocab_size=VOCAB)),
-                          servers.http.url, writer, tmp_path / "weights", publish_adapters=True)
+
+    def start():
+        return SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                         validation=ValidationConfig(vocab_size=VOCAB)),
+                            servers.http.url, writer, tmp_path / "weights", publish_adapters=True)
+
+    adapters = {"layers/0/attn/q_proj/lora/a": rng.normal(size=(64, 2)).astype(np.float32),
+                "layers/0/attn/q_proj/lora/b": rng.normal(size=(2, 4, 16)).astype(np.float32)}
+    samples = []
+    engine = start()
     try:
-        adapters = {"layers/0/attn/q_proj/lora/a": rng.normal(size=(64, 2)).astype(np.float32),
-                    "layers/0/attn/q_proj/lora/b": rng.normal(size=(2, 4, 16)).astype(np.float32)}
-        samples = []
         for version in (1, 2):
             assert engine.publish(version, adapters) == version
             (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=3, stop_token_ids=()))
@@ -231,16 +256,58 @@ def test_adapter_publish_loads_the_versioned_adapter_and_requests_name_it_protoc
         engine.close()
     first, second = (tmp_path / "weights" / name for name in ("v000000000001", "v000000000002"))
     calls = [(method, path, body) for method, path, _, body in servers.engine.http_calls]
-    assert calls == [("POST", "/pause_generation", {"mode": "abort"}),
-                     ("POST", "/load_lora_adapter", {"lora_name": "tether-v1", "lora_path": str(first)}),
-                     ("POST", "/continue_generation", {}),
-                     ("POST", "/pause_generation", {"mode": "abort"}),
-                     ("POST", "/load_lora_adapter", {"lora_name": "tether-v2", "lora_path": str(second)}),
-                     ("POST", "/continue_generation", {}),
-                     ("POST", "/unload_lora_adapter", {"lora_name": "tether-v1"})]
-    assert servers.engine.lora_adapters == {"tether-v2": str(second)}
+    assert calls == [("POST", "/pause_generation", {"mode": "abort"}), ("POST", "/continue_generation", {}),
+                     ("POST", "/pause_generation", {"mode": "abort"}), ("POST", "/continue_generation", {})]
+    rpcs = [(name, request.lora_name, request.lora_id, getattr(request, "lora_path", None))
+            for name, request in servers.engine.lora_calls if name != "ListLoadedLoRAAdapters"]
+    assert rpcs == [("LoadLoRAAdapter", "tether-v1", "tether-v1", str(first)),
+                    ("LoadLoRAAdapter", "tether-v2", "tether-v2", str(second)),
+                    ("UnloadLoRAAdapter", "tether-v1", "tether-v1", None)]
+    assert servers.engine.lora_ids == {"tether-v2": "tether-v2"}
     for directory in (first, second):
         assert sorted(path.name for path in directory.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
         assert json.loads((directory / ADAPTER_CONFIG).read_text())["r"] == 2
     assert [request.lora_id for request in servers.engine.generate_requests] == ["tether-v1", "tether-v2"]
     assert [sample.policy_versions.tolist() for sample in samples] == [[1, 1, 1], [2, 2, 2]]
+
+    del servers.engine.lora_calls[:]
+    engine = start()  # the learner restarts and publishes version 2 again: the engine's tether-v2 is replaced
+    try:
+        assert engine.publish(2, adapters) == 2
+    finally:
+        engine.close()
+    assert [(name, request.lora_id) for name, request in servers.engine.lora_calls if name != "ListLoadedLoRAAdapters"
+            ] == [("UnloadLoRAAdapter", "tether-v2"), ("LoadLoRAAdapter", "tether-v2")]
+    assert servers.engine.lora_ids == {"tether-v2": "tether-v2"}
+
+
+def test_adapter_publish_confirms_the_engine_holds_the_new_adapter_protocol_conformance(servers, tmp_path):
+    """After the load the engine must list the new id (``ListLoadedLoRAAdapters``), else the publish fails and
+    requests keep the previous version; a previous adapter the engine no longer holds (it restarted) is not
+    unloaded."""
+    servers.reset()
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                       validation=ValidationConfig(vocab_size=VOCAB)),
+                          servers.http.url, _adapter_writer, tmp_path / "weights", publish_adapters=True)
+    try:
+        engine.publish(1, {})
+        servers.engine.lora_ids.clear()  # the engine restarted and lost tether-v1
+        servers.engine.lora_adapters.clear()
+        assert engine.publish(2, {}) == 2
+        assert [name for name, _ in servers.engine.lora_calls].count("UnloadLoRAAdapter") == 0
+        servers.engine.fail["ListLoadedLoRAAdapters"] = True  # the engine answers success but holds nothing new
+        with pytest.raises(ControlPlaneError, match=r"does not list LoRA adapter 'tether-v3' after loading it"):
+            engine.publish(3, {})
+        assert engine.policy_version == 2
+        (sample,) = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=2, stop_token_ids=()))
+                                  ).result(timeout=30)
+    finally:
+        engine.close()
+    assert servers.engine.generate_requests[-1].lora_id == "tether-v2"
+    assert sample.policy_versions.tolist() == [2, 2]
+
+
+def _adapter_writer(directory, weights) -> None:
+    """A PEFT adapter directory as the fake engine checks it (``adapter_config.json``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ADAPTER_CONFIG).write_text("{}")

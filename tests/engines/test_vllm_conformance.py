@@ -159,16 +159,17 @@ def test_configuration_the_backend_refuses(servers, engine, tmp_path):
 
 
 def test_lora_adapters_load_and_unload_protocol_conformance(servers, engine, tmp_path):
-    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with vLLM's bodies; a refused load names the
-    endpoint and vLLM's message."""
+    """``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with vLLM 0.33.0's bodies and statuses (400 for a
+    name taken without ``load_inplace``, 404 for a path without an adapter or an unknown name); a refused call names
+    the endpoint and vLLM's message."""
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     engine.vllm.load_lora_adapter("policy-v1", str(adapter))
     assert servers.engine.lora_adapters == {"policy-v1": str(adapter)}
-    with pytest.raises(ControlPlaneError, match=r"/v1/load_lora_adapter: HTTP 400.*already been loaded"):
+    with pytest.raises(ControlPlaneError, match=r"/v1/load_lora_adapter: HTTP 400.*already been loaded.*load_inplace"):
         engine.vllm.load_lora_adapter("policy-v1", str(adapter))
-    with pytest.raises(ControlPlaneError, match=r"HTTP 400.*No adapter found"):
+    with pytest.raises(ControlPlaneError, match=r"HTTP 404.*No adapter found"):
         engine.vllm.load_lora_adapter("policy-v2", str(tmp_path / "missing"))
     engine.vllm.unload_lora_adapter("policy-v1")
     with pytest.raises(ControlPlaneError, match=r"/v1/unload_lora_adapter: HTTP 404.*cannot be found"):

@@ -133,14 +133,17 @@ def test_reference_server_is_built_from_the_hf_checkpoint_when_there_is_one():
 
 
 def test_adapter_publish_only_where_a_request_can_name_the_adapter():
-    """vLLM's smg ``GenerateRequest`` has no LoRA field: a LoRA run publishes merged weights to it ("auto") and is
-    refused, by key, when it asks for adapter publish; SGLang's "auto" publishes the adapter."""
+    """vLLM's smg ``GenerateRequest`` has no LoRA field: a LoRA run asking it for adapter publish is refused, by key,
+    citing the proto and its version; SGLang publishes the adapter when asked; "auto" publishes merged weights
+    everywhere (stock SGLang's smg servicer does not implement the LoRA RPCs)."""
     lora = ["model.lora.rank=4"]
-    with pytest.raises(ValueError, match=r"model.lora.publish='adapter': the vllm engine cannot serve an adapter"):
+    with pytest.raises(ValueError, match=r"model.lora.publish='adapter': the vllm engine cannot serve an adapter "
+                                         r"per request \(smg-grpc-proto 0.4.28's vllm_engine.proto GenerateRequest"):
         publishes_adapters(load_config(None, [*lora, "model.lora.publish=adapter", "server.engine=vllm"]))
     with pytest.raises(ValueError, match=r"model.lora.publish='adapter': the tether engine"):
         publishes_adapters(load_config(None, [*lora, "model.lora.publish=adapter"]))
     assert not publishes_adapters(load_config(None, [*lora, "server.engine=vllm"]))
-    assert publishes_adapters(load_config(None, [*lora, "server.engine=sglang"]))
+    assert not publishes_adapters(load_config(None, [*lora, "server.engine=sglang"]))
+    assert publishes_adapters(load_config(None, [*lora, "model.lora.publish=adapter", "server.engine=sglang"]))
     assert not publishes_adapters(load_config(None, [*lora, "model.lora.publish=merged", "server.engine=sglang"]))
     assert not publishes_adapters(load_config(None, ["model.lora.publish=adapter", "server.engine=vllm"]))  # no LoRA
