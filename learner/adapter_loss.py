@@ -10,7 +10,10 @@ its one pair. Each reduction keeps its meaning per adapter: ``seq-mean-*`` count
 
 The update differentiates the sum of the numerators: rows of adapter j reach only entry j of every stacked adapter
 matrix (`learner.lora.LoRA`), so entry k of its gradient is adapter k's numerator's, and dividing entry k by adapter
-k's denominator gives each adapter the gradient of its own loss (`scale_by_adapter`).
+k's denominator gives each adapter the gradient of its own loss (`scale_by_adapter`). `learner.optimizer` then clips
+each adapter by its own gradient norm (`adapter_norms`), so that with AdamW, whose other arithmetic is per element,
+adapter k's update is the one a batch of its rows alone would give. The non-finite guard stays shared: a NaN in
+one adapter's loss skips the update of all.
 
 Corrections that couple rows across the batch are refused with several adapters: batch normalisation of the
 importance weights (one mean weight over every adapter's rows) and whole-batch objectives (which select tokens
@@ -68,6 +71,13 @@ def adapter_loss_terms(corrected: corrections.Corrected, adapter: jax.Array, cou
     numerators, denominators = jax.vmap(terms, in_axes=1)(jax.nn.one_hot(adapter, count, dtype=jnp.float32))
     numerators = jnp.where(jnp.isnan(corrected.loss_numerator), jnp.nan, numerators)
     return numerators, jax.lax.stop_gradient(denominators)
+
+
+def adapter_norms(grads) -> jax.Array:
+    """``[N]``: the norm of each adapter's gradient (entry k of the leading axis of every stacked gradient)."""
+    squares = [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), axis=1)
+               for g in jax.tree.leaves(grads)]
+    return jnp.sqrt(sum(squares))
 
 
 def scale_by_adapter(grads, scale: jax.Array):

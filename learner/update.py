@@ -60,7 +60,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from learner.adapter_loss import adapter_loss_terms, check_adapter_indices, check_corrections, scale_by_adapter
+from learner.adapter_loss import (adapter_loss_terms, adapter_norms, check_adapter_indices, check_corrections,
+                                  scale_by_adapter)
 from learner.batch import TrainBatch
 from learner.lora import select_adapters, stacked_adapter_count
 from learner.logprobs import token_logprobs
@@ -257,7 +258,7 @@ class MinibatchGradients(NamedTuple):
     """What `minibatch_gradients` returns for one mini-batch."""
 
     grads: nnx.State  # gradient of `loss`, in the parameters' dtypes; NaN everywhere when the loss is not finite
-    grad_norm: jax.Array  # its global norm, NaN with it
+    grad_norm: jax.Array  # its global norm, NaN with it; [N], each adapter's, with N stacked adapters
     loss: jax.Array  # the global loss: sum(numerators) / max(sum(denominators), 1); the adapters' losses summed
     denominator: jax.Array  # the summed denominator (of every adapter)
     metrics: dict  # the corrections' metrics of the whole mini-batch (every micro-batch's row statistics together)
@@ -320,7 +321,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     else:
         scaled = scale_by_adapter(grads_sum, grad_scales)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), scaled, params)
-        grad_norm = optax.tree.norm(scaled)
+        grad_norm = adapter_norms(scaled)
     row_stats = jax.tree.map(lambda x: x.reshape(-1), row_stats)  # [micro-batches, rows] -> [rows]
     if proximal is not None:
         proximal = _constrain_rows(_merge_rows(proximal), mesh, 0)
@@ -337,7 +338,8 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
 
     A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it. The gradients'
     global norm is computed once, logged, and handed to the optimizer as its ``global_norm`` extra argument (the
-    clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it).
+    clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it). With N stacked
+    adapters it hands on each adapter's norm (``[N]``): `learner.optimizer` clips each adapter by its own.
     """
     out = minibatch_gradients(state.params, rows, state.policy_version, key, graphdef=graphdef, config=config,
                               mesh=mesh, param_shardings=param_shardings, weight_scale=weight_scale,
@@ -349,11 +351,12 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
     metrics.update({
         "actor/pg_loss": out.loss,
         "actor/loss_denominator": out.denominator,
-        "actor/grad_norm": out.grad_norm,
+        "actor/grad_norm": out.grad_norm if out.grad_norm.ndim == 0 else optax.tree.norm(out.grad_norm),
         "actor/skipped_updates": skipped_updates(opt_state),
     })
     if out.adapter_losses.shape[0] > 1:
         metrics.update({f"actor/pg_loss_adapter{k}": loss for k, loss in enumerate(out.adapter_losses)})
+        metrics.update({f"actor/grad_norm_adapter{k}": norm for k, norm in enumerate(out.grad_norm)})
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics, out.proximal
 
 

@@ -26,6 +26,7 @@ from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
 from learner.export import export_run
 from learner.lora import LoRA, LoRAParam, LoraConfig, StackedLoRAParam, merge_adapters, select_adapters
 from learner.model import Projection, Transformer, model_config
+from learner.optimizer import OptimizerConfig, make_optimizer
 from learner.param_paths import named_leaves
 from learner.peft_export import peft_tensors
 from learner.rl.config import load_config, lora_config, to_dict
@@ -177,13 +178,25 @@ def test_each_adapters_loss_is_its_own_reduction_against_float64(reduction, deno
 
 
 KL = CorrectionConfig(importance=ImportanceWeights("token", high=2.0), kl_coef=0.1, kl_estimator="k3")
+# learner.optimizer's AdamW as a clipped SGD of rate 1: with b1 = b2 = 0 and eps >> |g| its step is
+# -lr * g / (|g| + eps) = -g (to 1e-6 relative). max_grad_norm = 1 clips both adapters of the problem below (their
+# gradient norms are ~2.6 and ~1.4), each by its own norm, as if trained alone (one global norm, ~3.0, would not).
+CLIPPED_SGD = make_optimizer(OptimizerConfig(peak_learning_rate=1e6, eps=1e6, b1=0.0, b2=0.0, max_grad_norm=1.0))
+
+
+def test_the_optimizer_clips_each_stacked_adapter_by_its_own_norm():
+    grads = {"w": jnp.array([[3.0, 4.0, 0.0], [0.3, 0.4, 0.0]])}  # adapter norms 5 and 0.5
+    params = {"w": jnp.zeros((2, 3))}
+    updates, _ = CLIPPED_SGD.update(grads, CLIPPED_SGD.init(params), params, global_norm=jnp.array([5.0, 0.5]))
+    clipped = np.array([[0.6, 0.8, 0.0], [0.3, 0.4, 0.0]])  # min(1, 1 / norm) per adapter
+    np.testing.assert_allclose(updates["w"], -1e6 * clipped / (np.abs(clipped) + 1e6), rtol=1e-6)
 ADAPTER = np.arange(16) % 2  # rollout_batch's rows alternate between the adapters (its last row is fully masked)
 
 
-def _update(mesh, batch, microbatches, adapter_values=None):
-    """One jitted mixed update (plain SGD, lr 1) of `UPDATE_MODEL`'s adapters, set away from 0 so that the adapters
+def _update(mesh, batch, microbatches):
+    """One jitted mixed update (`CLIPPED_SGD`) of `UPDATE_MODEL`'s adapters, set away from 0 so that the adapters
     differ; host ``(adapters before, after, metrics)``."""
-    optimizer = optax.sgd(1.0)
+    optimizer = CLIPPED_SGD
     graphdef, state, shardings = create_sharded_train_state(UPDATE_MODEL, optimizer, mesh, seed=0)
     frozen, frozen_shardings = create_sharded_frozen(UPDATE_MODEL, mesh, seed=0)
     reference = nnx.graphdef(nnx.eval_shape(lambda: Transformer(UPDATE_BASE, rngs=nnx.Rngs(0))))
@@ -208,8 +221,9 @@ def mixed_on_one_device():
 
 def test_a_mixed_update_trains_each_adapter_as_a_batch_of_its_rows_alone(mixed_on_one_device):
     """Adapter k after one update of the mixed batch equals adapter k after an update of k's rows alone (each
-    adapter's loss is its own token mean), and the other adapter does not move there: its gradient is exactly 0.
-    Tolerance: float32 sums over other rows and shapes (the mixed batch's token sums hold both adapters' rows)."""
+    adapter's loss is its own token mean, its gradient clipped by its own norm), and the other adapter does not move
+    there: its gradient is exactly 0. Tolerance: float32 sums over other rows and shapes (the mixed batch's token
+    sums hold both adapters' rows)."""
     before, mixed, metrics = mixed_on_one_device
     mesh = make_mesh(1, devices=jax.devices()[:1])
     batch = rollout_batch()
@@ -224,6 +238,7 @@ def test_a_mixed_update_trains_each_adapter_as_a_batch_of_its_rows_alone(mixed_o
     assert min(moved) > 0
     np.testing.assert_allclose(metrics["actor/pg_loss"],
                                metrics["actor/pg_loss_adapter0"] + metrics["actor/pg_loss_adapter1"], rtol=1e-6)
+    assert min(metrics["actor/grad_norm_adapter0"], metrics["actor/grad_norm_adapter1"]) > 1.0  # both clipped
 
 
 def test_a_mixed_update_is_the_same_on_every_mesh_and_micro_batch_count(mixed_on_one_device):
