@@ -25,7 +25,8 @@ from learner.sampler_replay import SamplerParams
 
 @struct.dataclass
 class TrainBatch:
-    """One batch to train on (rollouts, or demonstrations in the warm-up); every field but ``sampling`` and ``adapter`` is ``[B, T]`` (host NumPy or device arrays)."""
+    """One batch to train on (rollouts, or demonstrations in the warm-up); every field but ``sampling`` and
+    ``adapter`` is ``[B, T]`` (host NumPy or device arrays)."""
 
     tokens: jax.Array  # int32 token ids, prompt then completion, right-padded.
     positions: jax.Array  # int32 RoPE positions, usually arange(T) per row.

@@ -22,6 +22,11 @@ axes, ``b`` like its output axes, the rank replicated.
 
 For the engines and exports the adapters are merged into the kernels (`merge_adapters`), or written as a PEFT
 adapter (`learner.peft_export`).
+
+Several adapters on one base (``LoraConfig.adapters`` with more than one name) are stacked on a leading axis
+(`StackedLoRAParam`: ``a`` ``[N, D, r]``, ``b`` ``[N, r, H, Dh]``, that axis replicated); every call then runs inside
+`select_adapters`, which says the adapter of each row, and `split_adapters` gives each adapter's arrays in the
+single-adapter layout (export). Each adapter's own loss: `learner.adapter_loss`.
 """
 
 from __future__ import annotations

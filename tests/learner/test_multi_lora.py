@@ -29,7 +29,7 @@ from learner.model import Projection, Transformer, model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
 from learner.param_paths import named_leaves
 from learner.peft_export import peft_tensors
-from learner.rl.config import load_config, lora_config, to_dict
+from learner.rl.config import changed_keys, load_config, lora_config, to_dict
 from learner.sharding import make_mesh, state_shardings
 from learner.train_state import (create_sharded_frozen, create_sharded_train_state, create_train_state,
                                  train_state_shardings)
@@ -57,6 +57,15 @@ def test_adapter_names_are_checked_naming_the_key(adapters, message):
     with pytest.raises(ValueError, match=r"^model\.lora\.adapters=.*" + message.replace(".", r"\.")):
         load_config(None, ["model.lora.rank=4", f"model.lora.adapters={json.dumps(adapters)}"])
     assert not lora_config(load_config(None, ["model.lora.rank=4", 'model.lora.adapters=["math"]'])).stacked
+
+
+def test_a_checkpoint_saved_before_model_lora_adapters_existed_still_resumes():
+    """A key missing from a checkpoint's saved config counts as its default, so adding the key refuses no resume."""
+    saved = to_dict(load_config(None, ["model.lora.rank=4"]))
+    del saved["model"]["lora"]["adapters"]
+    assert changed_keys(saved, load_config(None, ["model.lora.rank=4"])) == []
+    assert changed_keys(saved, load_config(None, ["model.lora.rank=4", 'model.lora.adapters=["math"]'])) == [
+        "model.lora.adapters"]
 
 
 def test_one_named_adapter_keeps_the_single_adapter_layout():
