@@ -163,12 +163,16 @@ def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatc
     tokens from each row's first ``loss_mask`` token when set."""
     window_start = None if config.scored_window is None else first_scored_token(batch.loss_mask)
     model = merge_model(graphdef, params, frozen)
-    adapter = jnp.zeros(batch.tokens.shape[0], jnp.int32) if batch.adapter is None else batch.adapter
-    with select_adapters(model, adapter):
+    with select_adapters(model, row_adapters(batch)):
         return token_logprobs(model, batch.tokens, batch.positions, batch.attention_mask,
                               temperature=config.temperature, chunk_size=config.logprob_chunk_size,
                               remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling,
                               window_start=window_start, window_size=config.scored_window)
+
+
+def row_adapters(batch: TrainBatch) -> jax.Array:
+    """``[B]`` int32: ``batch.adapter``, or adapter 0 for every row when the batch names none."""
+    return jnp.zeros(batch.tokens.shape[0], jnp.int32) if batch.adapter is None else batch.adapter
 
 
 def first_scored_token(loss_mask: jax.Array) -> jax.Array:
@@ -248,8 +252,7 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
     if count == 1:
         numerators, denominators = corrected.loss_numerator[None], corrected.loss_denominator[None]
     else:
-        adapter = jnp.zeros(batch.tokens.shape[0], jnp.int32) if batch.adapter is None else batch.adapter
-        numerators, denominators = adapter_loss_terms(corrected, adapter, count, config.corrections)
+        numerators, denominators = adapter_loss_terms(corrected, row_adapters(batch), count, config.corrections)
     return jnp.sum(numerators), (numerators, denominators, corrected.row_stats,
                                  proximal if from_training_pass else None)
 

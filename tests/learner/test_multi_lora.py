@@ -22,6 +22,7 @@ import corrections
 from corrections import CorrectionConfig, ImportanceWeights
 from corrections._config import REDUCTIONS
 from learner.adapter_loss import adapter_loss_terms
+from learner.bucketing import BucketConfig, pad_batch
 from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
 from learner.export import export_run
 from learner.lora import LoRA, LoRAParam, LoraConfig, StackedLoRAParam, merge_adapters, select_adapters
@@ -255,6 +256,12 @@ def test_a_mixed_update_is_the_same_on_every_mesh_and_micro_batch_count(mixed_on
     accumulation are layout, not math; each adapter's denominator is summed over micro-batches before dividing)."""
     other = _update(make_mesh(2, 2, 2), rollout_batch().replace(adapter=ADAPTER), 2)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), mixed_on_one_device[1], other[1])
+
+
+def test_padding_rows_get_adapter_0():
+    batch = rollout_batch().replace(adapter=np.ones(16, np.int32))
+    padded = pad_batch(batch, BucketConfig(min_length=24), row_multiple=32)
+    assert padded.adapter.tolist() == [1] * 16 + [0] * 16 and padded.tokens.shape == (32, 24)
 
 
 def test_batch_wide_corrections_and_bad_adapter_indices_are_refused():
