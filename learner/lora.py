@@ -86,6 +86,8 @@ class LoraConfig:
                 raise ValueError(f"LoraConfig.targets: {target!r} is not a regular expression ({error}).") from None
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"LoraConfig.dtype={self.dtype!r} must be float32 or bfloat16.")
+        if isinstance(self.adapters, list):
+            object.__setattr__(self, "adapters", tuple(self.adapters))
         check_adapter_names(self.adapters)
 
     @property

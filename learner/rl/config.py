@@ -351,6 +351,9 @@ def lora_config(config: RunConfig) -> LoraConfig | None:
     """
     section = config.model.lora
     if section.rank == 0:
+        if section.adapters:
+            raise ValueError(f"model.lora.adapters={section.adapters!r} names adapters of rank 0 (full fine-tuning): "
+                             "set model.lora.rank > 0, or leave model.lora.adapters out")
         return None
     adapters = tuple(section.adapters)
     lora = _library("model.lora", LoraConfig, rank=section.rank, alpha=section.alpha,

@@ -58,6 +58,9 @@ def test_adapter_names_are_checked_naming_the_key(adapters, message):
     with pytest.raises(ValueError, match=r"^model\.lora\.adapters=.*" + message.replace(".", r"\.")):
         load_config(None, ["model.lora.rank=4", f"model.lora.adapters={json.dumps(adapters)}"])
     assert not lora_config(load_config(None, ["model.lora.rank=4", 'model.lora.adapters=["math"]'])).stacked
+    with pytest.raises(ValueError, match=r"^model\.lora\.adapters=\['math'\] names adapters of rank 0"):
+        load_config(None, ['model.lora.adapters=["math"]'])
+    assert LoraConfig(rank=2, adapters=["math", "code"]).adapters == ("math", "code")
 
 
 def test_a_checkpoint_saved_before_model_lora_adapters_existed_still_resumes():
