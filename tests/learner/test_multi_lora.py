@@ -74,9 +74,11 @@ def test_a_checkpoint_saved_before_model_lora_adapters_existed_still_resumes():
 
 def test_one_named_adapter_keeps_the_single_adapter_layout():
     """One name (or none) builds today's single adapter: the same variables, types, shapes and values."""
-    named = nnx.state(Transformer(model_config("tiny", lora=LoraConfig(rank=4, alpha=8.0, adapters=("math",))),
+    named = nnx.state(Transformer(model_config("tiny", num_layers=1, lora=LoraConfig(rank=4, alpha=8.0,
+                                                                                    adapters=("math",))),
                                   rngs=nnx.Rngs(3)))
-    plain = nnx.state(Transformer(model_config("tiny", lora=LoraConfig(rank=4, alpha=8.0)), rngs=nnx.Rngs(3)))
+    plain = nnx.state(Transformer(model_config("tiny", num_layers=1, lora=LoraConfig(rank=4, alpha=8.0)),
+                                  rngs=nnx.Rngs(3)))
     assert jax.tree.structure(named) == jax.tree.structure(plain)  # Variable types included: no StackedLoRAParam
     jax.tree.map(np.testing.assert_array_equal, named, plain)
 
@@ -84,7 +86,7 @@ def test_one_named_adapter_keeps_the_single_adapter_layout():
 def test_stacked_adapters_start_apart_and_every_adapter_computes_the_base():
     """Every adapter's ``a`` is drawn from its own key, every ``b`` is 0: whichever adapter a row selects, the logits
     are bit for bit the base's (built without LoRA from the same seed)."""
-    model, base = Transformer(MODEL, rngs=nnx.Rngs(3)), Transformer(BASE, rngs=nnx.Rngs(3))
+    model, base = Transformer(UPDATE_MODEL, rngs=nnx.Rngs(3)), Transformer(UPDATE_BASE, rngs=nnx.Rngs(3))
     adapters = _lora_leaves(model)
     assert adapters["layers/0/attn/q_proj/lora/a"].shape == (2, 64, 4)
     assert adapters["layers/0/attn/o_proj/lora/b"].shape == (2, 4, 64)
@@ -103,7 +105,8 @@ def test_stacked_adapters_start_apart_and_every_adapter_computes_the_base():
     for rows in ([0, 1, 1], [1, 0, 0]):
         with select_adapters(model, jnp.asarray(rows)):
             np.testing.assert_array_equal(model.logits(model(tokens, positions)), expected)
-    assert jax.tree.structure(nnx.state(model)) == jax.tree.structure(nnx.state(Transformer(MODEL, rngs=nnx.Rngs(3))))
+    assert jax.tree.structure(nnx.state(model)) == jax.tree.structure(
+        nnx.state(Transformer(UPDATE_MODEL, rngs=nnx.Rngs(3))))  # the selection leaves nothing in the state
 
 
 def test_stacked_adapters_shard_like_one_adapter_with_the_adapter_axis_replicated():
