@@ -147,8 +147,10 @@ class LoRA(nnx.Module):
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], config: LoraConfig, *,
                  rngs: nnx.Rngs):
         bound = 1.0 / math.sqrt(math.prod(in_shape))
-        a_shape = in_shape + (config.rank,)
-        draw = lambda key: jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)  # noqa: E731
+
+        def draw(key):
+            return jax.random.uniform(key, in_shape + (config.rank,), jnp.float32, -bound, bound)
+
         if config.stacked:
             count = len(config.adapters)
             self.a = StackedLoRAParam(jax.vmap(draw)(jax.random.split(rngs.params(), count)).astype(config.dtype))
