@@ -24,7 +24,7 @@ from corrections._config import REDUCTIONS
 from learner.adapter_loss import adapter_loss_terms
 from learner.bucketing import BucketConfig, pad_batch
 from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
-from learner.export import export_run
+from learner.export import export_run, main
 from learner.lora import LoRA, LoRAParam, LoraConfig, StackedLoRAParam, merge_adapters, select_adapters
 from learner.model import Projection, Transformer, model_config
 from learner.optimizer import OptimizerConfig, make_optimizer
@@ -319,8 +319,8 @@ def test_stacked_checkpoint_restores_on_another_mesh_and_exports_one_peft_adapte
         export_run(run_dir, tmp_path / "merged", merged=True)
     with pytest.raises(ValueError, match=r"--adapter 'chat': the run's adapters are \['math', 'code'\]"):
         export_run(run_dir, tmp_path / "merged", merged=True, adapter="chat")
-    merged = export_run(run_dir, tmp_path / "merged", merged=True, adapter="code")
-    weights = safetensors.numpy.load_file(str(merged / "model.safetensors"))
+    main([str(run_dir), str(tmp_path / "merged"), "--merged", "--adapter", "code"])
+    weights = safetensors.numpy.load_file(str(tmp_path / "merged" / "model.safetensors"))
     base = named_leaves(nnx.state(Transformer(BASE, rngs=nnx.Rngs(0))))
     expected = merge_adapters({**{path: np.asarray(x) for path, x in base.items()},
                                **{path: array[1] for path, array in adapters.items()}}, LORA.scale)
