@@ -51,6 +51,7 @@ from corrections._presets import PRESETS
 from corrections._presets import VERL_PRESETS
 from corrections._presets import preset
 from corrections._reductions import loss_terms
+from corrections._reductions import loss_terms_from_rows
 from corrections._reductions import reduce_loss
 from corrections._rejection import divergence_mask
 from corrections._rejection import geometric_sequence_mask
@@ -99,6 +100,7 @@ __all__ = (
     "kl_cov_loss",
     "kl_penalty",
     "loss_terms",
+    "loss_terms_from_rows",
     "masked_mean",
     "masked_sum",
     "metrics_from_row_stats",

@@ -9,6 +9,10 @@ This is the alignment of `learner.logprobs` (``logprobs[:, t] = log p(tokens[:, 
 (`learner.logprob_mode.replay_params`): the update then replays that transform in every logprob pass, so its ratios
 are of the same distribution as the server's logprobs. None: RAW or temperature-only logprobs, computed at
 `learner.update.UpdateConfig.temperature`.
+
+``adapter`` says which LoRA adapter each row trains and is scored by when the model stacks several
+(``model.lora.adapters``; `learner.lora.select_adapters`, `learner.adapter_loss`): an index into the adapter names.
+None: every row adapter 0 (the only one of a single-adapter or full fine-tuning run).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from learner.sampler_replay import SamplerParams
 
 @struct.dataclass
 class TrainBatch:
-    """One batch to train on (rollouts, or demonstrations in the warm-up); every field but ``sampling`` is ``[B, T]`` (host NumPy or device arrays)."""
+    """One batch to train on (rollouts, or demonstrations in the warm-up); every field but ``sampling`` and
+    ``adapter`` is ``[B, T]`` (host NumPy or device arrays)."""
 
     tokens: jax.Array  # int32 token ids, prompt then completion, right-padded.
     positions: jax.Array  # int32 RoPE positions, usually arange(T) per row.
@@ -31,3 +36,4 @@ class TrainBatch:
     rollout_logprobs: jax.Array  # float32 logprobs the inference server sampled each token with.
     policy_version: jax.Array  # int32 policy version that sampled each token (for staleness metrics).
     sampling: SamplerParams | None = None  # [B] per-row sampling parameters to replay (PROCESSED logprobs).
+    adapter: jax.Array | None = None  # [B] int32 LoRA adapter of each row (several adapters); None: all 0.

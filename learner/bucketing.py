@@ -72,8 +72,8 @@ def pad_batch(batch: TrainBatch, config: BucketConfig, row_multiple: int = 1) ->
         row_multiple: rows are padded with fully masked rows to a multiple of this.
 
     Returns:
-        A `TrainBatch` of NumPy arrays ``[B', T']`` (``sampling``: ``[B']``); the original rows and columns
-        first, padding zero (neutral sampling parameters).
+        A `TrainBatch` of NumPy arrays ``[B', T']`` (``sampling``, ``adapter``: ``[B']``); the original rows and
+        columns first, padding zero (neutral sampling parameters, adapter 0).
 
     Example:
         >>> tokens = np.array([[1, 2, 3, 0, 0], [4, 5, 0, 0, 0]])
@@ -96,4 +96,5 @@ def pad_batch(batch: TrainBatch, config: BucketConfig, row_multiple: int = 1) ->
         return np.pad(x, ((0, target_rows - rows), (0, target_columns - x.shape[1])))
 
     sampling = None if batch.sampling is None else batch.sampling.pad_rows(target_rows)
-    return jax.tree.map(pad, batch.replace(sampling=None)).replace(sampling=sampling)
+    adapter = None if batch.adapter is None else np.pad(np.asarray(batch.adapter), (0, target_rows - rows))
+    return jax.tree.map(pad, batch.replace(sampling=None, adapter=None)).replace(sampling=sampling, adapter=adapter)

@@ -10,7 +10,10 @@ load the result. Nothing in the run directory is modified.
 A LoRA run (``model.lora.rank > 0``; its checkpoints hold the adapters, not the base) is exported as a PEFT adapter
 (`learner.peft_export`: ``adapter_config.json`` + ``adapter_model.safetensors``, its ``base_model_name_or_path``
 the run's ``model.hf_path``), or with ``--merged`` as the Hugging Face checkpoint of the base with the adapters merged
-into it (the base read from ``model.hf_path``, or rebuilt from ``model.name`` and ``loop.seed``).
+into it (the base read from ``model.hf_path``, or rebuilt from ``model.name`` and ``loop.seed``). A run of several
+adapters on one base (``model.lora.adapters``) is exported as one PEFT adapter directory per adapter,
+``OUT_DIR/<name>/``, each in the single-adapter layout (``--adapter NAME``: that one alone); ``--merged`` then needs
+``--adapter NAME``, the adapter to merge.
 
 Example::
 
@@ -31,7 +34,7 @@ from flax import nnx
 
 from learner.checkpoints import MANIFEST, read_step, verify_manifest
 from learner.hf_checkpoint import TOKENIZER_FILES, model_config_from_checkpoint, write_hf_checkpoint
-from learner.lora import LoraConfig, merge_adapters
+from learner.lora import LoraConfig, merge_adapters, split_adapters
 from learner.model import ModelConfig, Transformer, model_config
 from learner.param_paths import named_leaves
 from learner.peft_export import write_peft_adapter
@@ -105,7 +108,7 @@ def _base_weights(config: ModelConfig, hf_path: str | None, seed: int) -> dict[s
 
 def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
                dtype: str = "float32", eos_token_ids: Sequence[int] | None = None,
-               overwrite: bool = False, merged: bool = False) -> pathlib.Path:
+               overwrite: bool = False, merged: bool = False, adapter: str | None = None) -> pathlib.Path:
     """Writes checkpoint ``step`` (default: the newest verified) of the run in ``run_dir`` to ``out_dir``.
 
     Args:
@@ -116,6 +119,8 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
         eos_token_ids: stop ids to write; None: the source checkpoint's (``model.hf_path``), if any.
         overwrite: replace an existing ``out_dir``.
         merged: a LoRA run's adapters merged into its base as a Hugging Face checkpoint, instead of a PEFT adapter.
+        adapter: with several adapters (``model.lora.adapters``), the one to export (required with ``merged``);
+            None: every one, each to ``out_dir/<name>/``. A single adapter's run accepts its own name only.
 
     Returns:
         ``out_dir``.
@@ -142,15 +147,42 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
     params = read_checkpoint_params(step_dir)
     lora = model.get("lora") or {}
     if lora.get("rank", 0) > 0:
-        lora = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]), dtype=lora["dtype"])
+        lora = LoraConfig(rank=lora["rank"], alpha=lora["alpha"], targets=tuple(lora["targets"]), dtype=lora["dtype"],
+                          adapters=tuple(lora.get("adapters", ())))
+        chosen = _chosen_adapters(lora.adapters, adapter, merged)
+        if lora.stacked:
+            params = {name: weights for name, weights in split_adapters(params, lora.adapters).items()
+                      if name in chosen}
         if not merged:
-            return write_peft_adapter(out_dir, params, lora, config, base_model_name_or_path=hf_path,
-                                      overwrite=overwrite)
+            if not lora.stacked:
+                return write_peft_adapter(out_dir, params, lora, config, base_model_name_or_path=hf_path,
+                                          overwrite=overwrite)
+            for name in chosen:
+                write_peft_adapter(pathlib.Path(out_dir) / name, params[name], lora, config,
+                                   base_model_name_or_path=hf_path, overwrite=overwrite)
+            return pathlib.Path(out_dir)
         seed = (run_config.get("loop") or {}).get("seed", 0)
-        params = merge_adapters(_base_weights(config, hf_path, seed) | params, lora.scale)
+        adapters = params[chosen[0]] if lora.stacked else params
+        params = merge_adapters(_base_weights(config, hf_path, seed) | adapters, lora.scale)
+    elif adapter is not None:
+        raise ValueError(f"--adapter {adapter!r}: the run trains no LoRA adapters (model.lora.rank = 0)")
     return write_hf_checkpoint(out_dir, params, config, tokenizer=tokenizer,
                                eos_token_ids=eos if eos_token_ids is None else eos_token_ids, bos_token_id=bos,
                                dtype=dtype, model_type=model_type, overwrite=overwrite)
+
+
+def _chosen_adapters(names: tuple[str, ...], adapter: str | None, merged: bool) -> tuple[str, ...]:
+    """The adapters to export of a run whose ``model.lora.adapters`` are ``names``; refuses an unknown name, and a
+    merge that does not say which of several adapters to merge."""
+    if adapter is None:
+        if merged and len(names) > 1:
+            raise ValueError(f"--merged with the adapters {list(names)} (model.lora.adapters): say which one to merge "
+                             "with --adapter NAME")
+        return names
+    if adapter not in names:
+        raise ValueError(f"--adapter {adapter!r}: the run's adapters are {list(names) or 'unnamed (one)'} "
+                         "(model.lora.adapters)")
+    return (adapter,)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -164,9 +196,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     parser.add_argument("--merged", action="store_true",
                         help="LoRA runs: write the base with the adapters merged (default: a PEFT adapter)")
+    parser.add_argument("--adapter", help="LoRA runs of several adapters (model.lora.adapters): the one to export "
+                                          "(required with --merged; default: every one, to OUT_DIR/<name>/)")
     args = parser.parse_args(argv)
     out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, eos_token_ids=args.eos_ids,
-                     overwrite=args.overwrite, merged=args.merged)
+                     overwrite=args.overwrite, merged=args.merged, adapter=args.adapter)
     print(f"wrote {out}")
 
 

@@ -22,10 +22,16 @@ axes, ``b`` like its output axes, the rank replicated.
 
 For the engines and exports the adapters are merged into the kernels (`merge_adapters`), or written as a PEFT
 adapter (`learner.peft_export`).
+
+Several adapters on one base (``LoraConfig.adapters`` with more than one name) are stacked on a leading axis
+(`StackedLoRAParam`: ``a`` ``[N, D, r]``, ``b`` ``[N, r, H, Dh]``, that axis replicated); every call then runs inside
+`select_adapters`, which says the adapter of each row, and `split_adapters` gives each adapter's arrays in the
+single-adapter layout (export). Each adapter's own loss: `learner.adapter_loss`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -39,6 +45,9 @@ import numpy as np
 from flax import nnx
 
 TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# An adapter name is a directory name (the export's OUT_DIR/<name>/) and an engine's adapter name: no separators,
+# no leading dot or dash, nothing a shell or a URL would need to quote.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +67,9 @@ class LoraConfig:
     # a projection matching any gets adapters. The default: every attention and MLP projection of every layer.
     targets: tuple[str, ...] = tuple(f"/{name}$" for name in TARGET_NAMES)
     dtype: str = "float32"  # dtype of the adapters (and so of their optimizer state).
+    # Names of several adapters trained on one base, stacked on a leading axis (multi-LoRA; `StackedLoRAParam`);
+    # () or one name: a single adapter, no leading axis (the layout of a run without names).
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -74,6 +86,14 @@ class LoraConfig:
                 raise ValueError(f"LoraConfig.targets: {target!r} is not a regular expression ({error}).") from None
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"LoraConfig.dtype={self.dtype!r} must be float32 or bfloat16.")
+        if isinstance(self.adapters, list):
+            object.__setattr__(self, "adapters", tuple(self.adapters))
+        check_adapter_names(self.adapters)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether there are several adapters, stacked on a leading axis of every adapter matrix."""
+        return len(self.adapters) > 1
 
     @property
     def scale(self) -> float:
@@ -85,26 +105,130 @@ class LoraConfig:
         return any(re.search(target, path) for target in self.targets)
 
 
+def check_adapter_names(names) -> None:
+    """Refuses adapter names that are not distinct, non-empty names safe as a directory and an engine's adapter name.
+
+    Example:
+        >>> check_adapter_names(("math", "code"))
+        >>> check_adapter_names(("math", "math"))
+        Traceback (most recent call last):
+        ...
+        ValueError: LoraConfig.adapters=['math', 'math'] names 'math' twice: every adapter needs its own name.
+    """
+    if not isinstance(names, tuple) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"LoraConfig.adapters={names!r} must be a list of adapter names, e.g. [\"math\", \"code\"].")
+    for name in names:
+        if not ADAPTER_NAME.match(name):
+            raise ValueError(f"LoraConfig.adapters={list(names)!r}: {name!r} is not an adapter name (1-64 letters, "
+                             "digits, '_', '.', '-', starting with a letter or digit: it names a directory and an "
+                             "engine's adapter).")
+        if names.count(name) > 1:
+            raise ValueError(f"LoraConfig.adapters={list(names)!r} names {name!r} twice: every adapter needs its own "
+                             "name.")
+
+
 class LoRAParam(nnx.Param):
     """A trainable adapter matrix (a subclass of ``nnx.Param``: filters for ``nnx.Param`` still see it)."""
 
 
+class StackedLoRAParam(LoRAParam):
+    """The matrices of several adapters (`LoraConfig.adapters`) stacked on a leading axis, one entry per adapter (a
+    `LoRAParam`: what trains, is optimised and checkpointed is unchanged; `learner.sharding` replicates the axis)."""
+
+
 class LoRA(nnx.Module):
-    """The adapter pair of one projection with kernel ``in_shape + out_shape``: ``scale * (x @ a) @ b``."""
+    """The adapter pair of one projection with kernel ``in_shape + out_shape``: ``scale * (x @ a) @ b``.
+
+    With several adapters (``config.stacked``) ``a`` is ``[N, *in_shape, r]`` and ``b`` ``[N, r, *out_shape]``, every
+    adapter's ``a`` drawn from its own key, and each row of the batch runs through its own adapter
+    (`select_adapters` says which).
+    """
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...], config: LoraConfig, *,
                  rngs: nnx.Rngs):
         bound = 1.0 / math.sqrt(math.prod(in_shape))
-        self.a = LoRAParam(jax.random.uniform(rngs.params(), in_shape + (config.rank,), jnp.float32, -bound,
-                                              bound).astype(config.dtype))
-        self.b = LoRAParam(jnp.zeros((config.rank,) + out_shape, config.dtype))
+
+        def draw(key):
+            return jax.random.uniform(key, in_shape + (config.rank,), jnp.float32, -bound, bound)
+
+        if config.stacked:
+            count = len(config.adapters)
+            self.a = StackedLoRAParam(jax.vmap(draw)(jax.random.split(rngs.params(), count)).astype(config.dtype))
+            self.b = StackedLoRAParam(jnp.zeros((count, config.rank) + out_shape, config.dtype))
+            self.row_adapters = nnx.data(None)  # [B] int, the adapter of each row, within `select_adapters`
+        else:
+            self.a = LoRAParam(draw(rngs.params()).astype(config.dtype))
+            self.b = LoRAParam(jnp.zeros((config.rank,) + out_shape, config.dtype))
         self.scale = config.scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``[N, in_size] -> [N, out_size]`` in the adapters' dtype."""
+        """``[N, in_size] -> [N, out_size]`` in the adapters' dtype; stacked, the N rows are B-major (``[B, ...]``
+        flattened, B the number of rows `select_adapters` was given)."""
         a, b = self.a[...], self.b[...]
-        a = a.reshape(-1, a.shape[-1])
-        return (x.astype(a.dtype) @ a) @ (self.scale * b.reshape(b.shape[0], -1))
+        if not isinstance(self.a, StackedLoRAParam):
+            a = a.reshape(-1, a.shape[-1])
+            return (x.astype(a.dtype) @ a) @ (self.scale * b.reshape(b.shape[0], -1))
+        if self.row_adapters is None:
+            raise ValueError("a model with several LoRA adapters (model.lora.adapters) needs the adapter of each row: "
+                             "call it within learner.lora.select_adapters(model, adapter)")
+        count, rank = a.shape[0], a.shape[-1]
+        # Each row's matrices by a one-hot matmul rather than a gather: the gradient is a matmul too (a gather's is
+        # a scatter-add, slow to compile on the CPU and slow on a TPU), exact, and rows of one adapter give the
+        # others exactly zero.
+        one_hot = jax.nn.one_hot(self.row_adapters, count, dtype=a.dtype)  # [B, N]
+        rows = one_hot.shape[0]
+        a = (one_hot @ a.reshape(count, -1)).reshape(rows, -1, rank)  # [B, in, r]
+        b = (one_hot @ (self.scale * b).reshape(count, -1)).reshape(rows, rank, -1)  # [B, r, out]
+        h = jnp.einsum("bti,bir->btr", x.astype(a.dtype).reshape(rows, -1, a.shape[1]), a)
+        return jnp.einsum("btr,bro->bto", h, b).reshape(-1, b.shape[-1])
+
+
+@contextlib.contextmanager
+def select_adapters(model: nnx.Module, adapter: jax.Array):
+    """Within the block, row ``b`` of every call of ``model`` runs through adapter ``adapter[b]`` (``[B]`` int, an
+    index into `LoraConfig.adapters`); a model without stacked adapters is unaffected.
+
+    The selection is an attribute of the stacked `LoRA` modules for the block's duration (like a mode flag), reset
+    on exit so that the model's state holds nothing of it. An index outside ``[0, N)`` selects no adapter (the row
+    runs the base alone): `learner.adapter_loss.check_adapter_indices` refuses such batches.
+
+    Example::
+
+        with select_adapters(model, jnp.array([0, 1])):  # row 0 through adapter 0, row 1 through adapter 1
+            hidden = model(tokens, positions)
+    """
+    stacked = [module for _, module in nnx.iter_modules(model)
+               if isinstance(module, LoRA) and isinstance(module.a, StackedLoRAParam)]
+    for module in stacked:
+        module.row_adapters = adapter
+    try:
+        yield model
+    finally:
+        for module in stacked:
+            module.row_adapters = None
+
+
+def stacked_adapter_count(params: nnx.State) -> int:
+    """N of a state whose adapters are stacked (`StackedLoRAParam`), else 1."""
+    stacked = [leaf for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+               if isinstance(leaf, StackedLoRAParam)]
+    return stacked[0].shape[0] if stacked else 1
+
+
+def split_adapters(weights: Mapping[str, np.ndarray], names: tuple[str, ...]) -> dict[str, dict[str, np.ndarray]]:
+    """``{path: array}`` with stacked adapters (``[N, ...]``, `LoraConfig.adapters` = ``names``) -> ``{name:
+    {path: array}}``, each in the single-adapter layout (the other paths, e.g. the base's, are not copied).
+
+    Example:
+        >>> weights = {"p/lora/a": np.zeros((2, 3, 1)), "p/lora/b": np.ones((2, 1, 4))}
+        >>> {name: {path: x.shape for path, x in w.items()} for name, w in split_adapters(weights, ("x", "y")).items()}
+        {'x': {'p/lora/a': (3, 1), 'p/lora/b': (1, 4)}, 'y': {'p/lora/a': (3, 1), 'p/lora/b': (1, 4)}}
+    """
+    adapters = {path: np.asarray(array) for path, array in weights.items() if adapter_parts(path) is not None}
+    for path, array in adapters.items():
+        if array.shape[0] != len(names):
+            raise ValueError(f"{path} holds {array.shape[0]} adapters, model.lora.adapters names {len(names)}")
+    return {name: {path: array[index] for path, array in adapters.items()} for index, name in enumerate(names)}
 
 
 def adapter_targets(model: nnx.Module, config: LoraConfig, projection_type: type) -> list[tuple[tuple, nnx.Module]]:

@@ -16,7 +16,9 @@ and ``optax.apply_if_finite`` 20.5. Three choices make that so:
   inf propagate through the sum of squares, so it needs no pass of its own), the clip scales by
   ``min(1, max_grad_norm / global_norm)``, and a caller that has the norm already (the update step logs it) passes
   it as the ``global_norm`` extra argument of ``update``. A gradient whose norm overflows float32 (above ~1.8e19)
-  counts as non-finite too.
+  counts as non-finite too. Several LoRA adapters stacked on one base (`learner.adapter_loss`) pass ``[N]`` norms,
+  one per entry of the leading axis of every gradient: each adapter is clipped by its own norm, as it would be
+  trained alone (the finite check and the step count stay shared).
 * A skip is a choice of scalars, not of tensors: the moments decay by ``b1`` / ``b2`` and take ``(1 - b1)`` /
   ``(1 - b2)`` of the (zeroed) gradient, or by 1 and 0 when skipping, so a skipped update leaves them bit for bit
   and no ``lax.cond`` or select copies them.
@@ -94,7 +96,8 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformationExtra
     """The transformation described by ``config`` (see the module docstring).
 
     ``update(grads, state, params, global_norm=None)``: ``params`` are required (weight decay), ``global_norm`` is
-    the global norm of ``grads`` if the caller has it.
+    the global norm of ``grads`` if the caller has it, or ``[N]`` norms of the entries of every gradient's leading
+    axis (stacked adapters), each entry then clipped by its own.
 
     Example:
         >>> optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=0.1))
@@ -126,7 +129,7 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformationExtra
         inner = state.inner_state if config.skip_nonfinite else state
         adam, decay_state, lr_state = inner[-1]
         # Scalars of this update: whether it is taken, the clip factor, the moments' weights, the learning rate.
-        take = jnp.isfinite(global_norm) if config.skip_nonfinite else jnp.array(True)
+        take = jnp.all(jnp.isfinite(global_norm)) if config.skip_nonfinite else jnp.array(True)
         clip_scale = None if config.max_grad_norm is None else jnp.minimum(1.0, config.max_grad_norm / global_norm)
         count = jnp.where(take, optax.safe_increment(adam.count), adam.count)
         # (decay, weight of the new gradient) of each moment: (b, 1 - b), or (1, 0) to leave it as it is
@@ -136,8 +139,8 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformationExtra
         learning_rate = -schedule(lr_state.count)
 
         def gradient(g, dtype):  # clipped; 0 when skipped, as a NaN would reach the moments through 0 * NaN
-            if clip_scale is not None:
-                g = g * clip_scale.astype(g.dtype)
+            if clip_scale is not None:  # a scalar, or one per entry of the leading axis
+                g = g * clip_scale.reshape(clip_scale.shape + (1,) * (g.ndim - clip_scale.ndim)).astype(g.dtype)
             return jnp.where(take, g, 0).astype(dtype)
 
         # optax's order of operations: (1 - b) * g + b * moment

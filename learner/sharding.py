@@ -13,7 +13,8 @@ vocabulary of 151,936 over ``tensor=3``), so every rule set works on every mesh.
 
 LoRA adapters (``<projection>/lora/a`` and ``/lora/b``, `learner.lora`) follow the rule of their kernel: ``a``
 (``in_shape + (r,)``) is sharded like the kernel's input axes, ``b`` (``(r,) + out_shape``) like its output axes, the
-rank replicated; so an adapter's shards sit with the kernel's shards they update.
+rank replicated; so an adapter's shards sit with the kernel's shards they update. Several adapters stacked on a
+leading axis (`learner.lora.StackedLoRAParam`) add that axis replicated.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import re
 from collections.abc import Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from learner.lora import adapter_parts
+from learner.lora import StackedLoRAParam, adapter_parts
 from learner.param_paths import parameter_path
 
 AXES = ("data", "fsdp", "tensor")
@@ -106,6 +108,8 @@ def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
         P('tensor', 'fsdp')
     """
     shapes = {parameter_path(path): x.shape for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    variables = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    stacked = {parameter_path(path) for path, leaf in variables if isinstance(leaf, StackedLoRAParam)}
 
     def spec(path: str, shape) -> P:
         parts = adapter_parts(path)
@@ -113,6 +117,12 @@ def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
             return partition_spec(path, shape, mesh, rules)
         prefix, which = parts
         a, b = shapes[f"{prefix}/lora/a"], shapes[f"{prefix}/lora/b"]
+        if path in stacked:  # the adapters' axis replicated, the rest as for one adapter
+            a, b = a[1:], b[1:]
+            return P(None, *single_spec(prefix, which, a, b))
+        return single_spec(prefix, which, a, b)
+
+    def single_spec(prefix: str, which: str, a, b) -> P:
         kernel = tuple(partition_spec(f"{prefix}/kernel", a[:-1] + b[1:], mesh, rules))
         kernel += (None,) * (len(a) + len(b) - 2 - len(kernel))
         return P(*kernel[:len(a) - 1], None) if which == "a" else P(None, *kernel[len(a) - 1:])

@@ -39,7 +39,12 @@ particular at prompt tokens.
 
 LoRA (`learner.lora`): ``state.params`` holds the adapters only and the frozen base comes as the ``frozen``
 argument (not donated); every pass runs ``nnx.merge(graphdef, params, frozen)``, the gradient is taken with respect
-to ``params`` alone, so gradients, accumulators and optimizer state are the adapters' size.
+to ``params`` alone, so gradients, accumulators and optimizer state are the adapters' size. With several adapters
+stacked (``model.lora.adapters``) every pass runs each row through its adapter (``TrainBatch.adapter``,
+`learner.lora.select_adapters`) and each adapter's loss is its own reduction over its own rows
+(`learner.adapter_loss`): per adapter a numerator and a denominator are summed over micro-batches, and entry k of
+the gradient is divided by adapter k's denominator. ``actor/pg_loss`` is then the sum of the adapters' losses, and
+``actor/pg_loss_adapter{k}`` each one.
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from learner.adapter_loss import (adapter_loss_terms, adapter_norms, check_adapter_indices, check_corrections,
+                                  scale_by_adapter)
 from learner.batch import TrainBatch
+from learner.lora import select_adapters, stacked_adapter_count
 from learner.logprobs import token_logprobs
 from learner.optimizer import skipped_updates
 from learner.precision import with_matmul_precision
@@ -154,10 +162,17 @@ def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatc
     sampling params replayed, or at ``config.temperature`` when the batch has none; over ``config.scored_window``
     tokens from each row's first ``loss_mask`` token when set."""
     window_start = None if config.scored_window is None else first_scored_token(batch.loss_mask)
-    return token_logprobs(merge_model(graphdef, params, frozen), batch.tokens, batch.positions, batch.attention_mask,
-                          temperature=config.temperature, chunk_size=config.logprob_chunk_size,
-                          remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling,
-                          window_start=window_start, window_size=config.scored_window)
+    model = merge_model(graphdef, params, frozen)
+    with select_adapters(model, row_adapters(batch)):
+        return token_logprobs(model, batch.tokens, batch.positions, batch.attention_mask,
+                              temperature=config.temperature, chunk_size=config.logprob_chunk_size,
+                              remat=config.logprob_remat, return_entropy=return_entropy, sampling=batch.sampling,
+                              window_start=window_start, window_size=config.scored_window)
+
+
+def row_adapters(batch: TrainBatch) -> jax.Array:
+    """``[B]`` int32: ``batch.adapter``, or adapter 0 for every row when the batch names none."""
+    return jnp.zeros(batch.tokens.shape[0], jnp.int32) if batch.adapter is None else batch.adapter
 
 
 def first_scored_token(loss_mask: jax.Array) -> jax.Array:
@@ -217,7 +232,8 @@ def proximal_from_training_pass(config: UpdateConfig) -> bool:
 
 
 def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig, weight_scale=None, frozen=None):
-    """Loss numerator of one micro-batch; aux: its denominator, the corrections' row statistics and, when ``rows``
+    """Loss numerator of one micro-batch; aux: the numerators and denominators of each adapter (``[N]``, N = 1
+    without stacked adapters: the numerator and denominator), the corrections' row statistics and, when ``rows``
     has no proximal logprobs in decoupled mode (`proximal_from_training_pass`), the training pass's logprobs
     without gradient, which then serve as the proximal ones (else None)."""
     batch, proximal, ref = rows
@@ -232,19 +248,25 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
         rollout_logprobs=batch.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
         policy_lag=policy_version - batch.policy_version, key=key, weight_scale=weight_scale,
         rows_per_chunk=config.rows_per_chunk)
-    return corrected.loss_numerator, (corrected.loss_denominator, corrected.row_stats,
-                                      proximal if from_training_pass else None)
+    count = stacked_adapter_count(params)
+    if count == 1:
+        numerators, denominators = corrected.loss_numerator[None], corrected.loss_denominator[None]
+    else:
+        numerators, denominators = adapter_loss_terms(corrected, row_adapters(batch), count, config.corrections)
+    return jnp.sum(numerators), (numerators, denominators, corrected.row_stats,
+                                 proximal if from_training_pass else None)
 
 
 class MinibatchGradients(NamedTuple):
     """What `minibatch_gradients` returns for one mini-batch."""
 
     grads: nnx.State  # gradient of `loss`, in the parameters' dtypes; NaN everywhere when the loss is not finite
-    grad_norm: jax.Array  # its global norm, NaN with it
-    loss: jax.Array  # the global loss: sum(numerators) / max(sum(denominators), 1)
-    denominator: jax.Array  # the summed denominator
+    grad_norm: jax.Array  # its global norm, NaN with it; [N], each adapter's, with N stacked adapters
+    loss: jax.Array  # the global loss: sum(numerators) / max(sum(denominators), 1); the adapters' losses summed
+    denominator: jax.Array  # the summed denominator (of every adapter)
     metrics: dict  # the corrections' metrics of the whole mini-batch (every micro-batch's row statistics together)
     proximal: jax.Array | None  # [rows, T] the training pass's logprobs used as the proximal ones, or None
+    adapter_losses: jax.Array  # [N] each adapter's loss (learner.adapter_loss); [1] the loss without stacked adapters
 
 
 def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
@@ -255,6 +277,8 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     The gradient is the float32 sum over micro-batches times one scalar (``1 / denominator``, or NaN when the loss
     is not finite, so that the optimizer's guard skips it); its global norm is that of the sum times the scalar, so
     the scaled gradient is never written out for the norm alone (the multiply fuses into the optimizer's update).
+    With N stacked adapters the scalar is one per adapter (`learner.adapter_loss`), entry k of the sum times
+    ``1 / denominator[k]``.
 
     Args:
         params: model parameters (nnx.State).
@@ -279,25 +303,34 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     def accumulate(carry, xs):
         grads_sum, numerator_sum, denominator_sum = carry
         micro, micro_key = xs
-        (numerator, (denominator, row_stats, proximal)), grads = grad_fn(params, graphdef, micro, policy_version,
-                                                                        micro_key, config, weight_scale, frozen)
+        (_, (numerators, denominators, row_stats, proximal)), grads = grad_fn(
+            params, graphdef, micro, policy_version, micro_key, config, weight_scale, frozen)
         grads_sum = constrain_like_params(jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads))
-        return (grads_sum, numerator_sum + numerator, denominator_sum + denominator), (row_stats, proximal)
+        return (grads_sum, numerator_sum + numerators, denominator_sum + denominators), (row_stats, proximal)
 
     # float32 accumulators whatever the parameter dtype: summing bfloat16 gradients in bfloat16 loses their low bits.
     zeros = constrain_like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    (grads_sum, numerator, denominator), (row_stats, proximal) = _scan(
+    count = stacked_adapter_count(params)
+    init = (zeros, jnp.zeros((count,), jnp.float32), jnp.zeros((count,), jnp.float32))
+    (grads_sum, numerators, denominators), (row_stats, proximal) = _scan(
         accumulate, init, (micro_rows, jax.random.split(key, n)))
-    scale = 1.0 / jnp.maximum(denominator, 1.0)
-    loss = numerator * scale
-    grad_scale = jnp.where(jnp.isfinite(loss), scale, jnp.nan)  # one scalar: no extra pass over the gradients
-    grads = jax.tree.map(lambda g, p: (g * grad_scale).astype(p.dtype), grads_sum, params)
+    scales = 1.0 / jnp.maximum(denominators, 1.0)
+    adapter_losses = numerators * scales
+    loss = jnp.sum(adapter_losses)
+    grad_scales = jnp.where(jnp.isfinite(loss), scales, jnp.nan)
+    if count == 1:  # one scalar: no extra pass over the gradients
+        grads = jax.tree.map(lambda g, p: (g * grad_scales[0]).astype(p.dtype), grads_sum, params)
+        grad_norm = optax.tree.norm(grads_sum) * grad_scales[0]
+    else:
+        scaled = scale_by_adapter(grads_sum, grad_scales)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), scaled, params)
+        grad_norm = adapter_norms(scaled)
     row_stats = jax.tree.map(lambda x: x.reshape(-1), row_stats)  # [micro-batches, rows] -> [rows]
     if proximal is not None:
         proximal = _constrain_rows(_merge_rows(proximal), mesh, 0)
-    return MinibatchGradients(grads, optax.tree.norm(grads_sum) * grad_scale, loss, denominator,
-                              corrections.metrics_from_row_stats(row_stats, config.corrections), proximal)
+    return MinibatchGradients(grads, grad_norm, loss, jnp.sum(denominators),
+                              corrections.metrics_from_row_stats(row_stats, config.corrections), proximal,
+                              adapter_losses)
 
 
 def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
@@ -308,7 +341,8 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
 
     A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it. The gradients'
     global norm is computed once, logged, and handed to the optimizer as its ``global_norm`` extra argument (the
-    clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it).
+    clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it). With N stacked
+    adapters it hands on each adapter's norm (``[N]``): `learner.optimizer` clips each adapter by its own.
     """
     out = minibatch_gradients(state.params, rows, state.policy_version, key, graphdef=graphdef, config=config,
                               mesh=mesh, param_shardings=param_shardings, weight_scale=weight_scale,
@@ -320,9 +354,12 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
     metrics.update({
         "actor/pg_loss": out.loss,
         "actor/loss_denominator": out.denominator,
-        "actor/grad_norm": out.grad_norm,
+        "actor/grad_norm": out.grad_norm if out.grad_norm.ndim == 0 else optax.tree.norm(out.grad_norm),
         "actor/skipped_updates": skipped_updates(opt_state),
     })
+    if out.adapter_losses.shape[0] > 1:
+        metrics.update({f"actor/pg_loss_adapter{k}": loss for k, loss in enumerate(out.adapter_losses)})
+        metrics.update({f"actor/grad_norm_adapter{k}": norm for k, norm in enumerate(out.grad_norm)})
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics, out.proximal
 
 
@@ -369,6 +406,7 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     if config.corrections.kl_coef > 0 and ref_params is None and reference_graphdef is None:
         raise ValueError("ref_params are required when corrections.kl_coef > 0.")
     _check_sampling(batch, config)
+    check_corrections(config.corrections, stacked_adapter_count(state.params))
     batch = _constrain_rows(batch, mesh, 0)
     from_training_pass = proximal_from_training_pass(config)
     proximal = (recompute_logprobs(graphdef, state.params, batch, config, mesh, frozen)
@@ -442,6 +480,7 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
             raise ValueError("ref_params are required when corrections.kl_coef > 0.")
         if (frozen is None) != (frozen_shardings is None):
             raise ValueError("frozen (the LoRA base) must be passed exactly when make_update_fn got frozen_shardings.")
+        check_adapter_indices(batch.adapter, stacked_adapter_count(state.params))
         return jitted(state, batch, ref_params, frozen)
 
     update.lower = lambda state, batch, ref_params=None, frozen=None: jitted.lower(state, batch, ref_params, frozen)

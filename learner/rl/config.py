@@ -62,6 +62,9 @@ class LoraSection:
     # what a publish sends: "adapter" the adapters alone (sglang, over smg's LoadLoRAAdapter RPC), "merged" the
     # base with them merged, "auto" merged (no stock engine loads adapters over its smg data plane; docs/lora.md).
     publish: str = _bounded("auto", choices=("auto", "merged", "adapter"))
+    # adapter names; several: adapters stacked on one base, each row trained by its own (learner library only, see
+    # lora_config); none or one: a single adapter.
+    adapters: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,9 +351,18 @@ def lora_config(config: RunConfig) -> LoraConfig | None:
     """
     section = config.model.lora
     if section.rank == 0:
+        if section.adapters:
+            raise ValueError(f"model.lora.adapters={section.adapters!r} names adapters of rank 0 (full fine-tuning): "
+                             "set model.lora.rank > 0, or leave model.lora.adapters out")
         return None
-    return _library("model.lora", LoraConfig, rank=section.rank, alpha=section.alpha,
-                    targets=tuple(section.targets), dtype=section.dtype)
+    adapters = tuple(section.adapters)
+    lora = _library("model.lora", LoraConfig, rank=section.rank, alpha=section.alpha,
+                    targets=tuple(section.targets), dtype=section.dtype, adapters=adapters)
+    if lora.stacked:  # rollouts would need a per-request adapter on every engine (docs/lora.md)
+        raise ValueError(f"model.lora.adapters={list(adapters)!r}: the RL loop trains one adapter; several on one base "
+                         "are trained through the learner library (learner.update with TrainBatch.adapter) and "
+                         "exported per adapter (docs/lora.md); give one name or none")
+    return lora
 
 
 def checkpoint_config(config: RunConfig, directory: str) -> CheckpointConfig:
@@ -591,14 +603,16 @@ RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:
     """The keys under ``watched`` whose value differs between a checkpoint's saved config and ``current``, each
-    leaf of a table named (``task.args.num_prompts``, not ``task.args``).
+    leaf of a table named (``task.args.num_prompts``, not ``task.args``). A key the saved config lacks (a checkpoint
+    older than the key) counts as its default.
 
     >>> changed_keys(to_dict(RunConfig()), load_config(None, ["task.name=sort_digits", "loop.steps=5"]))
     ['task.name']
     """
-    old, new = dict(_flat(saved)), dict(_flat(to_dict(current)))
+    old, new, defaults = dict(_flat(saved)), dict(_flat(to_dict(current))), dict(_flat(to_dict(RunConfig())))
     return sorted(key for key in old.keys() | new.keys()
-                  if key.startswith(tuple(watched)) and key not in RESUME_FREE_KEYS and old.get(key) != new.get(key))
+                  if key.startswith(tuple(watched)) and key not in RESUME_FREE_KEYS
+                  and old.get(key, defaults.get(key)) != new.get(key))
 
 
 def _flat(data: Mapping[str, Any], prefix: str = ""):
