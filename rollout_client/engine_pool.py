@@ -291,6 +291,7 @@ class EnginePool(Engine):
                 engine.info()
             except Exception:  # noqa: BLE001 - still down; probed again later
                 return
+            engine.may_have_restarted()  # its operator may have restarted it: the publish below loads for real
         try:
             with self._lock:
                 current = self._current

@@ -290,6 +290,13 @@ class HttpControlledEngine(Engine):
                                  "publish/megabytes": megabytes, "publish/s_per_megabyte": total / max(megabytes, 1e-9)}
         return policy_version
 
+    def may_have_restarted(self) -> None:
+        """Forgets the version published: a restarted engine serves its start-up weights (or holds no adapter), and
+        the engines' HTTP APIs cannot always tell (vLLM's has no version). Admission is held, and the next `publish`
+        loads its version whatever was published before."""
+        self.client.hold()
+        self.policy_version = self.served_dir = None
+
     def metrics(self) -> dict[str, float]:
         return {**self.client.metrics(), **self._publish_metrics}
 
