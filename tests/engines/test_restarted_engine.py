@@ -96,3 +96,31 @@ def test_restarted_engine_is_republished_before_it_is_taken_back_protocol_confor
     # Merged weights: sampled by version 1's (offset 4), not the start-up weights (offset 0); stamped 1.
     assert after.completion_token_ids.tolist() == expected
     assert after.policy_versions.tolist() == [1] * 6
+
+
+def test_restarted_engine_that_fails_to_load_stays_out_protocol_conformance(tmp_path):
+    """SGLang (merged weights) restarted: while its load of the current version fails, it is not taken back and no
+    request reaches it; once a load succeeds, it serves that version's weights."""
+    servers = sglang_servers()
+    engine = sglang(servers, tmp_path / "weights")
+    pool = EnginePool([Member(servers.target, engine)], PoolConfig(probe_interval_s=0.05, give_up_after_s=600))
+    request = RolloutRequest(PROMPT, SamplingParams(max_new_tokens=6, stop_token_ids=()))
+    refusal = (400, {"success": False, "message": "Failed to update weights: out of memory", "num_paused_requests": 0})
+    try:
+        pool.publish(1, {"offset": np.array(OFFSET)})
+        servers.stop()
+        waiting = pool.submit(request)
+        member = pool.members[0]
+        assert wait_until(lambda: not member.healthy)
+        servers = servers.started_again(fail={"/update_weights_from_disk": refusal})
+        assert wait_until(lambda: len(loads(servers)) >= 3)  # probed, and refused, three times
+        assert not member.healthy and not waiting.done() and servers.engine.generate_requests == []
+        assert member.last_failure.startswith("republishing the weights failed: ControlPlaneError: POST ")
+        servers.engine.fail.clear()
+        (after,) = waiting.result(timeout=60)
+    finally:
+        pool.close()
+        engine.close()
+        servers.stop()
+    assert after.completion_token_ids.tolist() == [token(sum(PROMPT), step, 0, OFFSET) for step in range(6)]
+    assert after.policy_versions.tolist() == [1] * 6
