@@ -173,7 +173,7 @@ class HttpControlledEngine(Engine):
     engine (`VersionReporting.ENGINE`), so a request's tokens carry the version served when it was admitted.
 
     Until the first `publish` the engine serves the weights it was started with, which are no version of the
-    learner's: `submit` refuses requests then.
+    learner's: `submit` refuses requests then, and again after `may_have_restarted` until a `publish` confirms.
 
     Args:
       config: how to reach the engine's gRPC server (``config.target``) and how patient to be.
