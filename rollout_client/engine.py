@@ -187,6 +187,12 @@ class Engine(abc.ABC):
     def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
         """Makes the engine serve ``weights`` as ``policy_version``; returns the version it confirms."""
 
+    def may_have_restarted(self) -> None:
+        """The engine was unreachable and answers again: it may have been restarted on other weights, so the next
+        `publish` must load the weights even at the version published last (`rollout_client.engine_pool` calls this
+        before it takes an external engine back). Nothing by default: right for an engine whose `publish` asks the
+        engine what it serves (rollout.v1)."""
+
     def metrics(self) -> dict[str, float]:
         """Counters of the engine's client (retries, drops, ...), logged every step."""
         return {}

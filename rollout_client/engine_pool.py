@@ -8,8 +8,10 @@ member (or waits until one is back). Then:
 - an external member is probed every ``probe_interval_s`` until it answers;
 
 and before a member takes requests again it is given the current weights (the pool keeps the last published
-``(policy_version, weights)``), so no request is ever served by stale weights it was not stamped with. `publish` sends
-the weights to every healthy member and returns once all have confirmed.
+``(policy_version, weights)``), so no request is ever served by stale weights it was not stamped with. An external
+member is told first that it may have been restarted (`Engine.may_have_restarted`): one that remembers the version
+it published would otherwise skip loading it again. `publish` sends the weights to every healthy member and returns
+once all have confirmed.
 
 When no member is left that could come back (every launched one out of relaunches, and every external one down for
 ``give_up_after_s``), every waiting request fails with `EnginesDownError`, whose message names each address and,
@@ -291,6 +293,7 @@ class EnginePool(Engine):
                 engine.info()
             except Exception:  # noqa: BLE001 - still down; probed again later
                 return
+            engine.may_have_restarted()  # its operator may have restarted it: the publish below loads for real
         try:
             with self._lock:
                 current = self._current

@@ -173,7 +173,7 @@ class HttpControlledEngine(Engine):
     engine (`VersionReporting.ENGINE`), so a request's tokens carry the version served when it was admitted.
 
     Until the first `publish` the engine serves the weights it was started with, which are no version of the
-    learner's: `submit` refuses requests then.
+    learner's: `submit` refuses requests then, and again after `may_have_restarted` until a `publish` confirms.
 
     Args:
       config: how to reach the engine's gRPC server (``config.target``) and how patient to be.
@@ -289,6 +289,13 @@ class HttpControlledEngine(Engine):
         self._publish_metrics = {"publish/write_s": written - started, "publish/load_s": total - (written - started),
                                  "publish/megabytes": megabytes, "publish/s_per_megabyte": total / max(megabytes, 1e-9)}
         return policy_version
+
+    def may_have_restarted(self) -> None:
+        """Forgets the version published: a restarted engine serves its start-up weights (or holds no adapter), and
+        the engines' HTTP APIs cannot always tell (vLLM's has no version). Admission is held, and the next `publish`
+        loads its version whatever was published before."""
+        self.client.hold()
+        self.policy_version = self.served_dir = None
 
     def metrics(self) -> dict[str, float]:
         return {**self.client.metrics(), **self._publish_metrics}

@@ -348,9 +348,10 @@ def _vllm_error(code: int, kind: str, message: str) -> dict:
 
 
 class ControlServer:
-    """A stdlib HTTP server on 127.0.0.1 answering ``routes`` (recording each call in ``engine.http_calls``)."""
+    """A stdlib HTTP server on 127.0.0.1:``port`` (0: a free one) answering ``routes`` (recording each call in
+    ``engine.http_calls``)."""
 
-    def __init__(self, engine: FakeEngine, routes):
+    def __init__(self, engine: FakeEngine, routes, port: int = 0):
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
@@ -377,7 +378,7 @@ class ControlServer:
             def do_POST(self):
                 self._answer("POST")
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -388,15 +389,23 @@ class ControlServer:
 
 
 class FakeServers:
-    """A fake engine served over gRPC (``servicer_class``) and HTTP (``routes``) on 127.0.0.1."""
+    """A fake engine served over gRPC (``servicer_class``) and HTTP (``routes``) on 127.0.0.1 (ports 0: free ones)."""
 
-    def __init__(self, servicer_class, add_servicer, routes):
-        self.engine = FakeEngine()
+    def __init__(self, servicer_class, add_servicer, routes, grpc_port: int = 0, http_port: int = 0,
+                 engine: FakeEngine | None = None):
+        self._kind = (servicer_class, add_servicer, routes)
+        self.engine = FakeEngine() if engine is None else engine
         self.grpc = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=16))
         add_servicer(servicer_class(self.engine), self.grpc)
-        self.target = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"
+        self.target = f"127.0.0.1:{self.grpc.add_insecure_port(f'127.0.0.1:{grpc_port}')}"
         self.grpc.start()
-        self.http = ControlServer(self.engine, routes(self.engine))
+        self.http = ControlServer(self.engine, routes(self.engine), http_port)
+
+    def started_again(self, **state) -> FakeServers:
+        """The engine (these servers, stopped) started again by its operator: new servers on the same ports, serving
+        the start-up weights (a fresh `FakeEngine`: offset 0, no adapters; ``state``: its other fields)."""
+        return FakeServers(*self._kind, grpc_port=int(self.target.rsplit(":", 1)[1]),
+                           http_port=self.http.server.server_address[1], engine=FakeEngine(**state))
 
     def reset(self) -> FakeEngine:
         """A fresh engine state for the next test (same servers)."""

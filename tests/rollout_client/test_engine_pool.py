@@ -8,6 +8,7 @@ server holds is visible in its samples.
 import concurrent.futures
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from rollout_client import EngineProcess
 from rollout_client import RolloutRequest
 from rollout_client import SamplingParams
 from rollout_client import TetherEngine
+from rollout_client.engine_process import free_port
 from rollout_client.engine_pool import EnginePool
 from rollout_client.engine_pool import EnginesDownError
 from rollout_client.engine_pool import Member
@@ -162,3 +164,36 @@ def test_closing_the_pool_with_requests_in_flight_takes_no_engine_out(tmp_path, 
         server.stop()
     assert [record.getMessage() for record in caplog.records] == []
     assert pool.metrics()["engines/taken_out"] == 0 and pool.metrics()["engines/redispatched"] == 0
+
+
+def test_external_engine_restarted_on_its_address_gets_the_current_weights_again(tmp_path):
+    """A rollout.v1 server restarted by its operator (same port, its start-up weights, version 0) is taken back only
+    after the current weights were streamed to it again: its version is read from the server, not remembered."""
+    port = free_port()
+
+    def serve(name: str) -> EngineProcess:
+        return EngineProcess("rollout_client.server", ["--engine", "scripted", "--step-delay-s", "0.005"],
+                             tmp_path / f"{name}.log", port=port)
+
+    server = serve("first")
+    member = Member(f"127.0.0.1:{port}", TetherEngine(ClientConfig(target=f"127.0.0.1:{port}", **CLIENT)))
+    try:
+        with EnginePool([member], PoolConfig(probe_interval_s=0.05, give_up_after_s=600)) as pool:
+            (reference,) = pool.submit(RolloutRequest([5, 6, 7], SLOW)).result(timeout=120)  # start-up weights
+            pool.publish(3, scale(2.0))
+            os.kill(server.pid, signal.SIGKILL)
+            server.stop()  # down
+            waiting = pool.submit(RolloutRequest([5, 6, 7], SLOW))
+            give_up = time.monotonic() + 120
+            while member.healthy and time.monotonic() < give_up:  # the request failed: taken out
+                time.sleep(0.01)
+            server = serve("second")  # back on the same port, at version 0 with scale 1
+            (after,) = waiting.result(timeout=120)
+            metrics = pool.metrics()
+    finally:
+        member.engine.close()
+        server.stop()
+    assert metrics["engines/taken_out"] == 1 and metrics["engines/taken_back"] == 1
+    np.testing.assert_array_equal(after.completion_token_ids, reference.completion_token_ids)
+    np.testing.assert_allclose(after.logprobs, 2.0 * reference.logprobs, rtol=1e-6)
+    assert (after.policy_versions == 3).all()
