@@ -236,13 +236,17 @@ def adapter_targets(model: nnx.Module, config: LoraConfig, projection_type: type
     adapters draw from the random stream (sorted paths).
 
     Raises:
-        ValueError: no projection matches (naming ``model.lora.targets``).
+        ValueError: no projection matches, or one outside the layers (the output head), naming ``model.lora.targets``.
     """
     targets = [(path, module) for path, module in nnx.iter_modules(model)
                if isinstance(module, projection_type) and config.targets_path("/".join(map(str, path)))]
     if not targets:
         raise ValueError(f"model.lora.targets={list(config.targets)!r} matches no projection; paths look like "
                          "\"layers/0/attn/q_proj\" or \"layers/0/mlp/down_proj\".")
+    outside = ["/".join(map(str, path)) for path, _ in targets if path[0] != "layers"]
+    if outside:  # the output head's kernel feeds the chunked logprobs directly: an adapter there would do nothing
+        raise ValueError(f"model.lora.targets={list(config.targets)!r} matches {outside[0]!r}: only the attention "
+                         "and MLP projections of the layers take adapters; anchor the patterns, e.g. \"/q_proj$\".")
     return sorted(targets, key=lambda item: tuple(map(str, item[0])))
 
 

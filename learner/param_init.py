@@ -88,15 +88,12 @@ def _part_program(build: Callable[[nnx.Rngs], nnx.Module], rngs_graphdef: nnx.Gr
 
 
 def _adapter_groups(model: Transformer, config: ModelConfig) -> list[list[tuple[tuple, Projection]]]:
-    """The targeted projections in their drawing order, cut into runs of one layer each (``layers/<i>/...``; any
-    other target is a run of its own): every layer with the same targets then shares one program."""
+    """The targeted projections in their drawing order, cut into runs of one layer each (``layers/<i>/...``, the
+    only places adapters go): every layer with the same targets then shares one program."""
     groups: list[list[tuple[tuple, Projection]]] = []
-    owner = None
     for path, module in adapter_targets(model, config.lora, Projection):
-        path_owner = tuple(map(str, path[:2])) if path[0] == "layers" else tuple(map(str, path))
-        if path_owner != owner:
+        if not groups or groups[-1][0][0][:2] != path[:2]:
             groups.append([])
-            owner = path_owner
         groups[-1].append((path, module))
     return groups
 

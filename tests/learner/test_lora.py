@@ -63,6 +63,9 @@ def test_targets_select_projections_by_path():
                      "layers/1/attn/v_proj/lora/a", "layers/1/attn/v_proj/lora/b"]
     with pytest.raises(ValueError, match=r"model.lora.targets=\['nothing'\] matches no projection"):
         Transformer(model_config("tiny", lora=LoraConfig(rank=2, targets=("nothing",))), rngs=nnx.Rngs(0))
+    # the output head's kernel feeds the logprobs directly: an adapter there would be silently ignored
+    with pytest.raises(ValueError, match=r"model.lora.targets=\['_proj\$', 'head'\] matches 'lm_head'"):
+        Transformer(model_config("tiny", lora=LoraConfig(rank=2, targets=("_proj$", "head"))), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"LoraConfig.rank=0 must be an int >= 1"):
         LoraConfig(rank=0)
 
