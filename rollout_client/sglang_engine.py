@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 from collections.abc import Sequence
 
 from smg_grpc_proto import sglang_scheduler_pb2
@@ -96,6 +97,9 @@ def adapter_name(policy_version: int) -> str:
     """The name, and the caller-minted id requests give as ``GenerateRequest.lora_id``, under which an adapter
     publish serves ``policy_version`` (`rollout_client.sglang_adapters`)."""
     return f"tether-v{policy_version}"
+
+
+_ADAPTER_ID = re.compile(r"tether-v\d+")  # every `adapter_name`
 
 
 class SGLangControl:
@@ -219,16 +223,17 @@ class SGLangEngine(HttpControlledEngine):
 
     def _confirm(self, policy_version: int) -> None:
         """Merged weights: the served ``weight_version`` is ``policy_version``. Adapters: the engine lists the new
-        adapter's id, and the previous version's adapter, which no request admitted from now on names, is unloaded
-        if the engine still holds it (its adapter slots do not fill up)."""
+        adapter's id, and every other ``tether-v<N>`` it holds, which no request admitted from now on names, is
+        unloaded (its adapter slots do not fill up), the previous version's and any that an engine taken back
+        without a restart (`may_have_restarted`: the version forgotten) still holds."""
         if self.publish_adapters:
             loaded, name = self.adapters.loaded(), adapter_name(policy_version)
             if name not in loaded:
                 raise ControlPlaneError(f"the SGLang engine at {self.address} does not list LoRA adapter {name!r} "
                                         f"after loading it (loaded ids: {sorted(loaded)})")
-            previous = None if self.policy_version is None else adapter_name(self.policy_version)
-            if previous in loaded:
-                self.adapters.unload(previous, previous)
+            for stale in sorted(loaded):  # ours, of older versions (also one left by a take-back: see below)
+                if stale != name and _ADAPTER_ID.fullmatch(stale):
+                    self.adapters.unload(stale, stale)
             return
         served = self.sglang.weight_version()
         if served != str(policy_version):

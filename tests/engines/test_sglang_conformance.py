@@ -307,6 +307,24 @@ def test_adapter_publish_confirms_the_engine_holds_the_new_adapter_protocol_conf
     assert sample.policy_versions.tolist() == [2, 2]
 
 
+def test_adapter_publish_unloads_every_older_version_the_engine_holds_protocol_conformance(servers, tmp_path):
+    """An engine taken back without a restart (`may_have_restarted`: the version forgotten) still holds the adapter
+    of the version it served: the next publish unloads it too, so no adapter slot leaks; others' adapters stay."""
+    servers.reset()
+    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
+                                       validation=ValidationConfig(vocab_size=VOCAB)),
+                          servers.http.url, _adapter_writer, tmp_path / "weights", publish_adapters=True)
+    try:
+        engine.publish(1, {})
+        servers.engine.lora_adapters["someone-else"] = "/adapters/someone-else"  # not ours: never unloaded
+        servers.engine.lora_ids["someone-else"] = "someone-else"
+        engine.may_have_restarted()  # down, then back: it still holds tether-v1
+        assert engine.publish(2, {}) == 2
+    finally:
+        engine.close()
+    assert servers.engine.lora_ids == {"tether-v2": "tether-v2", "someone-else": "someone-else"}
+
+
 def _adapter_writer(directory, weights) -> None:
     """A PEFT adapter directory as the fake engine checks it (``adapter_config.json``)."""
     directory.mkdir(parents=True, exist_ok=True)
