@@ -37,6 +37,7 @@ import numpy as np
 from rollout_client import errors
 from rollout_client.engine import Engine
 from rollout_client.engine import EngineInfo
+from rollout_client.http_control import ControlPlaneUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Member:
     relaunches: int = 0
     down_since: float | None = None
     last_failure: str = ""
+    took_weights: bool = False  # some publish to it was confirmed: its control endpoint was right once
 
     def process_state(self) -> str:
         """For a launched engine: its exit code and log file."""
@@ -358,7 +360,11 @@ class EnginePool(Engine):
             error = future.exception()
             if error is None:
                 confirmed.append(future.result())
-            elif _engine_down(error) or self._dead(engine):
+                member.took_weights = True
+            elif (_engine_down(error) or self._dead(engine)
+                  or (isinstance(error, ControlPlaneUnavailableError) and member.took_weights)):
+                # An unreachable control endpoint that answered before is an outage (e.g. its operator restarts the
+                # engine); one that never answered is a wrong address, reported now (not after give_up_after_s).
                 self._take_out(member, engine, f"publish failed: {describe_error(error)}")
             else:
                 raise error

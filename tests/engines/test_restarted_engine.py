@@ -6,6 +6,7 @@ weights (or, with LoRA adapters, holds no adapter). The pool must load the curre
 a request goes there, so that no sample is stamped with that version while other weights sample it.
 """
 
+import concurrent.futures
 import json
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 from rollout_client import ClientConfig, RolloutRequest, SamplingParams, ValidationConfig
 from rollout_client.engine_pool import EnginePool, Member, PoolConfig
+from rollout_client.http_control import ControlPlaneUnavailableError
 from rollout_client.sglang_engine import SGLangEngine, adapter_name
 from rollout_client.vllm_engine import VllmEngine
 from rollout_client.weight_dirs import version_dir
@@ -124,3 +126,39 @@ def test_restarted_engine_that_fails_to_load_stays_out_protocol_conformance(tmp_
         servers.stop()
     assert after.completion_token_ids.tolist() == [token(sum(PROMPT), step, 0, OFFSET) for step in range(6)]
     assert after.policy_versions.tolist() == [1] * 6
+
+
+def test_control_endpoint_down_during_a_publish_takes_the_engine_out_until_it_is_back_protocol_conformance(tmp_path):
+    """SGLang (merged weights) stopped by its operator while a publish runs: the publish's unreachable control
+    endpoint takes the engine out (the run goes on) and the publish returns once the engine is back with the new
+    version loaded. A control endpoint that never answered is a wrong address: the first publish fails at once."""
+    servers = sglang_servers()
+    engine = sglang(servers, tmp_path / "weights")
+    pool = EnginePool([Member(servers.target, engine)], PoolConfig(probe_interval_s=0.05, give_up_after_s=600))
+    member = pool.members[0]
+    try:
+        pool.publish(1, {"offset": np.array(OFFSET)})
+        servers.stop()
+        publishing = concurrent.futures.ThreadPoolExecutor(1).submit(pool.publish, 2, {"offset": np.array(OFFSET)})
+        assert wait_until(lambda: not member.healthy)
+        assert "ControlPlaneUnavailableError" in member.last_failure and not publishing.done()
+        servers = servers.started_again()
+        assert publishing.result(timeout=60) == 2
+    finally:
+        pool.close()
+        engine.close()
+        servers.stop()
+    assert loads(servers) == [str(version_dir(tmp_path / "weights", 2))]
+
+    unreachable = sglang_servers()
+    # its gRPC address serves, its control URL is the stopped servers' (nothing listens there)
+    wrong = SGLangEngine(ClientConfig(unreachable.target, **CLIENT), servers.http.url, write_fake_checkpoint,
+                         tmp_path / "other")
+    pool = EnginePool([Member(unreachable.target, wrong)], PoolConfig(probe_interval_s=0.05, give_up_after_s=600))
+    try:
+        with pytest.raises(ControlPlaneUnavailableError):
+            pool.publish(1, {"offset": np.array(OFFSET)})
+    finally:
+        pool.close()
+        wrong.close()
+        unreachable.stop()
