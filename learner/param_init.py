@@ -1,7 +1,8 @@
 """The Transformer's initial parameters, built in their shardings by a few small programs, one per kind of part.
 
 One jitted program for the token embedding, one for a transformer block (compiled once, run for every layer), one
-for the final norm, one for the output head and, with LoRA, one for a layer's adapters (also run for every layer). A single program for the whole model (what
+for the final norm, one for the output head and, with LoRA, one for a layer's adapters (also run for every layer),
+each cached for the process. A single program for the whole model (what
 ``jax.jit(lambda: Transformer(config, rngs=nnx.Rngs(seed)))`` is) holds one threefry expansion per kernel, so its
 size grows with the number of layers (~70k HLO instructions at the qwen2-0.5b shape) and XLA:GPU compiled it for
 minutes. The parts draw from one ``nnx.Rngs(seed)`` stream in the Transformer's construction order, the stream's
@@ -10,13 +11,14 @@ state passed from one program to the next, so the values equal ``Transformer(con
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from learner.lora import FROZEN, LoRA, LoraConfig, adapter_shapes, adapter_targets
+from learner.lora import FROZEN, LoRA, LoraConfig, adapter_shapes, adapter_targets, base_config
 from learner.model import Block, ModelConfig, Projection, RMSNorm, Transformer, output_head, token_embedding
 
 
@@ -38,35 +40,25 @@ def init_sharded_params(config: ModelConfig, shardings: nnx.State, seed: int = 0
         P('fsdp', 'tensor')
     """
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
-    base_shardings = nnx.filter_state(shardings, FROZEN)  # the parts build no adapters
-    parts: list[tuple[nnx.Module, Callable[[nnx.Rngs], nnx.Module], nnx.State]] = [
-        (model.embed, lambda rngs: token_embedding(config, rngs), base_shardings["embed"])]
-    parts += [(block, lambda rngs: Block(config, rngs=rngs), base_shardings["layers"][i])
-              for i, block in enumerate(model.layers)]
-    parts.append((model.final_norm, lambda rngs: RMSNorm(config), base_shardings["final_norm"]))
+    base, base_shardings = base_config(config), nnx.filter_state(shardings, FROZEN)  # the parts build no adapters
+    parts = [("embed", model.embed, base_shardings["embed"])]
+    parts += [("block", block, base_shardings["layers"][i]) for i, block in enumerate(model.layers)]
+    parts.append(("final_norm", model.final_norm, base_shardings["final_norm"]))
     if model.lm_head is not None:
-        parts.append((model.lm_head, lambda rngs: output_head(config, rngs), base_shardings["lm_head"]))
+        parts.append(("lm_head", model.lm_head, base_shardings["lm_head"]))
 
     replicated = NamedSharding(jax.tree.leaves(shardings)[0].mesh, P())
-    rngs_graphdef, rngs_state = nnx.split(nnx.Rngs(seed))
-    programs = {}  # one per kind of part and shardings: every block shares one
-    for module, build, part_shardings in parts:
+    rngs_state = nnx.state(nnx.Rngs(seed))
+    for kind, module, part_shardings in parts:
         leaves, treedef = jax.tree.flatten(part_shardings)
-        key = (type(module), treedef, tuple(leaves))
-        if key not in programs:
-            programs[key] = jax.jit(_part_program(build, rngs_graphdef), out_shardings=(part_shardings, replicated))
-        part_state, rngs_state = programs[key](rngs_state)
+        part_state, rngs_state = _part_program(kind, base, treedef, tuple(leaves), replicated)(rngs_state)
         nnx.update(module, part_state)
     if config.lora is not None:  # drawn last, as Transformer.__init__ attaches them after the base, in its order
         for group in _adapter_groups(model, config):
-            group_shardings = [_at(shardings, path)["lora"] for path, _ in group]
+            leaves, treedef = jax.tree.flatten([_at(shardings, path)["lora"] for path, _ in group])
             shapes = tuple(adapter_shapes(module) for _, module in group)
-            leaves, treedef = jax.tree.flatten(group_shardings)
-            key = (LoRA, shapes, treedef, tuple(leaves))
-            if key not in programs:
-                programs[key] = jax.jit(_adapter_program(shapes, config.lora, rngs_graphdef),
-                                        out_shardings=(group_shardings, replicated))
-            adapters, rngs_state = programs[key](rngs_state)
+            program = _adapter_program(shapes, config.lora, treedef, tuple(leaves), replicated)
+            adapters, rngs_state = program(rngs_state)
             for (_, module), adapter in zip(group, adapters):
                 nnx.update(module.lora, adapter)
     params = nnx.state(model)
@@ -77,14 +69,25 @@ def init_sharded_params(config: ModelConfig, shardings: nnx.State, seed: int = 0
     return params
 
 
-def _part_program(build: Callable[[nnx.Rngs], nnx.Module], rngs_graphdef: nnx.GraphDef
-                  ) -> Callable[[nnx.State], tuple[nnx.State, nnx.State]]:
-    """``rngs state -> (state of build(rngs), the advanced rngs state)``, to be jitted."""
+_PARTS: dict[str, Callable[[ModelConfig, nnx.Rngs], nnx.Module]] = {  # Transformer.__init__'s parts, in its order
+    "embed": token_embedding,
+    "block": lambda config, rngs: Block(config, rngs=rngs),
+    "final_norm": lambda config, rngs: RMSNorm(config),
+    "lm_head": output_head,
+}
+_RNGS = nnx.graphdef(nnx.Rngs(0))  # the structure of every seed's nnx.Rngs
+
+
+# Programs are cached for the process: a LoRA run builds the base twice (its train state, to draw the adapters after
+# it, and its frozen base) and tests build the same shapes many times; each program compiles once.
+@functools.lru_cache(maxsize=64)
+def _part_program(kind: str, config: ModelConfig, treedef, leaves: tuple, replicated: NamedSharding):
+    """Jitted ``rngs state -> (state of the part, the advanced rngs state)``, the part's state in the shardings
+    ``leaves`` (of ``treedef``)."""
     def program(rngs_state):
-        rngs = nnx.merge(rngs_graphdef, rngs_state)
-        part = build(rngs)
-        return nnx.state(part), nnx.state(rngs)
-    return program
+        rngs = nnx.merge(_RNGS, rngs_state)
+        return nnx.state(_PARTS[kind](config, rngs)), nnx.state(rngs)
+    return jax.jit(program, out_shardings=(jax.tree.unflatten(treedef, leaves), replicated))
 
 
 def _adapter_groups(model: Transformer, config: ModelConfig) -> list[list[tuple[tuple, Projection]]]:
@@ -105,12 +108,13 @@ def _at(state: nnx.State, path: tuple) -> nnx.State:
     return state
 
 
-def _adapter_program(shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], lora: LoraConfig,
-                     rngs_graphdef: nnx.GraphDef) -> Callable[[nnx.State], tuple[list[nnx.State], nnx.State]]:
-    """``rngs state -> (the states of a LoRA per (in_shape, out_shape) of shapes, the advanced rngs state)``, to be
-    jitted; one run builds one layer's adapters."""
+@functools.lru_cache(maxsize=64)
+def _adapter_program(shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], lora: LoraConfig, treedef,
+                     leaves: tuple, replicated: NamedSharding):
+    """Jitted ``rngs state -> (the states of a LoRA per (in_shape, out_shape) of shapes, the advanced rngs state)``,
+    in the shardings ``leaves`` (of ``treedef``); one run builds one layer's adapters."""
     def program(rngs_state):
-        rngs = nnx.merge(rngs_graphdef, rngs_state)
+        rngs = nnx.merge(_RNGS, rngs_state)
         adapters = [nnx.state(LoRA(in_shape, out_shape, lora, rngs=rngs)) for in_shape, out_shape in shapes]
         return adapters, nnx.state(rngs)
-    return program
+    return jax.jit(program, out_shardings=(jax.tree.unflatten(treedef, leaves), replicated))
