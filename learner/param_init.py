@@ -75,7 +75,12 @@ _PARTS: dict[str, Callable[[ModelConfig, nnx.Rngs], nnx.Module]] = {  # Transfor
     "final_norm": lambda config, rngs: RMSNorm(config),
     "lm_head": output_head,
 }
-_RNGS = nnx.graphdef(nnx.Rngs(0))  # the structure of every seed's nnx.Rngs
+
+
+@functools.cache
+def _rngs_graphdef() -> nnx.GraphDef:
+    """The structure of every seed's ``nnx.Rngs`` (made when first needed: it starts JAX's backend)."""
+    return nnx.graphdef(nnx.Rngs(0))
 
 
 # Programs are cached for the process: a LoRA run builds the base twice (its train state, to draw the adapters after
@@ -84,8 +89,10 @@ _RNGS = nnx.graphdef(nnx.Rngs(0))  # the structure of every seed's nnx.Rngs
 def _part_program(kind: str, config: ModelConfig, treedef, leaves: tuple, replicated: NamedSharding):
     """Jitted ``rngs state -> (state of the part, the advanced rngs state)``, the part's state in the shardings
     ``leaves`` (of ``treedef``)."""
+    rngs_graphdef = _rngs_graphdef()
+
     def program(rngs_state):
-        rngs = nnx.merge(_RNGS, rngs_state)
+        rngs = nnx.merge(rngs_graphdef, rngs_state)
         return nnx.state(_PARTS[kind](config, rngs)), nnx.state(rngs)
     return jax.jit(program, out_shardings=(jax.tree.unflatten(treedef, leaves), replicated))
 
@@ -113,8 +120,10 @@ def _adapter_program(shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
                      leaves: tuple, replicated: NamedSharding):
     """Jitted ``rngs state -> (the states of a LoRA per (in_shape, out_shape) of shapes, the advanced rngs state)``,
     in the shardings ``leaves`` (of ``treedef``); one run builds one layer's adapters."""
+    rngs_graphdef = _rngs_graphdef()
+
     def program(rngs_state):
-        rngs = nnx.merge(_RNGS, rngs_state)
+        rngs = nnx.merge(rngs_graphdef, rngs_state)
         adapters = [nnx.state(LoRA(in_shape, out_shape, lora, rngs=rngs)) for in_shape, out_shape in shapes]
         return adapters, nnx.state(rngs)
     return jax.jit(program, out_shardings=(jax.tree.unflatten(treedef, leaves), replicated))
