@@ -6,7 +6,7 @@ import subprocess
 
 from tests.test_main_job import REPO_ROOT, check_run, train_command, train_env
 
-STEPS = 3
+STEPS = 2
 
 
 def _free_port() -> int:

@@ -6,7 +6,7 @@ import subprocess
 from learner.metrics_writers import read_metrics
 from tests.test_main_job import REPO_ROOT, run_training, train_command, train_env
 
-STEPS = 3
+STEPS = 2
 
 
 def test_a_reward_that_raised_at_step_1_then_the_same_command_resumes(tmp_path):
@@ -22,7 +22,7 @@ def test_a_reward_that_raised_at_step_1_then_the_same_command_resumes(tmp_path):
     assert committed == [0]
 
     stdout = run_training(run_dir, *overrides)
-    assert "| steps" in stdout and "1-3" in stdout.split("| steps")[1].split("\n")[0], stdout[-2000:]
+    assert "| steps" in stdout and f"1-{STEPS}" in stdout.split("| steps")[1].split("\n")[0], stdout[-2000:]
     assert [record["step"] for record in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
     committed = sorted(int(path.name) for path in (run_dir / "checkpoints").iterdir() if path.name.isdigit())
     assert committed == [0, STEPS]

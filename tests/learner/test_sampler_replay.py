@@ -40,6 +40,7 @@ def sampler(temperature, top_k, top_p, min_p) -> SamplerParams:
                          jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32))
 
 
+@jax.jit  # eagerly, every op of the truncation compiles on its own
 def reference_stats(logits, targets, sampling):
     """Unchunked: the server's `processed_logprobs` at every position, gathered at the targets."""
     per_row = jax.vmap(jax.vmap(processed_logprobs, (0, None, None, None, None)))
@@ -47,6 +48,11 @@ def reference_stats(logits, targets, sampling):
     target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0), axis=-1)
     return target_logp, entropy
+
+
+# `logprobs_from_hidden` jitted, as the update step runs it (eagerly, every op of each chunk compiles on its own).
+logprobs_from_hidden_jitted = jax.jit(logprobs_from_hidden, static_argnames=("chunk_size", "return_entropy",
+                                                                             "temperature"))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,8 @@ def test_chunked_replay_equals_unchunked_server_transform(head):
     logits = jnp.einsum("btd,dv->btv", hidden, kernel)[:, :-1]
     want_lp, want_ent = reference_stats(logits, tokens[:, 1:], sampling)
     kept = want_lp > -jnp.inf  # Random targets: only those the server could have sampled are comparable.
-    lp, ent = logprobs_from_hidden(hidden, kernel, tokens, chunk_size=4, sampling=sampling, return_entropy=True)
+    lp, ent = logprobs_from_hidden_jitted(hidden, kernel, tokens, chunk_size=4, sampling=sampling,
+                                          return_entropy=True)
     np.testing.assert_allclose(np.where(kept, lp[:, 1:], 0), np.where(kept, want_lp, 0), atol=1e-5)
     np.testing.assert_allclose(np.where(kept, ent[:, 1:], 0), np.where(kept, want_ent, 0), atol=1e-5)
     assert 0 < kept.mean() < 1 and np.isfinite(np.asarray(lp)).all()
@@ -89,8 +96,10 @@ def test_replay_gradient_equals_unchunked_gradient(head):
 
 def test_temperature_only_replay_equals_plain_logprobs(head):
     hidden, kernel, tokens, _ = head
-    replayed = logprobs_from_hidden(hidden, kernel, tokens, sampling=sampler([0.6] * B, [0] * B, [1.0] * B, [0.0] * B))
-    np.testing.assert_allclose(replayed, logprobs_from_hidden(hidden, kernel, tokens, temperature=0.6), rtol=1e-6)
+    replayed = logprobs_from_hidden_jitted(hidden, kernel, tokens,
+                                           sampling=sampler([0.6] * B, [0] * B, [1.0] * B, [0.0] * B))
+    np.testing.assert_allclose(replayed, logprobs_from_hidden_jitted(hidden, kernel, tokens, temperature=0.6),
+                               rtol=1e-6)
     with pytest.raises(ValueError, match="leave temperature at 1.0"):
         logprobs_from_hidden(hidden, kernel, tokens, temperature=0.6, sampling=head[3])
 
@@ -141,9 +150,10 @@ def test_sampled_token_never_gets_minus_inf(seed, levels, vocab, temperature, to
 
 def test_ties_at_a_cutoff_are_kept_together():
     logits = jnp.log(jnp.array([0.4, 0.2, 0.2, 0.2]))
-    assert jnp.isfinite(processed_logprobs(logits, 1.0, 2, 1.0, 0.0)).tolist() == [True] * 4
-    assert jnp.isfinite(processed_logprobs(logits, 1.0, 0, 0.5, 0.0)).tolist() == [True] * 4
-    assert jnp.isfinite(processed_logprobs(logits, 1.0, 0, 0.3, 0.0)).tolist() == [True, False, False, False]
+    processed = jax.jit(processed_logprobs)  # one program for the three settings
+    assert jnp.isfinite(processed(logits, 1.0, 2, 1.0, 0.0)).tolist() == [True] * 4
+    assert jnp.isfinite(processed(logits, 1.0, 0, 0.5, 0.0)).tolist() == [True] * 4
+    assert jnp.isfinite(processed(logits, 1.0, 0, 0.3, 0.0)).tolist() == [True, False, False, False]
 
 
 def test_logprob_modes_must_agree():

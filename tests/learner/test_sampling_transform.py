@@ -99,8 +99,9 @@ def test_replayed_threshold_keeps_the_full_sort_set(seed, vocab, levels, scale, 
 def test_top_candidates_drop_the_last_tied_group(vocab):
     """The count largest may cut a tie; the tied value becomes -inf so every token not listed is below the list."""
     scaled = jnp.concatenate([jnp.array([9.0, 8.0, 7.0, 7.0, 7.0]), jnp.zeros(vocab - 5)])
-    assert top_candidates(scaled, count=4).tolist() == [9.0, 8.0, -jnp.inf, -jnp.inf]
-    determined = kept_threshold(top_candidates(scaled, count=4), jax.nn.logsumexp(scaled), 3, 1.0, 0.0).determined
+    candidates = jax.jit(top_candidates, static_argnums=1)(scaled, 4)  # eagerly, each op compiles on its own
+    assert candidates.tolist() == [9.0, 8.0, -jnp.inf, -jnp.inf]
+    determined = jax.jit(kept_threshold)(candidates, jax.nn.logsumexp(scaled), 3, 1.0, 0.0).determined
     assert not bool(determined)  # top-3 reaches the tie that was cut: needs the full sort
 
 

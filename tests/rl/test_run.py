@@ -96,7 +96,7 @@ def test_three_steps_from_a_notebook_then_a_finished_rerun_then_a_refused_resume
 
 def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoint_and_a_killed_engine_is_relaunched(
         tmp_path):
-    config = short_config(tmp_path / "run", "loop.steps=5")
+    config = short_config(tmp_path / "run", "loop.steps=4")
     recorder = Recorder()
     with pytest.raises(KeyboardInterrupt, match="stop at 2"):
         with Run(config, hooks=[recorder, CheckpointHook(every=1), RaiseAt(2)]) as run:
@@ -113,7 +113,7 @@ def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoin
         assert run.start_step == 2
         records = list(run.steps())  # the engine dies after step 3: relaunched, given the weights, steps go on
         (member,) = run.engine.members
-    assert [r.step for r in records] == [3, 4, 5]
+    assert [r.step for r in records] == [3, 4]
     assert resumed.calls[0] == ("start", 2)
     assert kill.killed.returncode == -signal.SIGKILL and member.engine.process is not kill.killed
     assert records[-1].metrics["engines/relaunches"] == 1 and records[-1].metrics["engines/taken_back"] == 1

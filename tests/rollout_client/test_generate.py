@@ -158,14 +158,16 @@ def test_deadline_after_some_samples_retries_only_the_missing_ones(start_server)
     0 and 1 done and 2 and 3 half way; the retry asks for 2 and 3 only and gets the same draws (same seed).
 
     Each sample is mostly sleep (20 ms a step), so a loaded machine stretches it little: 2 s of slack either side.
+    The expected draws come from the same engine without the delay (the scripted draws do not depend on timing).
     """
     server = start_server("--engine", "scripted", "--step-delay-s", "0.02", "--max-batch-size", "2")
+    undelayed = start_server("--engine", "scripted", "--max-batch-size", "2")
     request = RolloutRequest([5, 6], SamplingParams(max_new_tokens=200, stop_token_ids=(), seed=4), num_samples=4)
     config = ClientConfig(target=server.target, deadline_base_s=6.0, deadline_per_token_s=0.0, max_attempts=2)
     with RolloutClient(config) as rollout_client:
         samples = rollout_client.generate(request)
         assert rollout_client.metrics()["generate/retries"] == 1
-    with RolloutClient(ClientConfig(target=server.target)) as fresh_client:
+    with RolloutClient(ClientConfig(target=undelayed.target)) as fresh_client:
         expected = fresh_client.generate(request)
     assert [s.sample_index for s in samples] == [0, 1, 2, 3]
     for got, want in zip(samples, expected, strict=True):
