@@ -285,10 +285,7 @@ def test_adapter_publish_confirms_the_engine_holds_the_new_adapter_protocol_conf
     """After the load the engine must list the new id (``ListLoadedLoRAAdapters``), else the publish fails and
     requests keep the previous version; a previous adapter the engine no longer holds (it restarted) is not
     unloaded."""
-    servers.reset()
-    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
-                                       validation=ValidationConfig(vocab_size=VOCAB)),
-                          servers.http.url, _adapter_writer, tmp_path / "weights", publish_adapters=True)
+    engine = _adapter_engine(servers, tmp_path)
     try:
         engine.publish(1, {})
         servers.engine.lora_ids.clear()  # the engine restarted and lost tether-v1
@@ -310,10 +307,7 @@ def test_adapter_publish_confirms_the_engine_holds_the_new_adapter_protocol_conf
 def test_adapter_publish_unloads_every_older_version_the_engine_holds_protocol_conformance(servers, tmp_path):
     """An engine taken back without a restart (`may_have_restarted`: the version forgotten) still holds the adapter
     of the version it served: the next publish unloads it too, so no adapter slot leaks; others' adapters stay."""
-    servers.reset()
-    engine = SGLangEngine(ClientConfig(servers.target, ready_timeout_s=30.0,
-                                       validation=ValidationConfig(vocab_size=VOCAB)),
-                          servers.http.url, _adapter_writer, tmp_path / "weights", publish_adapters=True)
+    engine = _adapter_engine(servers, tmp_path)
     try:
         engine.publish(1, {})
         servers.engine.lora_adapters["someone-else"] = "/adapters/someone-else"  # not ours: never unloaded
@@ -323,6 +317,13 @@ def test_adapter_publish_unloads_every_older_version_the_engine_holds_protocol_c
     finally:
         engine.close()
     assert servers.engine.lora_ids == {"tether-v2": "tether-v2", "someone-else": "someone-else"}
+
+
+def _adapter_engine(servers, tmp_path) -> SGLangEngine:
+    """An adapter-publishing engine on freshly reset fake servers."""
+    servers.reset()
+    config = ClientConfig(servers.target, ready_timeout_s=30.0, validation=ValidationConfig(vocab_size=VOCAB))
+    return SGLangEngine(config, servers.http.url, _adapter_writer, tmp_path / "weights", publish_adapters=True)
 
 
 def _adapter_writer(directory, weights) -> None:

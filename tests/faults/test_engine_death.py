@@ -86,7 +86,8 @@ def child_pids(pid: int) -> list[int]:
 
 
 @pytest.mark.slow  # ~40 s on a loaded 2-core machine: the run's set-up (compiles, server start) dominates
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the server through /proc")
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="finds the engine process to SIGKILL through /proc/<pid>/task/<pid>/children (Linux only)")
 def test_the_main_job_ends_with_one_line_when_its_engine_dies(tmp_path):
     """The real run: its server killed once the run is set up (the metrics hook's tensorboard/ exists: the engine
     is connected and rollouts are requested), no relaunch left (server.max_relaunches=0)."""
