@@ -101,7 +101,8 @@ BETAS = "Tether's AdamW uses betas (0.9, 0.999)"
 @dataclasses.dataclass(frozen=True)
 class FrameworkMap:
     loss: Mapping[str, str]
-    run: Mapping[str, tuple[str, Callable]]
+    # their key -> Tether's key (its value converted by _CONVERT), or (Tether's key, a converter of its own)
+    run: Mapping[str, str | tuple[str, Callable]]
     differs: Mapping[str, tuple[Callable[[Any], bool], str]]
     nest: Callable[[dict], dict]  # a flat file (one block's keys) nested as the whole config
 
@@ -132,24 +133,33 @@ VERL_LOSS = {
     _actor("entropy_coeff"): "entropy_coef", _actor("use_kl_loss"): "kl_coef", _actor("kl_loss_coef"): "kl_coef",
     _actor("kl_loss_type"): "kl_estimator",
 }
+# How a framework's value becomes a Tether key's where it is a plain number (or top_k), whichever framework it is from.
+_CONVERT: dict[str, Callable] = {
+    **dict.fromkeys(("update.ppo_epochs", "update.num_minibatches", "rollout.num_samples", "rollout.prompts_per_step",
+                     "rollout.max_new_tokens", "loop.steps"), _number(int)),
+    **dict.fromkeys(("optimizer.learning_rate", "optimizer.weight_decay", "optimizer.max_grad_norm",
+                     "rollout.temperature", "rollout.top_p", "rollout.min_p"), _number(float)),
+    "rollout.top_k": _top_k,
+}
+
 VERL = FrameworkMap(
     loss=VERL_LOSS,
     run={
-        _actor("ppo_epochs"): ("update.ppo_epochs", _number(int)),
+        _actor("ppo_epochs"): "update.ppo_epochs",
         _actor("ppo_mini_batch_size"): ("update.num_minibatches", _minibatches("data.train_batch_size")),
-        _actor("optim.lr"): ("optimizer.learning_rate", _number(float)),
-        _actor("optim.weight_decay"): ("optimizer.weight_decay", _number(float)),
+        _actor("optim.lr"): "optimizer.learning_rate",
+        _actor("optim.weight_decay"): "optimizer.weight_decay",
         _actor("optim.lr_warmup_steps"): ("optimizer.warmup_steps", _warmup(_actor("optim.lr_warmup_steps_ratio"))),
         _actor("optim.lr_scheduler_type"): ("optimizer.end_learning_rate",
                                             _cosine_end(_actor("optim.lr"), _actor("optim.min_lr_ratio"))),
-        _actor("grad_clip"): ("optimizer.max_grad_norm", _number(float)),
-        "actor_rollout_ref.rollout.n": ("rollout.num_samples", _number(int)),
-        "actor_rollout_ref.rollout.temperature": ("rollout.temperature", _number(float)),
-        "actor_rollout_ref.rollout.top_p": ("rollout.top_p", _number(float)),
-        "actor_rollout_ref.rollout.top_k": ("rollout.top_k", _top_k),
-        "data.train_batch_size": ("rollout.prompts_per_step", _number(int)),
-        "data.max_response_length": ("rollout.max_new_tokens", _number(int)),
-        "trainer.total_training_steps": ("loop.steps", _number(int)),
+        _actor("grad_clip"): "optimizer.max_grad_norm",
+        "actor_rollout_ref.rollout.n": "rollout.num_samples",
+        "actor_rollout_ref.rollout.temperature": "rollout.temperature",
+        "actor_rollout_ref.rollout.top_p": "rollout.top_p",
+        "actor_rollout_ref.rollout.top_k": "rollout.top_k",
+        "data.train_batch_size": "rollout.prompts_per_step",
+        "data.max_response_length": "rollout.max_new_tokens",
+        "trainer.total_training_steps": "loop.steps",
     },
     differs={
         "algorithm.adv_estimator": (lambda v: v != "grpo", GRPO),
@@ -175,21 +185,21 @@ SKYRL = FrameworkMap(
         max_seq_len="reduction", off_policy_correction="importance, rejection", sapo="objective",
         clip_cov="objective", kl_cov="objective", cispo="objective", dppo="objective").items()}},
     run={
-        "trainer.update_epochs_per_batch": ("update.ppo_epochs", _number(int)),
+        "trainer.update_epochs_per_batch": "update.ppo_epochs",
         "trainer.policy_mini_batch_size": ("update.num_minibatches", _minibatches("trainer.train_batch_size")),
-        "trainer.train_batch_size": ("rollout.prompts_per_step", _number(int)),
-        "trainer.policy.optimizer_config.lr": ("optimizer.learning_rate", _number(float)),
-        "trainer.policy.optimizer_config.weight_decay": ("optimizer.weight_decay", _number(float)),
-        "trainer.policy.optimizer_config.max_grad_norm": ("optimizer.max_grad_norm", _number(float)),
+        "trainer.train_batch_size": "rollout.prompts_per_step",
+        "trainer.policy.optimizer_config.lr": "optimizer.learning_rate",
+        "trainer.policy.optimizer_config.weight_decay": "optimizer.weight_decay",
+        "trainer.policy.optimizer_config.max_grad_norm": "optimizer.max_grad_norm",
         "trainer.policy.optimizer_config.num_warmup_steps": ("optimizer.warmup_steps", _warmup(None)),
         "trainer.policy.optimizer_config.scheduler": ("optimizer.end_learning_rate",
                                                       _cosine_end("trainer.policy.optimizer_config.lr")),
-        "generator.n_samples_per_prompt": ("rollout.num_samples", _number(int)),
-        "generator.sampling_params.temperature": ("rollout.temperature", _number(float)),
-        "generator.sampling_params.top_p": ("rollout.top_p", _number(float)),
-        "generator.sampling_params.top_k": ("rollout.top_k", _top_k),
-        "generator.sampling_params.min_p": ("rollout.min_p", _number(float)),
-        "generator.sampling_params.max_generate_length": ("rollout.max_new_tokens", _number(int)),
+        "generator.n_samples_per_prompt": "rollout.num_samples",
+        "generator.sampling_params.temperature": "rollout.temperature",
+        "generator.sampling_params.top_p": "rollout.top_p",
+        "generator.sampling_params.top_k": "rollout.top_k",
+        "generator.sampling_params.min_p": "rollout.min_p",
+        "generator.sampling_params.max_generate_length": "rollout.max_new_tokens",
     },
     differs={
         _skyrl_algorithm("advantage_estimator"): (lambda v: v != "grpo", GRPO),
@@ -211,19 +221,19 @@ SLIME = FrameworkMap(
         entropy_coef="entropy_coef", custom_loss_function_path="objective",
         custom_pg_loss_reducer_function_path="reduction").items()},
     run={
-        "lr": ("optimizer.learning_rate", _number(float)),
-        "weight_decay": ("optimizer.weight_decay", _number(float)),
-        "clip_grad": ("optimizer.max_grad_norm", _number(float)),
+        "lr": "optimizer.learning_rate",
+        "weight_decay": "optimizer.weight_decay",
+        "clip_grad": "optimizer.max_grad_norm",
         "lr_warmup_iters": ("optimizer.warmup_steps", _warmup(None)),
         "lr_decay_style": ("optimizer.end_learning_rate", _cosine_end("lr", end_key="min_lr")),
-        "n_samples_per_prompt": ("rollout.num_samples", _number(int)),
-        "rollout_batch_size": ("rollout.prompts_per_step", _number(int)),
+        "n_samples_per_prompt": "rollout.num_samples",
+        "rollout_batch_size": "rollout.prompts_per_step",
         "global_batch_size": ("update.num_minibatches", _minibatches("rollout_batch_size", ("n_samples_per_prompt",))),
-        "rollout_temperature": ("rollout.temperature", _number(float)),
-        "rollout_top_p": ("rollout.top_p", _number(float)),
-        "rollout_top_k": ("rollout.top_k", _top_k),
-        "rollout_max_response_len": ("rollout.max_new_tokens", _number(int)),
-        "num_rollout": ("loop.steps", _number(int)),
+        "rollout_temperature": "rollout.temperature",
+        "rollout_top_p": "rollout.top_p",
+        "rollout_top_k": "rollout.top_k",
+        "rollout_max_response_len": "rollout.max_new_tokens",
+        "num_rollout": "loop.steps",
     },
     differs={
         "advantage_estimator": (lambda v: v not in ("grpo", "gspo", "cispo"), GRPO),
@@ -248,18 +258,18 @@ AREAL = FrameworkMap(
         importance_sampling_level="objective", use_sapo_loss="objective", sapo_tau_pos="objective.tau_pos",
         sapo_tau_neg="objective.tau_neg", prox_logp_method="mode", m2_threshold="rejection").items()},
     run={
-        "actor.ppo_n_minibatches": ("update.num_minibatches", _number(int)),
-        "actor.optimizer.lr": ("optimizer.learning_rate", _number(float)),
-        "actor.optimizer.weight_decay": ("optimizer.weight_decay", _number(float)),
-        "actor.optimizer.gradient_clipping": ("optimizer.max_grad_norm", _number(float)),
+        "actor.ppo_n_minibatches": "update.num_minibatches",
+        "actor.optimizer.lr": "optimizer.learning_rate",
+        "actor.optimizer.weight_decay": "optimizer.weight_decay",
+        "actor.optimizer.gradient_clipping": "optimizer.max_grad_norm",
         "actor.optimizer.lr_scheduler_type": ("optimizer.end_learning_rate",
                                               _cosine_end("actor.optimizer.lr", "actor.optimizer.min_lr_ratio")),
-        "gconfig.n_samples": ("rollout.num_samples", _number(int)),
-        "gconfig.temperature": ("rollout.temperature", _number(float)),
-        "gconfig.top_p": ("rollout.top_p", _number(float)),
-        "gconfig.top_k": ("rollout.top_k", _top_k),
-        "gconfig.max_new_tokens": ("rollout.max_new_tokens", _number(int)),
-        "train_dataset.batch_size": ("rollout.prompts_per_step", _number(int)),
+        "gconfig.n_samples": "rollout.num_samples",
+        "gconfig.temperature": "rollout.temperature",
+        "gconfig.top_p": "rollout.top_p",
+        "gconfig.top_k": "rollout.top_k",
+        "gconfig.max_new_tokens": "rollout.max_new_tokens",
+        "train_dataset.batch_size": "rollout.prompts_per_step",
     },
     differs={
         "actor.kl_ctl": (_not_zero, KL_IN_REWARD),
@@ -313,7 +323,8 @@ def rows(framework: str, data: Mapping, unknown: set[str]) -> tuple[list[Row], d
             if owner is not None:
                 rows.append(Row(shown(path), value, f"corrections.{spec.loss[owner]}"))
             elif path in spec.run:
-                target, convert = spec.run[path]
+                entry = spec.run[path]
+                target, convert = entry if isinstance(entry, tuple) else (entry, _CONVERT[entry])
                 if value is None:
                     rows.append(Row(shown(path), value, f"{NOT_USED} (null: Tether's {target} stays)"))
                     continue
