@@ -480,7 +480,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
             raise ValueError("ref_params are required when corrections.kl_coef > 0.")
         if (frozen is None) != (frozen_shardings is None):
             raise ValueError("frozen (the LoRA base) must be passed exactly when make_update_fn got frozen_shardings.")
-        check_adapter_indices(batch.adapter, stacked_adapter_count(state.params))
+        if batch.adapter is not None:  # only batches that name adapters need the count (a walk of the tree)
+            check_adapter_indices(batch.adapter, stacked_adapter_count(state.params))
         return jitted(state, batch, ref_params, frozen)
 
     update.lower = lambda state, batch, ref_params=None, frozen=None: jitted.lower(state, batch, ref_params, frozen)
