@@ -43,9 +43,10 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
                                 count_rows)
 
 
-def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_rows: bool = False):
+def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_rows: bool = False, num_rows=None):
     """``loss_terms`` from per-row loss sums and per-row denominator counts ([B] arrays). ``count_rows`` makes
-    ``seq-mean-token-sum-norm`` divide by (rows with a non-zero count) * max_len, as verl does, instead of B * max_len.
+    ``seq-mean-token-sum-norm`` divide by (rows with a non-zero count) * max_len, as verl does, instead of B * max_len;
+    ``num_rows`` stands for B where only some of the rows are the batch's (e.g. one LoRA adapter's rows).
 
     >>> [float(x) for x in loss_terms_from_rows(jnp.array([3.0, 0.0]), jnp.array([2.0, 0.0]),
     ...                                         "seq-mean-token-sum-norm", 4, count_rows=True)]
@@ -59,7 +60,8 @@ def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_ro
     if mode == "seq-mean-token-sum":
         return jnp.sum(row_sums), rows
     if mode == "seq-mean-token-sum-norm":
-        return jnp.sum(row_sums), (rows if count_rows else jnp.float32(row_sums.shape[0])) * max_len
+        batch_rows = jnp.float32(row_sums.shape[0] if num_rows is None else num_rows)
+        return jnp.sum(row_sums), (rows if count_rows else batch_rows) * max_len
     if mode == "token-sum":
         return jnp.sum(row_sums), jnp.float32(0.0)  # no division: 0 adds up over micro-batches
     raise ValueError(f"reduction mode={mode!r} is not an option.")

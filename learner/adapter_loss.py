@@ -61,12 +61,9 @@ def adapter_loss_terms(corrected: corrections.Corrected, adapter: jax.Array, cou
     count_rows = config.denominator == "kept"
     length = corrected.per_token_loss.shape[-1]
 
-    def terms(member):  # member: [B] 1.0 on the adapter's rows
-        numerator, denominator = corrections.loss_terms_from_rows(row_sums * member, row_counts * member,
-                                                                  config.reduction, length, count_rows)
-        if config.reduction == "seq-mean-token-sum-norm" and not count_rows:  # the adapter's rows, not the batch's
-            denominator = jnp.sum(member) * length
-        return numerator, denominator
+    def terms(member):  # member: [B] 1.0 on the adapter's rows, which are its batch
+        return corrections.loss_terms_from_rows(row_sums * member, row_counts * member, config.reduction, length,
+                                                count_rows, num_rows=jnp.sum(member))
 
     numerators, denominators = jax.vmap(terms, in_axes=1)(jax.nn.one_hot(adapter, count, dtype=jnp.float32))
     numerators = jnp.where(jnp.isnan(corrected.loss_numerator), jnp.nan, numerators)
