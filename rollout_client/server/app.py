@@ -90,11 +90,11 @@ async def serve(config: ServerConfig, generator: Generator,
     await stop.wait()
     if failures:
         error = failures[0]
+        await server.stop(0)  # first: what its cancelled calls log comes before the last words
         traceback.print_exception(error, file=sys.stderr)
         print(f"rollout-server: the engine failed, stopping (exit code {ENGINE_FAILED_EXIT_CODE}): "
               f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", file=sys.stderr,
               flush=True)
-        await server.stop(0)
         sys.exit(ENGINE_FAILED_EXIT_CODE)
     print("rollout-server draining", file=sys.stderr, flush=True)
     await health_servicer.enter_graceful_shutdown()
