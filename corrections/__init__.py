@@ -22,7 +22,7 @@ from corrections._diagnostics import mismatch_metrics
 from corrections._diagnostics import rejection_metrics
 from corrections._diagnostics import staleness_metrics
 from corrections._diagnostics import weight_metrics
-from corrections._areal import from_areal
+from corrections.frameworks._areal import from_areal
 from corrections._masked import METRIC_LOGPROB_FLOOR
 from corrections._masked import SAFETY
 from corrections._masked import masked_mean
@@ -39,10 +39,10 @@ from corrections._objectives import ppo_clip_loss
 from corrections._objectives import reinforce_loss
 from corrections._objectives import rollout_is_loss
 from corrections._objectives import sapo_loss
-from corrections._files import read_file
-from corrections._keys import UnknownKeyWarning
-from corrections._training import TrainingKeysWarning
-from corrections._migration import config_from_dict
+from corrections.frameworks._files import read_file
+from corrections.frameworks._keys import UnknownKeyWarning
+from corrections.frameworks._training import TrainingKeysWarning
+from corrections.frameworks._from_dict import config_from_dict
 from corrections._pipeline import Corrected
 from corrections._pipeline import check_batch
 from corrections._pipeline import compute
@@ -59,8 +59,8 @@ from corrections._rejection import opsm_mask
 from corrections._rejection import outlier_sequence_mask
 from corrections._rejection import product_sequence_mask
 from corrections._rejection import token_mask
-from corrections._skyrl import from_skyrl
-from corrections._slime import from_slime
+from corrections.frameworks._skyrl import from_skyrl
+from corrections.frameworks._slime import from_slime
 from corrections._weights import batch_normalize_weights
 from corrections._weights import geometric_sequence_weights
 from corrections._weights import icepop_weights
@@ -68,9 +68,9 @@ from corrections._weights import off_policy_is_weights
 from corrections._weights import sequence_tis_weights
 from corrections._weights import token_tis_weights
 from corrections._weights import unbounded_ratios
-from corrections._verl import from_verl
-from corrections._verl import verl_importance
-from corrections._verl import verl_rejection_rules
+from corrections.frameworks._verl import from_verl
+from corrections.frameworks._verl import verl_importance
+from corrections.frameworks._verl import verl_rejection_rules
 
 __all__ = (
     "batch_normalize_weights",

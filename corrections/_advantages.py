@@ -58,7 +58,8 @@ def reinforce_pp_advantages(token_rewards, mask, gamma: float = 1.0, eps: float 
     (mean, unbiased variance, ``rsqrt(var + eps)``) as verl's ``masked_whiten``.
 
     >>> import numpy as np
-    >>> np.asarray(reinforce_pp_advantages(np.array([[0.0, 1.0], [0.0, 0.0]]), np.ones((2, 2))), float).round(4).tolist()
+    >>> np.asarray(reinforce_pp_advantages(np.array([[0.0, 1.0], [0.0, 0.0]]), np.ones((2, 2))),
+                   float).round(4).tolist()
     [[0.866, 0.866], [-0.866, -0.866]]
     """
     rewards = jnp.where(jnp.asarray(mask).astype(bool), jnp.asarray(token_rewards, jnp.float32), 0.0)

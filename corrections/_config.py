@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from corrections._objectives import OBJECTIVES, ObjectiveSpec
 
@@ -233,7 +234,8 @@ class CorrectionConfig:
             raise ValueError("config.importance must be an ImportanceWeights or None.")
         object.__setattr__(self, "rejection", tuple(self.rejection))
         if not all(isinstance(rule, RejectionRule) for rule in self.rejection):
-            raise ValueError("config.rejection must hold RejectionRule items; build nested dicts with config_from_dict.")
+            raise ValueError("config.rejection must hold RejectionRule items; build nested dicts with "
+                             "config_from_dict.")
 
     @property
     def needs_rollout_logprobs(self) -> bool:
@@ -241,7 +243,7 @@ class CorrectionConfig:
         uses_rollout = self.objective.spec.reads_rollout  # OPSM reads proximal and current logprobs only
         return self.mode == "bypass" or self.importance is not None or bool(self.rejection) or uses_rollout
 
-    def replace(self, **changes) -> "CorrectionConfig":
+    def replace(self, **changes) -> CorrectionConfig:
         """A copy with top-level fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -266,7 +268,8 @@ def config_from_dict(data: Mapping[str, Any]) -> CorrectionConfig:
     >>> config_from_dict({"clip": 0.2})
     Traceback (most recent call last):
     ...
-    ValueError: config: unknown field(s) clip; known: check_values, denominator, entropy_coef, importance, kl_coef, kl_estimator, kl_importance_weighted, mode, objective, opsm_delta, reduction, rejection.
+    ValueError: config: unknown field(s) clip; known: check_values, denominator, entropy_coef, importance, kl_coef,
+    kl_estimator, kl_importance_weighted, mode, objective, opsm_delta, reduction, rejection.
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"config must be a mapping of fields, got {type(data).__name__}.")

@@ -18,8 +18,15 @@ import jax
 import jax.numpy as jnp
 
 from corrections._fused_reductions import Reductions, Statistic, vmap_statistic
-from corrections._masked import (METRIC_LOGPROB_FLOOR, clamp_log_ratio, masked_max, masked_min, masked_sum, safe_exp,
-                                 zero_padding)
+from corrections._masked import (
+    METRIC_LOGPROB_FLOOR,
+    clamp_log_ratio,
+    masked_max,
+    masked_min,
+    masked_sum,
+    safe_exp,
+    zero_padding,
+)
 
 PREFIX = "rollout_corr/"
 
@@ -140,7 +147,8 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
 
     ``kl = masked_mean(roll - old)``; ``k3_kl = masked_mean(exp(lr) - lr - 1)`` with ``lr = clamp(old - roll)``
     (verl does not clamp there and can emit inf); per-row mean logprobs ``mt_b = masked_mean_b(old)``,
-    ``mr_b = masked_mean_b(roll)`` give ``training_ppl = mean_b exp(-mt_b)`` (exponent clamped to 20), ``training_log_ppl = mean_b(-mt_b)``,
+    ``mr_b = masked_mean_b(roll)`` give ``training_ppl = mean_b exp(-mt_b)`` (exponent clamped to 20),
+    ``training_log_ppl = mean_b(-mt_b)``,
     the rollout ones likewise, ``log_ppl_diff = mean_b(mr_b - mt_b)`` (verl's sign: training log-ppl minus
     rollout log-ppl), its abs mean, max and min, ``ppl_ratio = mean_b exp(mr_b - mt_b)``;
     ``chi2_token = masked_mean(exp(lr)^2) - 1``, ``chi2_seq = mean_b exp(2*clamp(sum_b lr)) - 1``; logprob abs

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import inspect
 import types
-from typing import Generator, Mapping, NamedTuple
+from collections.abc import Generator, Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ its input checks all read it, so adding an objective is one entry there.
 
 import dataclasses
 import types
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp

@@ -26,7 +26,8 @@ stay in cache (``rows_per_chunk``); elsewhere it is a plain ``vmap``, which keep
 from __future__ import annotations
 
 import functools
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import chex
 import jax
@@ -383,7 +384,8 @@ def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
                 metrics.update(_diagnostics.rule_statistic_from_rows(
                     f"rollout_rs_{label}", rule_stats["statistic"], not rule.sequence_level,
                     rule.name.endswith("k1")))
-        skyrl_rules = [(rule, label) for rule, label in zip(rules, _rule_labels(config)) if rule.name in SKYRL_RULE_NAMES]
+        skyrl_rules = [(rule, label) for rule, label in zip(rules,
+                                                            _rule_labels(config)) if rule.name in SKYRL_RULE_NAMES]
         for (rule, label), flags in zip(skyrl_rules, row_stats["over_under"]):
             metrics.update(_diagnostics.over_under_from_rows(SKYRL_RULE_NAMES[rule.name] + label[len(rule.name):],
                                                              flags))
@@ -419,7 +421,7 @@ def compute(
     logprobs,
     advantages,
     mask,
-    config: CorrectionConfig = CorrectionConfig(),
+    config: CorrectionConfig = CorrectionConfig(),  # noqa: B008
     *,
     proximal_logprobs=None,
     rollout_logprobs=None,
@@ -492,7 +494,8 @@ def compute(
         return out._replace(weights=out.weights[0], mask=out.mask[0], per_token_loss=out.per_token_loss[0])
     lp = jnp.asarray(logprobs)
     mask = jnp.asarray(mask)
-    arrays = [None if a is None else jnp.asarray(a) for a in (proximal_logprobs, rollout_logprobs, ref_logprobs, entropy)]
+    arrays = [None if a is None else jnp.asarray(a) for a in (proximal_logprobs, rollout_logprobs, ref_logprobs,
+                                                              entropy)]
     adv = jnp.asarray(advantages, jnp.float32)
     _check_inputs(config, lp, mask, adv, *arrays)
     if weight_scale is not None and not (config.importance is not None and config.importance.batch_normalize):

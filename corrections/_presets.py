@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from corrections._config import RULE_ALIASES, CorrectionConfig, config_from_dict, config_to_dict
-from corrections._files import merge
-from corrections._keys import unknown_key
-from corrections._verl import from_verl
+from corrections.frameworks._files import merge
+from corrections.frameworks._keys import unknown_key
+from corrections.frameworks._verl import from_verl
 
 CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(CorrectionConfig))
 
@@ -29,7 +30,7 @@ _ICEPOP = {"level": "token", "low": 0.5, "high": 5.0, "overflow": "mask"}
 
 
 def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict:
-    """``corrections._files.merge`` of the updates in turn, on copies."""
+    """``corrections.frameworks._files.merge`` of the updates in turn, on copies."""
     out = copy.deepcopy(dict(base))
     for update in updates:
         out = merge(out, copy.deepcopy(dict(update)))
@@ -178,7 +179,8 @@ def preset(name: str, rejection_mode: str = "merge", **overrides: Any) -> Correc
     (RejectionRule(name='seq_mean_k1', low=0.99, high=1.01),)
     >>> [r.name for r in preset("decoupled_geo_rs", rejection=[{"name": "seq_max_k2", "high": 0.1}]).rejection]
     ['seq_mean_k1', 'seq_max_k2']
-    >>> preset("decoupled_geo_rs", rejection=[{"name": "token_k1", "low": 0.5, "high": 2}], rejection_mode="replace").rejection
+    >>> preset("decoupled_geo_rs", rejection=[{"name": "token_k1", "low": 0.5, "high": 2}],
+               rejection_mode="replace").rejection
     (RejectionRule(name='token_k1', low=0.5, high=2),)
     >>> preset("no_such_preset")
     Traceback (most recent call last):

@@ -6,53 +6,50 @@
         for record in run.steps():
             print(record.step, record.metrics["reward/mean"])
 
-Submodules hold the rest: `learner.rl` (the loop's pieces and hooks), `learner.tasks` (the task plug-in point),
-`learner.serving` (the reference server's model engine), `learner.logprobs`, `learner.sharding`,
-`learner.safetensors_io`, ...
+The layers, bottom-up (docs/architecture.md): `learner.model`, `learner.logprobs`, `learner.update`,
+`learner.checkpoints`, `learner.reporting`, then `learner.tasks` (the task plug-in point), `learner.serving` (the
+reference server's model engine) and `learner.rl` (the loop's pieces and hooks); `learner.train` and
+`learner.export` are the command lines.
 """
 
-from learner.batch import TrainBatch
-from learner.checkpoints import CheckpointConfig
-from learner.checkpoints import Checkpointer
-from learner.model import ModelConfig
-from learner.model import Transformer
-from learner.model import model_config
-from learner.optimizer import OptimizerConfig
-from learner.optimizer import make_optimizer
-from learner.rl import Hook
-from learner.rl import Run
-from learner.rl import RunConfig
-from learner.rl import StepRecord
-from learner.rl import load_config
-from learner.sharding import make_mesh
-from learner.tasks import Task
-from learner.tasks import load_task
-from learner.tasks import register_task
-from learner.train_state import TrainState
-from learner.train_state import create_sharded_train_state
-from learner.update import UpdateConfig
-from learner.update import make_update_fn
+import importlib
 
-__all__ = [
-    "CheckpointConfig",
-    "Checkpointer",
-    "Hook",
-    "ModelConfig",
-    "OptimizerConfig",
-    "Run",
-    "RunConfig",
-    "StepRecord",
-    "Task",
-    "TrainBatch",
-    "TrainState",
-    "Transformer",
-    "UpdateConfig",
-    "create_sharded_train_state",
-    "load_config",
-    "load_task",
-    "make_mesh",
-    "make_optimizer",
-    "make_update_fn",
-    "model_config",
-    "register_task",
-]
+# Public name -> the module that defines it, imported on first use: `import learner.model` loads neither the RL loop
+# nor gRPC.
+_LAZY = {
+    "CheckpointConfig": "learner.checkpoints.checkpointer",
+    "Checkpointer": "learner.checkpoints.checkpointer",
+    "Hook": "learner.rl",
+    "ModelConfig": "learner.model.transformer",
+    "OptimizerConfig": "learner.update.optimizer",
+    "Run": "learner.rl",
+    "RunConfig": "learner.rl",
+    "StepRecord": "learner.rl",
+    "Task": "learner.tasks",
+    "TrainBatch": "learner.update.batch",
+    "TrainState": "learner.update.train_state",
+    "Transformer": "learner.model.transformer",
+    "UpdateConfig": "learner.update.step",
+    "create_sharded_train_state": "learner.update.train_state",
+    "load_config": "learner.rl",
+    "load_task": "learner.tasks",
+    "make_mesh": "learner.model.sharding",
+    "make_optimizer": "learner.update.optimizer",
+    "make_update_fn": "learner.update.step",
+    "model_config": "learner.model.transformer",
+    "register_task": "learner.tasks",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'learner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -2,13 +2,14 @@
 
 Reads the parameters of one checkpoint of ``RUN_DIR/checkpoints`` (default: the newest whose manifest verifies; the
 optimizer state is not read) and the run's model section from that checkpoint's metadata, and writes ``OUT_DIR``
-with `learner.hf_checkpoint.write_hf_checkpoint`: safetensors (float32 or bfloat16), config.json with
+with `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`: safetensors (float32 or bfloat16), config.json with
 ``architectures`` and bos/eos ids, generation_config.json, and, when the run started from ``model.hf_path``, that
 checkpoint's tokenizer files, generation config, architecture and bos/eos ids. transformers, vLLM, SGLang and mlx-lm
 load the result. Nothing in the run directory is modified.
 
 A LoRA run (``model.lora.rank > 0``; its checkpoints hold the adapters, not the base) is exported as a PEFT adapter
-(`learner.peft_export`: ``adapter_config.json`` + ``adapter_model.safetensors``, its ``base_model_name_or_path``
+(`learner.checkpoints.peft_export`: ``adapter_config.json`` + ``adapter_model.safetensors``, its
+``base_model_name_or_path``
 the run's ``model.hf_path``), or with ``--merged`` as the Hugging Face checkpoint of the base with the adapters merged
 into it (the base read from ``model.hf_path``, or rebuilt from ``model.name`` and ``loop.seed``). A run of several
 adapters on one base (``model.lora.adapters``) is exported as one PEFT adapter directory per adapter,
@@ -32,13 +33,13 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from learner.checkpoints import MANIFEST, read_step, verify_manifest
-from learner.hf_checkpoint import TOKENIZER_FILES, model_config_from_checkpoint, write_hf_checkpoint
-from learner.lora import LoraConfig, merge_adapters, split_adapters
-from learner.model import ModelConfig, Transformer, model_config
-from learner.param_paths import named_leaves
-from learner.peft_export import write_peft_adapter
-from learner.safetensors_io import load_safetensors
+from learner.checkpoints.checkpointer import MANIFEST, read_step, verify_manifest
+from learner.checkpoints.hf_checkpoint import TOKENIZER_FILES, model_config_from_checkpoint, write_hf_checkpoint
+from learner.checkpoints.peft_export import write_peft_adapter
+from learner.checkpoints.safetensors_io import load_safetensors
+from learner.model.lora import LoraConfig, merge_adapters, split_adapters
+from learner.model.param_paths import named_leaves
+from learner.model.transformer import ModelConfig, Transformer, model_config
 
 __all__ = [
     "export_run",

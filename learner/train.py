@@ -15,7 +15,6 @@ shapes loads them instead of compiling. ``JAX_COMPILATION_CACHE_DIR`` picks the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -24,13 +23,12 @@ import sys
 
 import jax
 
-from learner.disk_full import DiskFullLogFilter, disk_full_cause
 from learner.distributed import initialize, process_index_before_backends
+from learner.reporting.disk_full import DiskFullLogFilter
+from learner.rl import Run, RunConfig, load_config
 from learner.rl.devices import configure_learner
-from learner.rl.preflight import ConfigError, check_paths_and_names
-from learner.rl import (NonFiniteUpdateError, NoUsableRolloutsError, ResumeConfigError, Run, RunConfig,
-                        RunDirLockedError, load_config)
-from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
+from learner.rl.error_lines import drop_closed_loop_callbacks, errors_as_lines
+from learner.rl.preflight import check_paths_and_names
 
 
 def parse_args(argv=None) -> tuple[pathlib.Path | None, list[str]]:
@@ -67,40 +65,6 @@ def setup_jax(config: RunConfig) -> None:
     initialize(config.distributed.coordinator, config.distributed.num_processes, config.distributed.process_id)
 
 
-# Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
-# with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError,
-                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError)
-
-
-@contextlib.contextmanager
-def errors_as_lines(*classes: type[BaseException], run_dir: str | None = None):
-    """Turns an exception of ``classes`` (default `USER_ERRORS`), or one caused by a full disk (writing under
-    ``run_dir``), into one ``error: <message>`` line on stderr and exit 1; Ctrl-C into one line and exit 130."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        print("interrupted: rerun the same command to resume from the latest checkpoint", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except (EngineExitedError, EnginesDownError) as error:  # its first line names the engine's log and exit code
-        sys.exit(f"error: {str(error).splitlines()[0].rstrip(':')}")
-    except classes or USER_ERRORS as error:
-        sys.exit(f"error: {error}")
-    except Exception as error:
-        if cause := disk_full_cause(error):
-            sys.exit(f"error: disk full writing under run_dir {run_dir} ({cause}). Committed checkpoints are intact "
-                     "(a partial save is deleted at the next start): free space and rerun the same command to resume")
-        raise
-
-
-def _drop_closed_loop_callbacks(unraisable) -> None:
-    """``sys.unraisablehook``: after a failed save, tensorstore writes still pending complete into orbax's closed
-    event loop, each reporting ``RuntimeError('Event loop is closed')``; the failure itself is reported once."""
-    error = unraisable.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-        sys.__unraisablehook__(unraisable)
-
-
 def main(argv=None) -> None:
     config_path, overrides = parse_args(argv)
     if config_path is not None and not config_path.is_file():
@@ -110,7 +74,7 @@ def main(argv=None) -> None:
         check_paths_and_names(config)
     enable_compilation_cache()
     logging.getLogger("absl").addFilter(DiskFullLogFilter())  # orbax's threads: reported once, below
-    sys.unraisablehook = _drop_closed_loop_callbacks
+    sys.unraisablehook = drop_closed_loop_callbacks
     setup_jax(config)
     # The memory budget and visible GPUs: before JAX starts its backends, once the process index is known.
     with errors_as_lines(ValueError):

@@ -5,8 +5,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rollout_client.sampling_params import LogprobMode
 from rollout_client.samples import Sample
+from rollout_client.sampling_params import LogprobMode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ import concurrent.futures
 from collections.abc import Iterator
 
 from rollout_client.client import RolloutRequest
-from rollout_client.engine import Engine
+from rollout_client.engines.base import Engine
 from rollout_client.samples import Sample
 from rollout_client.sync_client import RolloutClient
 

@@ -17,27 +17,14 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rollout_client import errors
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
-from rollout_client.packed_arrays import pack
-from rollout_client.protocol import CLIENT_OPTIONS
-from rollout_client.protocol import SERVICE_NAME
-from rollout_client.protocol import bearer
-from rollout_client.protocol import pb
-from rollout_client.protocol import pb_grpc
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.sampling_params import PauseMode
-from rollout_client.sampling_params import SamplingParams
-from rollout_client.samples import Sample
-from rollout_client.samples import StreamAssembler
-from rollout_client.samples import build_sample
-from rollout_client.validation import Expected
-from rollout_client.validation import ValidationConfig
-from rollout_client.validation import ValidationCounters
-from rollout_client.validation import find_problem
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE, pack
+from rollout_client.protocol import CLIENT_OPTIONS, SERVICE_NAME, bearer, pb, pb_grpc
+from rollout_client.samples import Sample, StreamAssembler, build_sample
+from rollout_client.sampling_params import LogprobMode, PauseMode, SamplingParams
+from rollout_client.validation import Expected, ValidationConfig, ValidationCounters, find_problem
 from rollout_client.weight_chunks import split_weights
 
 

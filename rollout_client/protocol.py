@@ -6,7 +6,7 @@ the server permits gets its connection closed with GOAWAY "too_many_pings").
 """
 
 from rollout_client.proto.rollout.v1 import rollout_pb2 as pb
-from rollout_client.proto.rollout.v1 import rollout_pb2_grpc as pb_grpc
+from rollout_client.proto.rollout.v1 import rollout_pb2_grpc as pb_grpc  # noqa: F401 (the stubs, for both ends)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

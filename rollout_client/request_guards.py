@@ -70,7 +70,9 @@ def check_request(request, limits: PromptLimits) -> None:
     ...               PromptLimits(vocab_size=128, max_seq_len=64))
     Traceback (most recent call last):
     ...
-    rollout_client.request_guards.RequestRefusedError: request r1: prompt_token_ids[1]=140 is outside the vocabulary [0, 128) (the learner's and the engine's): the engine would embed garbage or crash; fix the task's tokenizer or the model's vocab_size
+    rollout_client.request_guards.RequestRefusedError: request r1: prompt_token_ids[1]=140 is outside the vocabulary [0,
+    128) (the learner's and the engine's): the engine would embed garbage or crash; fix the task's tokenizer or the
+    model's vocab_size
 
     Raises:
       RequestRefusedError: an empty prompt, a token id outside [0, vocab_size), or prompt + max_new_tokens beyond

@@ -10,13 +10,9 @@ import dataclasses
 
 import numpy as np
 
-from rollout_client.packed_arrays import BYTES_PER_TOKEN
-from rollout_client.packed_arrays import LOGPROB_DTYPE
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
+from rollout_client.packed_arrays import BYTES_PER_TOKEN, LOGPROB_DTYPE, TOKEN_ID_DTYPE
 from rollout_client.protocol import pb
-from rollout_client.sampling_params import FinishReason
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.sampling_params import SamplingParams
+from rollout_client.sampling_params import FinishReason, LogprobMode, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,7 +119,8 @@ class SamplingParams:
         """Inverse of `to_proto`.
 
         >>> SamplingParams.from_proto(SamplingParams(top_k=5, stop_token_ids=()).to_proto())
-        SamplingParams(temperature=None, top_k=5, top_p=None, min_p=None, max_new_tokens=None, stop_token_ids=(), seed=None, stop_strings=())
+        SamplingParams(temperature=None, top_k=5, top_p=None, min_p=None, max_new_tokens=None, stop_token_ids=(),
+        seed=None, stop_strings=())
         """
         values = {
             name: getattr(message, name) if message.HasField(name) else None

@@ -12,12 +12,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rollout_client.client import AsyncRolloutClient
-from rollout_client.client import ClientConfig
-from rollout_client.client import RolloutRequest
+from rollout_client.client import AsyncRolloutClient, ClientConfig, RolloutRequest
 from rollout_client.protocol import pb
-from rollout_client.sampling_params import PauseMode
 from rollout_client.samples import Sample
+from rollout_client.sampling_params import PauseMode
 
 
 class RolloutClient:

@@ -14,8 +14,8 @@ from typing import Literal
 import numpy as np
 
 from rollout_client.protocol import pb
-from rollout_client.sampling_params import SamplingParams
 from rollout_client.samples import RawSample
+from rollout_client.sampling_params import SamplingParams
 
 PROBLEMS = (
     "bad_byte_length",

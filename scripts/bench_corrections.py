@@ -155,13 +155,14 @@ def main():
         host = inputs(batch, length)
         device = [jnp.asarray(a) for a in host]
         out = pipeline(*device)
-        jax_seconds = median_seconds(lambda: jax.block_until_ready(pipeline(*device)), args.repeats)
-        outputs_seconds = median_seconds(lambda: jax.block_until_ready(outputs_only(*device)), args.repeats)
-        numpy_seconds = median_seconds(lambda: numpy_pipeline(*host), max(3, args.repeats // 4))
+        jax_seconds = median_seconds(lambda: jax.block_until_ready(pipeline(*device)), args.repeats)  # noqa: B023
+        outputs_seconds = median_seconds(lambda: jax.block_until_ready(outputs_only(*device)), args.repeats)  # noqa: B023
+        numpy_seconds = median_seconds(lambda: numpy_pipeline(*host), max(3, args.repeats // 4))  # noqa: B023
         weights, mask, per_token, ref = numpy_pipeline(*host)
         np.testing.assert_allclose(np.asarray(out.weights), weights, rtol=1e-5, atol=1e-6)
         for ours, theirs in (("actor/pg_loss", "loss"), ("rollout_corr/chi2_token", "chi2_token"),
-                             ("rollout_corr/logprob_pearson_corr", "pearson"), ("rollout_corr/rollout_is_std", "is_std"),
+                             ("rollout_corr/logprob_pearson_corr", "pearson"), ("rollout_corr/rollout_is_std",
+                                                                                "is_std"),
                              ("rollout_corr/rollout_rs_masked_fraction", "rs_masked_fraction")):
             np.testing.assert_allclose(float(out.metrics[ours]), ref[theirs], rtol=1e-3, atol=1e-6, err_msg=ours)
         assert len(ref) == len(out.metrics), (len(ref), len(out.metrics))

@@ -5,7 +5,8 @@ corrections with recompute, the completion half of every row trained), ``--rows`
 
 * ``--compare`` (qwen2-0.5b): Tether against google-tunix, alternated in two worker processes that share the device
   (``--memory-fraction`` each), if this interpreter can import tunix; else Tether alone.
-* ``--mfu`` (llama-1b): Tether alone (``--mfu-memory-fraction``); model-FLOPs utilisation = model FLOPs per second over the bfloat16 matmul peak
+* ``--mfu`` (llama-1b): Tether alone (``--mfu-memory-fraction``); model-FLOPs utilisation = model FLOPs per second over
+the bfloat16 matmul peak
   measured by the same worker (``--peak-size``). Model FLOPs per update: tokens x (6N + 12·L·H·Dh·T) for the training
   pass plus tokens x (2N + 4·L·H·Dh·T) for the recompute pass, N the matmul parameters including the output head.
 
@@ -31,7 +32,7 @@ from bench_peers import Case, Worker, alternate, completion_length, worker_env  
 
 def model_flops(model: str, rows: int, length: int) -> float:
     """Model FLOPs of one update with a recompute pass (the issue's formula; PaLM's convention)."""
-    from learner.model import model_config
+    from learner.model.transformer import model_config
 
     config = model_config(model)
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size

@@ -11,7 +11,8 @@ Counted FLOPs per call (matmuls only; the embedding lookup is a gather and count
 where N is the number of matmul parameters (all parameters but an untied embedding table). Peak is the best
 achieved FLOP/s of a large float32 matmul in the same run; MFU = counted FLOPs / time / peak.
 
-Sampler replay overhead (PROCESSED logprobs): the full logprob pass of the update (`learner.update.recompute_logprobs`,
+Sampler replay overhead (PROCESSED logprobs): the full logprob pass of the update
+(`learner.update.recompute_logprobs`,
 model forward + chunked logprobs, jitted on the same mesh and batch) is timed at temperature `REPLAY.temperature`
 without replay, and with `REPLAY` replayed per row; the calls alternate so that load on a shared machine hits both
 alike, and the ratio of the medians is reported (target <= 1.3).
@@ -32,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import corrections
-from learner.batch import TrainBatch
-from learner.model import ModelConfig, count_params, model_config
-from learner.optimizer import OptimizerConfig, make_optimizer
-from learner.sampler_replay import SamplerParams
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_train_state
-from learner.update import UpdateConfig, make_update_fn, recompute_logprobs
+from learner.logprobs.sampler_replay import SamplerParams
+from learner.model.sharding import make_mesh
+from learner.model.transformer import ModelConfig, count_params, model_config
+from learner.update.batch import TrainBatch
+from learner.update.optimizer import OptimizerConfig, make_optimizer
+from learner.update.step import UpdateConfig, make_update_fn, recompute_logprobs
+from learner.update.train_state import create_sharded_train_state
 
 # The replayed sampler: top-k bounds the kept set, so the candidates decide every threshold (no full-sort fallback).
 REPLAY = SamplerParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)

@@ -12,7 +12,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from learner.logprobs import logprobs_from_hidden
+from learner.logprobs.chunked import logprobs_from_hidden
 
 
 def unchunked_logprobs(hidden, kernel, tokens, mask):

@@ -59,17 +59,17 @@ def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: in
     """One mode's numbers, in this process."""
     import dataclasses
 
-    import corrections
     import jax
     import numpy as np
     from flax import nnx
 
-    from learner.lora import LoraConfig
-    from learner.model import Transformer, model_config
-    from learner.optimizer import OptimizerConfig, make_optimizer
-    from learner.sharding import make_mesh
-    from learner.train_state import create_sharded_frozen, create_sharded_train_state
-    from learner.update import UpdateConfig, make_update_fn
+    import corrections
+    from learner.model.lora import LoraConfig
+    from learner.model.sharding import make_mesh
+    from learner.model.transformer import Transformer, model_config
+    from learner.update.optimizer import OptimizerConfig, make_optimizer
+    from learner.update.step import UpdateConfig, make_update_fn
+    from learner.update.train_state import create_sharded_frozen, create_sharded_train_state
     from scripts.bench_learner import synthetic_batch
 
     config = model_config(model, dtype=dtype)  # float32 parameters (the frozen base too), ``dtype`` compute
@@ -125,7 +125,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write the rows and the ratios to this JSON file")
     parser.add_argument("--adapters", type=int, default=1,
                         help="N > 1 also measures N stacked adapters (multi-LoRA), the rows dealt among them")
-    parser.add_argument("--mode", choices=MODES + ("multi",), help="measure one mode in this process (the driver's workers)")
+    parser.add_argument("--mode", choices=MODES + ("multi",),
+                        help="measure one mode in this process (the driver's workers)")
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(measure(args.mode, args.model, args.rank, args.batch, args.length, args.steps, args.dtype,

@@ -166,16 +166,16 @@ def _reply(message: dict) -> None:
 # Tether worker.
 
 def tether_worker(case: Case) -> None:
-    import corrections
     import jax
     import numpy as np
 
-    from learner.batch import TrainBatch
-    from learner.model import count_params, model_config
-    from learner.optimizer import OptimizerConfig, make_optimizer
-    from learner.sharding import make_mesh
-    from learner.train_state import create_sharded_train_state
-    from learner.update import UpdateConfig, make_update_fn
+    import corrections
+    from learner.model.sharding import make_mesh
+    from learner.model.transformer import count_params, model_config
+    from learner.update.batch import TrainBatch
+    from learner.update.optimizer import OptimizerConfig, make_optimizer
+    from learner.update.step import UpdateConfig, make_update_fn
+    from learner.update.train_state import create_sharded_train_state
 
     def build():
         config = model_config(case.model, dtype=case.dtype)
@@ -231,7 +231,6 @@ TUNIX_SHAPES = {
 def tunix_worker(case: Case) -> None:
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
     from tunix.rl import algo_core, common

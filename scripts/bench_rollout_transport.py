@@ -11,7 +11,7 @@ Floor: the same concurrency against a bare grpc.aio server process that answers
 every Generate with one precomputed message of the same size, read by a bare stub:
 what gRPC's per-call cost alone allows, measured under the same machine load.
 
-smg transport: the same measurement through an smg engine proto (the MLX one, `rollout_client.smg`): a server
+smg transport: the same measurement through an smg engine proto (the MLX one, `rollout_client.engines.smg`): a server
 process that streams precomputed tokens as the MLX servicer does (one message per token, with its logprob), read by
 `AsyncSmgClient` (fan-out, every sample assembled and validated like rollout.v1's).
 
@@ -39,18 +39,10 @@ import time
 
 import grpc
 import numpy as np
-from smg_grpc_proto import mlx_engine_pb2
-from smg_grpc_proto import mlx_engine_pb2_grpc
+from smg_grpc_proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
-from rollout_client import AsyncRolloutClient
-from rollout_client import ClientConfig
-from rollout_client import LogprobMode
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client.protocol import CLIENT_OPTIONS
-from rollout_client.protocol import SERVER_OPTIONS
-from rollout_client.protocol import pb
-from rollout_client.protocol import pb_grpc
+from rollout_client import AsyncRolloutClient, ClientConfig, LogprobMode, RolloutRequest, SamplingParams
+from rollout_client.protocol import CLIENT_OPTIONS, SERVER_OPTIONS, pb, pb_grpc
 
 
 def start_server(tokens: int, floor: bool = False, smg: bool = False) -> tuple[subprocess.Popen, str]:
@@ -172,8 +164,7 @@ async def serve_smg(tokens: int) -> None:
 async def smg_transport(target: str, server_pid: int, tokens: int, rounds: int, concurrency: int,
                         samples_per_request: int) -> str:
     """`AsyncSmgClient` (MLX dialect) against `serve_smg`: fanned out, every sample decoded and validated."""
-    from rollout_client.smg import MLX
-    from rollout_client.smg import AsyncSmgClient
+    from rollout_client.engines.smg import MLX, AsyncSmgClient
 
     client = AsyncSmgClient(ClientConfig(target=target), MLX)
     await client.connect()
@@ -197,14 +188,11 @@ def engines_end_to_end(tokens: int, rounds: int, concurrency: int = 8, samples_p
 
     from flax import nnx
 
-    from learner.hf_checkpoint import write_hf_checkpoint
-    from learner.model import Transformer
-    from learner.model import model_config
-    from learner.param_paths import named_leaves
+    from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
+    from learner.model.param_paths import named_leaves
+    from learner.model.transformer import Transformer, model_config
     from learner.tasks import CharTokenizer
-    from rollout_client import EngineProcess
-    from rollout_client import MlxEngine
-    from rollout_client import RolloutClient
+    from rollout_client import EngineProcess, MlxEngine, RolloutClient
 
     config = model_config("tiny", max_seq_len=4 * tokens)
     weights = {path: np.asarray(leaf) for path, leaf in
@@ -224,8 +212,8 @@ def engines_end_to_end(tokens: int, rounds: int, concurrency: int = 8, samples_p
             for name, submit, mode in (("mlx engine (smg MLX proto)", mlx.submit, LogprobMode.RAW),
                                        ("reference server (rollout.v1)", client.submit, LogprobMode.PROCESSED)):
                 def round_trip():
-                    futures = [submit(RolloutRequest([1, 2, 3], params, num_samples=samples_per_request,
-                                                     logprob_mode=mode)) for _ in range(concurrency)]
+                    futures = [submit(RolloutRequest([1, 2, 3], params, num_samples=samples_per_request,  # noqa: B023
+                                                     logprob_mode=mode)) for _ in range(concurrency)]  # noqa: B023
                     samples = [sample for future in futures for sample in future.result()]
                     assert sum(s.completion_token_ids.size for s in samples) == tokens * concurrency * (
                         samples_per_request)
@@ -253,10 +241,9 @@ def mlx_publish_costs(model_names=("tiny", "small"), publishes: int = 3) -> list
 
     from flax import nnx
 
-    from learner.hf_checkpoint import write_hf_checkpoint
-    from learner.model import Transformer
-    from learner.model import model_config
-    from learner.param_paths import named_leaves
+    from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
+    from learner.model.param_paths import named_leaves
+    from learner.model.transformer import Transformer, model_config
     from learner.tasks import CharTokenizer
     from rollout_client import MlxEngine
 
@@ -290,12 +277,10 @@ def mlx_publish_costs(model_names=("tiny", "small"), publishes: int = 3) -> list
 def decode_tokens_per_second(batch_size: int = 16, steps: int = 8, calls: int = 20) -> float:
     from flax import nnx
 
-    from learner.model import Transformer
-    from learner.model import model_config
+    from learner.model.transformer import Transformer, model_config
     from learner.serving import ModelGenerator
     from rollout_client.sampling_params import LogprobMode
-    from rollout_client.server.generator import ResolvedSampling
-    from rollout_client.server.generator import SequenceSpec
+    from rollout_client.server.generator import ResolvedSampling, SequenceSpec
 
     generator = ModelGenerator(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)), max_batch_size=batch_size,
                                decode_steps_per_call=steps)

@@ -1,6 +1,7 @@
 """Time of the chunked logprob pass with and without sampler replay, measured in the same run.
 
-The pass is `learner.logprobs.logprobs_from_hidden` (output projection, log-softmax, gather, chunk by chunk), jitted,
+The pass is `learner.logprobs.logprobs_from_hidden` (output projection, log-softmax, gather, chunk by chunk),
+jitted,
 forward only (the proximal-logprob recompute). "Without" divides by the temperature only; "with" replays the
 per-sequence temperature, top-k, top-p and min-p in the engine's order (``--order first``: Tether's, temperature
 first; ``--order last``: mlx-lm's, cut on the temperature-1 logits, ties broken by token id). Runs alternate so that
@@ -16,8 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from learner.logprobs import logprobs_from_hidden
-from learner.sampler_replay import SamplerParams
+from learner.logprobs.chunked import logprobs_from_hidden
+from learner.logprobs.sampler_replay import SamplerParams
 from rollout_client.sampling_params import SamplerOrder
 
 ORDERS = {"first": SamplerOrder.TEMPERATURE_FIRST, "last": SamplerOrder.TEMPERATURE_LAST}

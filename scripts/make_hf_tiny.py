@@ -4,7 +4,7 @@ Nothing is downloaded. ``OUT_DIR`` (default ``runs/hf_tiny_files``, where the co
 
 - ``model/``: a Hugging Face Qwen2 checkpoint as transformers, mlx-lm and Tether load it (``config.json`` with
   ``architectures``, q/k/v biases and tied embeddings; ``model.safetensors`` with random weights, biases included;
-  ``generation_config.json``), written by `learner.hf_checkpoint.write_hf_checkpoint`; and its tokenizer:
+  ``generation_config.json``), written by `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`; and its tokenizer:
   ``tokenizer.json``, a byte-level BPE trained with `tokenizers` on the dataset's text (pre-tokenized as Qwen2's:
   digits one by one), and ``tokenizer_config.json`` with a ChatML chat template. As in Qwen2.5 (base), eos and pad
   are both ``<|endoftext|>``; the turn end ``<|im_end|>`` is a second stop id (generation_config.json). The
@@ -75,7 +75,7 @@ def reversal_rows() -> list[dict]:
 def model_config(vocab_size: int):
     """The tiny Qwen2's `learner.model.ModelConfig`: q/k/v biases, tied embeddings, grouped-query attention, Qwen2's
     rope base; ``vocab_size`` embedding rows."""
-    from learner.model import ModelConfig
+    from learner.model.transformer import ModelConfig
 
     return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, rope_theta=1_000_000.0, tie_embeddings=True, qkv_bias=True,
@@ -106,8 +106,8 @@ def _random_weights(config, seed: int) -> dict[str, np.ndarray]:
     that a lost bias shows), every other matrix N(0, 1 / fan_in)."""
     from flax import nnx
 
-    from learner.model import Transformer
-    from learner.param_paths import named_leaves
+    from learner.model.param_paths import named_leaves
+    from learner.model.transformer import Transformer
 
     shapes = named_leaves(nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param))
     fan_in = {"o_proj/kernel": config.num_heads * config.head_dim, "down_proj/kernel": config.intermediate_size}
@@ -152,7 +152,7 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
     Returns:
         The paths written (`HfTinyFiles`).
     """
-    from learner.hf_checkpoint import write_hf_checkpoint
+    from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 
     out_dir = pathlib.Path(out_dir)
     files = HfTinyFiles(model=out_dir / "model", train=out_dir / "train.jsonl", test=out_dir / "test.jsonl")

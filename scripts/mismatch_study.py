@@ -36,7 +36,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
@@ -45,7 +44,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from learner.metrics_writers import read_metrics
+from learner.reporting.metrics_writers import read_metrics
 from learner.rl import RunConfig, load_config
 
 # What every source sets (its own settings replace these), so a base config's choices cannot leak into a source.
@@ -109,7 +108,7 @@ def warm_start(config: RunConfig, directory: pathlib.Path) -> pathlib.Path:
     """Runs the config's warm-up once and exports the policy as a Hugging Face checkpoint ``directory``."""
     if (directory / "config.json").exists():
         return directory
-    from learner.hf_checkpoint import write_hf_checkpoint
+    from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
     from learner.rl import Trainer
     from learner.tasks import load_task
 

@@ -1,6 +1,7 @@
 """Where the learner update's cold first call goes: trace, lower, XLA compile and first run, timed separately.
 
-Builds the update exactly as ``scripts/bench_peers.py``'s Tether worker does (`learner.update.make_update_fn`, AdamW
+Builds the update exactly as ``scripts/bench_peers.py``'s Tether worker does (`learner.update.make_update_fn`,
+AdamW
 + clip + non-finite guard, B x T tokens of which the last half are trained) and times, in a fresh process per
 measurement with JAX's persistent compilation cache off:
 
@@ -53,7 +54,7 @@ PHASES = ("trace", "lower", "compile", "run")
 # Worker: one measurement in a fresh process.
 
 def _trivial_corrections(corrections):
-    """A stand-in for the ``corrections`` module as `learner.update` uses it: a token-mean policy gradient, no
+    """A stand-in for the ``corrections`` module as `learner.update.step` uses it: a token-mean policy gradient, no
     weights, no row statistics, no metrics."""
     import types
 
@@ -125,23 +126,23 @@ def worker(spec: dict) -> dict:
 
     import jax
     import jax.extend
+    import numpy as np
 
     import corrections
-    import learner.update
-    import numpy as np
-    from learner.batch import TrainBatch
-    from learner.optimizer import OptimizerConfig, make_optimizer
-    from learner.model import model_config
-    from learner.sharding import make_mesh
-    from learner.train_state import create_sharded_train_state
-    from learner.update import UpdateConfig, make_update_fn
+    import learner.update.step
+    from learner.model.sharding import make_mesh
+    from learner.model.transformer import model_config
+    from learner.update.batch import TrainBatch
+    from learner.update.optimizer import OptimizerConfig, make_optimizer
+    from learner.update.step import UpdateConfig, make_update_fn
+    from learner.update.train_state import create_sharded_train_state
 
     if spec["variant"] == "trivial":
-        learner.update.corrections = _trivial_corrections(corrections)
+        learner.update.step.corrections = _trivial_corrections(corrections)
     elif spec["variant"] == "no_metrics":
-        learner.update.corrections = _no_metrics_corrections(corrections)
+        learner.update.step.corrections = _no_metrics_corrections(corrections)
     elif spec["variant"] == "row_stats":
-        learner.update.corrections = _row_stats_corrections(corrections)
+        learner.update.step.corrections = _row_stats_corrections(corrections)
     config = model_config(spec["model"])
     rows, length = spec["rows"], spec["length"]
     mesh = make_mesh(data=-1)

@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 import corrections
-from learner.metrics_writers import JsonlWriter, host_scalars
-from learner.rollout_log import LoggedBatch, RolloutLogReader
+from learner.reporting.metrics_writers import JsonlWriter, host_scalars
+from learner.reporting.rollout_log import LoggedBatch, RolloutLogReader
 
 COLUMNS = (
     ("kl", "rollout_corr/kl"),

@@ -12,7 +12,7 @@ import sys
 import pytest
 from flax import nnx
 
-from learner.model import Transformer, model_config
+from learner.model.transformer import Transformer, model_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))

@@ -9,11 +9,12 @@ from its ``rejection_sampling`` block, divided by the ORIGINAL token count.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections._keys import check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
-from corrections._training import warn_training_keys
+from corrections.frameworks._keys import check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
+from corrections.frameworks._training import warn_training_keys
 
 ACTOR = dict(
     eps_clip=0.2, eps_clip_higher=None, c_clip=None, m2_threshold=None, use_sapo_loss=False, sapo_tau_pos=1.0,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pathlib
 import re
 import shlex
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 HYDRA_COMMANDS = {
     "verl": "python -m verl.trainer.main_ppo --config-path {folder} --config-name {name} --cfg job --resolve "

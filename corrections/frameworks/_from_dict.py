@@ -10,10 +10,12 @@ explicit form.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from corrections import _areal, _config, _skyrl, _slime, _verl
-from corrections._keys import nearest, nest
+from corrections import _config
+from corrections.frameworks import _areal, _skyrl, _slime, _verl
+from corrections.frameworks._keys import nearest, nest
 
 FRONT_DOORS: Mapping[str, Callable[..., _config.CorrectionConfig]] = {
     "verl": _verl.from_verl, "skyrl": _skyrl.from_skyrl, "slime": _slime.from_slime, "areal": _areal.from_areal,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from corrections._files import entry_package, hydra_command
-
+from corrections.frameworks._files import entry_package, hydra_command
 
 TYPO = 0.8  # difflib ratio above which an unknown key is taken for a misspelt loss key (clip_ratio_hgh: 0.97)
 

@@ -7,11 +7,21 @@ off-policy masks (``denominator="original"``) and applies dual clip only with ``
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
-from corrections._training import warn_training_keys
+from corrections.frameworks._keys import (
+    check_defaults,
+    check_keys,
+    choice,
+    merge_disjoint,
+    nest,
+    section,
+    unknown,
+    unsupported,
+)
+from corrections.frameworks._training import warn_training_keys
 
 OFF_POLICY_CORRECTION = dict(
     tis_ratio_type=None, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0, sequence_mask_metric=None,
@@ -133,7 +143,8 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     >>> from_skyrl({"trainer.algorithm.off_policy_correction.tis_ratio_typ": "token"})
     Traceback (most recent call last):
     ...
-    ValueError: skyrl.trainer.algorithm.off_policy_correction: unknown key 'tis_ratio_typ'; did you mean 'tis_ratio_type'?
+    ValueError: skyrl.trainer.algorithm.off_policy_correction: unknown key 'tis_ratio_typ'; did you mean
+    'tis_ratio_type'?
     """
     where = "skyrl.trainer.algorithm"
     data = merge_disjoint(nest(config or {}, "skyrl"), nest(keys, "skyrl"), "skyrl")

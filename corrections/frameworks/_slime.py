@@ -10,11 +10,12 @@ weights after the clipped loss.
 from __future__ import annotations
 
 import shlex
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective
-from corrections._keys import check_keys, choice, merge_disjoint, unsupported
-from corrections._training import warn_training_keys
+from corrections.frameworks._keys import check_keys, choice, merge_disjoint, unsupported
+from corrections.frameworks._training import warn_training_keys
 
 ARGUMENTS = dict(
     advantage_estimator="grpo", loss_type="policy_loss", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
@@ -88,7 +89,8 @@ def _value(value):
         return None if value == "None" else value
 
 
-def _arguments(config) -> dict:
+def slime_arguments(config) -> dict:
+    """slime's arguments (a mapping, a command-line string or a list of tokens) as ``{flag name: value}``."""
     if config is None:
         return {}
     if isinstance(config, str):
@@ -121,7 +123,8 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     (``--use-tis``) take True. Missing arguments take slime's defaults. Read: ``--advantage-estimator`` (gspo and
     cispo choose the objective), ``--eps-clip``, ``--eps-clip-high``, ``--eps-clip-c``,
     ``--calculate-per-token-loss``, ``--use-tis`` with ``--tis-clip``, ``--tis-clip-low`` and
-    ``--custom-tis-function-path`` (slime's vanilla TIS, IcePop, or PR #2084's off_policy_is_function), ``--use-rollout-logprobs``, ``--use-opsm``,
+    ``--custom-tis-function-path`` (slime's vanilla TIS, IcePop, or PR #2084's off_policy_is_function),
+    ``--use-rollout-logprobs``, ``--use-opsm``,
     ``--opsm-delta``, the KL loss and ``--entropy-coef``. Arguments of slime's algorithm group that do not touch
     the loss are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``;
     unknown ones are listed (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss
@@ -138,7 +141,7 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     ValueError: slime: unknown key 'tis_clp'; did you mean 'tis_clip'?
     """
     where = "slime"
-    given = merge_disjoint(_arguments(config), _arguments(keys), where)
+    given = merge_disjoint(slime_arguments(config), slime_arguments(keys), where)
     warn_training_keys("slime", given)
     check_keys(given, set(ARGUMENTS) | IGNORED, where, ARGUMENTS)
     args = {**ARGUMENTS, **{k: v for k, v in given.items() if k in ARGUMENTS}}

@@ -4,7 +4,8 @@ setting that changes training is not followed. One row per key (``rows``).
 
 A front door (``from_verl``, ...) returns the loss only: ``warn_training_keys`` lists, once per call, the settings
 in its input that change training and that a ``CorrectionConfig`` does not carry (``TrainingKeysWarning``);
-``learner.rl.migration`` applies them to a run (the run key ``corrections.from_verl = "path"``). No learner import:
+``learner.rl.framework_config`` applies them to a run (the run key ``corrections.from_verl = "path"``). No learner
+import:
 the run-config keys are names here.
 """
 
@@ -14,6 +15,8 @@ import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from corrections.frameworks._verl_keys import ROLLOUT_CORRECTION
 
 NOT_USED = "not used"
 
@@ -93,7 +96,7 @@ def _not_zero(value) -> bool:
     return bool(value) and float(value) != 0.0
 
 
-GRPO = "Tether computes GRPO advantages (learner/rl/batches.py; corrections.grpo_advantages)"
+GRPO = "Tether computes GRPO advantages (learner/rl/batch_assembly.py; corrections.grpo_advantages)"
 KL_IN_REWARD = "Tether has no KL penalty in the reward; use the KL loss instead"
 BETAS = "Tether's AdamW uses betas (0.9, 0.999)"
 
@@ -112,8 +115,6 @@ def _actor(key: str) -> str:
 
 
 def _verl_nest(data: dict) -> dict:
-    from corrections._verl import ROLLOUT_CORRECTION  # _verl imports this module
-
     return {"algorithm": {"rollout_correction": {k: v for k, v in data.items() if k in ROLLOUT_CORRECTION}},
             "actor_rollout_ref": {"actor": {k: v for k, v in data.items() if k not in ROLLOUT_CORRECTION}}}
 
@@ -360,7 +361,8 @@ class TrainingKeysWarning(UserWarning):
         listed = "; ".join(f"{row.key}={row.value!r} -> {row.tether}" for row in dropped)
         super().__init__(f"{framework}: settings that change training are not part of the loss config "
                          f"from_{framework} returns and are not applied: {listed}. To train with them, give the file "
-                         f"to a run (run key corrections.from_{framework} = \"path\"; learner.rl.migration) or set "
+                         f"to a run (run key corrections.from_{framework} = \"path\"; learner.rl.framework_config) or "
+                         f"set "
                          f"those run keys.")
         self.rows = dropped
 

@@ -12,12 +12,39 @@ verl checks k1 bounds on ``-log rho`` and so keeps ``1/up <= rho <= 1/lo``, the 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from corrections._config import (K1_RULES, REDUCTIONS, REJECTION_RULES, CorrectionConfig, ImportanceWeights, Objective,
-                                 RejectionRule)
-from corrections._keys import check_defaults, check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
-from corrections._training import warn_training_keys
+from corrections._config import (
+    K1_RULES,
+    REDUCTIONS,
+    REJECTION_RULES,
+    CorrectionConfig,
+    ImportanceWeights,
+    Objective,
+    RejectionRule,
+)
+from corrections.frameworks._keys import (
+    check_defaults,
+    check_keys,
+    choice,
+    merge_disjoint,
+    nest,
+    section,
+    unknown,
+    unsupported,
+)
+from corrections.frameworks._training import warn_training_keys
+from corrections.frameworks._verl_keys import (
+    ACTOR,
+    ACTOR_IGNORED,
+    ACTOR_ROLLOUT_REF_IGNORED,
+    ALGORITHM_IGNORED,
+    LOSS_PACKAGES,
+    POLICY_LOSS,
+    ROLLOUT_CORRECTION,
+    STOCK_DEFAULTS,
+)
 
 
 def _positive(field: str, text) -> float:
@@ -103,36 +130,6 @@ def verl_rejection_rules(rollout_rs: str | None, rollout_rs_threshold=None, *, r
     return tuple(rules)
 
 
-# verl's keys at commit 1dda039b, with the defaults of its YAML (what a user's config starts from). The dataclass
-# RolloutCorrectionConfig defaults rollout_is to "sequence", but Hydra fills the block from rollout_correction.yaml.
-ROLLOUT_CORRECTION = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize=False, rollout_rs=None,
-                          rollout_rs_threshold=None, bypass_mode=False, loss_type="ppo_clip")
-ACTOR = dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05,
-             loss_agg_mode="token-mean", loss_scale_factor=None, entropy_coeff=0.0, use_kl_loss=False,
-             kl_loss_coef=0.001, kl_loss_type="low_var_kl", policy_loss=None)
-POLICY_LOSS = dict(loss_mode="vanilla", clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002,
-                   ppo_kl_coef=0.1, dro_beta=None)
-# Keys verl has that do not change the loss or its metrics: batching, optimizer, engine, checkpoints, profiling,
-# advantages and rewards (compute advantages with corrections.grpo_advantages and friends).
-ACTOR_IGNORED = frozenset((
-    "rollout_n", "strategy", "ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu",
-    "ppo_infer_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
-    "ppo_infer_max_token_len_per_gpu", "freeze_vision_tower", "calculate_entropy", "calculate_sum_pi_squared",
-    "use_prefix_grouper", "use_torch_compile", "ppo_epochs", "shuffle", "data_loader_seed", "checkpoint", "optim",
-    "use_fused_kernels", "profiler", "engine", "model_config", "router_replay", "global_batch_info", "qat",
-    "grad_clip", "ulysses_sequence_parallel_size", "entropy_from_logits_with_chunking",
-    "entropy_from_logits_chunk_size", "entropy_checkpointing", "pad_to_length", "fsdp_config", "use_remove_padding",
-    "use_rollout_log_probs", "megatron", "profile", "veomni", "torchtitan",
-))
-ALGORITHM_IGNORED = frozenset((
-    "gamma", "lam", "adv_estimator", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty", "kl_ctrl",
-    "use_pf_ppo", "pf_ppo", "filter_groups", "gdpo_reward_keys", "gdpo_reward_weights",
-))
-ACTOR_ROLLOUT_REF_IGNORED = frozenset(("model", "rollout", "ref", "hybrid_engine", "nccl_timeout"))
-# Hydra defaults entries of verl's own config folder that fill the loss blocks: their values are the defaults above.
-STOCK_DEFAULTS = ({"actor@actor_rollout_ref.actor": "dp_actor"}, {"actor@actor_rollout_ref.actor": "megatron_actor"},
-                  {"algorithm@algorithm.rollout_correction": "rollout_correction"}, "actor")
-LOSS_PACKAGES = ("algorithm.rollout_correction", "actor_rollout_ref.actor.policy_loss")  # and the actor's own keys
 KL_LOSS_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "low_var_kl", "k3": "low_var_kl"}
 KL_LOSS_TYPES_UNSUPPORTED = {
     "abs": "Tether has no |lp - ref| estimator.",
@@ -226,7 +223,8 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
     estimator) are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``.
     Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or
-    close to a loss key; Hydra's ``_target_`` and ``defaults`` are understood (``corrections._keys.check_defaults``).
+    close to a loss key; Hydra's ``_target_`` and ``defaults`` are understood
+    (``corrections.frameworks._keys.check_defaults``).
     docs/migrating.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl

@@ -2,7 +2,7 @@
 
 One checkpoint per step, in ``<directory>/<step>/``, with three items:
 
-* ``state``: the state pytree (e.g. ``learner.train_state.TrainState``), every leaf a jax.Array, written by
+* ``state``: the state pytree (e.g. ``learner.update.train_state.TrainState``), every leaf a jax.Array, written by
   tensorstore shard by shard (each process writes the shards it holds);
 * ``metadata``: JSON ``{"step", "policy_version", "config"}`` and any ``extra_metadata`` of the save (a LoRA run's
   ``"lora_base"``), readable without loading any array;
@@ -31,7 +31,7 @@ only the slices its devices need, so a state saved on one mesh restores onto any
 fsdp / tensor split). Multi-host: every process makes the same calls; orbax coordinates the writes.
 
 Policy weights are exported as Hugging Face checkpoints by `learner.export` /
-`learner.hf_checkpoint.write_hf_checkpoint`, not here.
+`learner.checkpoints.hf_checkpoint.write_hf_checkpoint`, not here.
 
 Example::
 
@@ -113,7 +113,7 @@ def restore_target(state, shardings):
         shardings: a pytree of shardings with the same structure (e.g. on a new mesh).
 
     Example:
-        >>> from learner.sharding import make_mesh
+        >>> from learner.model.sharding import make_mesh
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> import jax.numpy as jnp
         >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])

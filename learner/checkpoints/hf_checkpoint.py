@@ -3,7 +3,8 @@
 A checkpoint directory holds ``config.json``, ``*.safetensors``, ``generation_config.json`` and the tokenizer's
 files: what transformers, vLLM, SGLang and mlx-lm load. `model_config_from_checkpoint` builds the learner's
 `ModelConfig` from one (the learner and the embedded server both start from it); `write_hf_checkpoint` writes one
-from parameters named by `learner.param_paths` (``Trainer.host_weights()``, an orbax checkpoint's arrays) or from a
+from parameters named by `learner.model.param_paths` (``Trainer.host_weights()``, an orbax checkpoint's arrays) or from
+a
 live `Transformer`, for export and for engines that load weights from disk.
 
 Writes are atomic: everything goes into a temporary sibling directory, every file and the directory are fsynced, and
@@ -30,9 +31,9 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from learner.model import ModelConfig, Transformer
-from learner.param_paths import named_leaves
-from learner.safetensors_io import config_from_hf, config_to_hf, hf_tensors
+from learner.checkpoints.safetensors_io import config_from_hf, config_to_hf, hf_tensors
+from learner.model.param_paths import named_leaves
+from learner.model.transformer import ModelConfig, Transformer
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -112,9 +113,9 @@ def write_hf_checkpoint(directory: str | os.PathLike, weights: Mapping[str, np.n
 
     Args:
         directory: the checkpoint directory to create; its parent is created if missing.
-        weights: ``{parameter path: array}`` (`learner.param_paths` naming, e.g. ``Trainer.host_weights()``) or a
+        weights: ``{parameter path: array}`` (`learner.model.param_paths` naming, e.g. ``Trainer.host_weights()``) or a
             `Transformer` whose parameters are written.
-        config: the model's config (written as config.json, `learner.safetensors_io.config_to_hf`).
+        config: the model's config (written as config.json, `learner.checkpoints.safetensors_io.config_to_hf`).
         tokenizer: None; an object with ``save_pretrained(directory)`` (a transformers tokenizer); or a directory
             whose tokenizer files (`TOKENIZER_FILES`, whichever exist) are copied, with its
             ``generation_config.json`` as the base of ours.

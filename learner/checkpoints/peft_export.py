@@ -9,7 +9,8 @@ huggingface/peft commit 000b5847eb29dc424dbbf7d9e071b21b83889563):
 
 ``<module>`` the transformers module name of the projection (``model.layers.0.self_attn.q_proj``), and PEFT computes
 ``x W^T + (lora_alpha / r) * x A^T B^T``: with ``A^T`` our ``a`` flattened to ``[in, r]`` and ``B^T`` our ``b``
-flattened to ``[r, out]``, the head axes flattened in the order `learner.safetensors_io` flattens the kernels.
+flattened to ``[r, out]``, the head axes flattened in the order `learner.checkpoints.safetensors_io` flattens the
+kernels.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from collections.abc import Mapping
 import numpy as np
 import safetensors.numpy
 
-from learner.lora import LoraConfig, adapter_parts
-from learner.model import ModelConfig
-from learner.safetensors_io import hf_name_map
+from learner.checkpoints.safetensors_io import hf_name_map
+from learner.model.lora import LoraConfig, adapter_parts
+from learner.model.transformer import ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -33,7 +34,7 @@ def peft_tensors(adapters: Mapping[str, np.ndarray], config: ModelConfig) -> dic
     """``{path: array}`` of the adapters (``.../lora/a``, ``.../lora/b``) -> PEFT's ``{name: tensor}`` (float32).
 
     Example:
-        >>> from learner.model import model_config
+        >>> from learner.model.transformer import model_config
         >>> tensors = peft_tensors({"layers/0/attn/o_proj/lora/a": np.zeros((4, 16, 2)),
         ...                         "layers/0/attn/o_proj/lora/b": np.zeros((2, 64))}, model_config("tiny"))
         >>> {name: value.shape for name, value in tensors.items()}  # doctest: +NORMALIZE_WHITESPACE

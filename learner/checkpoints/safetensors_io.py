@@ -2,7 +2,8 @@
 
 Hugging Face stores linear weights as ``[out, in]``; the model stores kernels as ``[in, out]`` with attention heads as
 their own axis (q: ``[D, H, Dh]``, o: ``[H, Dh, D]``). `hf_name_map` maps Hugging Face tensor names to parameter paths
-(`learner.param_paths`); the conversion of each tensor follows from its path (kernels are transposed then reshaped,
+(`learner.model.param_paths`); the conversion of each tensor follows from its path (kernels are transposed then
+reshaped,
 biases reshaped, the rest copied).
 
 Loading is strict: a missing, mis-shaped or unknown tensor raises an error naming it. Tensors are read through the
@@ -13,7 +14,7 @@ qwen3) in every spelling transformers has used for RoPE (top-level ``rope_theta`
 transformers 5's ``rope_parameters``) and refuses, naming the field, everything the model does not implement (other
 RoPE types, sliding windows in use, biases other than Qwen2's q/k/v bias, activations other than SiLU, ...).
 `config_to_hf` is its inverse. Directory-level reading and writing (tokenizer files, generation config, atomic
-writes) is `learner.hf_checkpoint`'s.
+writes) is `learner.checkpoints.hf_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
-from learner.model import Llama3RopeScaling, ModelConfig, Transformer
-from learner.param_paths import named_leaves, parameter_names
+from learner.model.param_paths import named_leaves, parameter_names
+from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer
 
 __all__ = [
     "ARCHITECTURES",
@@ -51,10 +52,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def hf_name_map(config: ModelConfig) -> dict[str, str]:
-    """Hugging Face tensor name -> parameter path (`learner.param_paths`), for every parameter of the model.
+    """Hugging Face tensor name -> parameter path (`learner.model.param_paths`), for every parameter of the model.
 
     Example:
-        >>> from learner.model import model_config
+        >>> from learner.model.transformer import model_config
         >>> hf_name_map(model_config("tiny"))["model.layers.1.self_attn.q_proj.bias"]
         'layers/1/attn/q_proj/bias'
     """
@@ -212,7 +213,7 @@ def config_to_hf(config: ModelConfig, model_type: str | None = None) -> dict:
         model_type: "llama", "mistral", "qwen2" or "qwen3"; None picks qwen3 (qk_norm), qwen2 (qkv_bias) or llama.
 
     Example:
-        >>> from learner.model import model_config
+        >>> from learner.model.transformer import model_config
         >>> tiny = model_config("tiny")
         >>> config_to_hf(tiny)["architectures"], config_from_hf(config_to_hf(tiny)) == tiny
         (['Qwen2ForCausalLM'], True)

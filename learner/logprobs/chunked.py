@@ -16,13 +16,15 @@ logits for the backward pass: the memory of the unchunked computation).
 Scored window: an RL loss reads logprobs only at the completion's tokens, yet the output head is a quarter of a
 small model's FLOPs and, with long prompts, most of them. With ``window_size=W`` (static) and ``window_start``
 (``[B]``, traced) only the tokens ``t`` in ``[window_start[b], window_start[b] + W)`` are scored: the hidden states
-at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]`` (`learner.model.take_window`), the head runs on
+at ``t - 1`` and the targets at ``t`` are gathered into ``[B, W]`` (`learner.model.take_window`), the head
+runs on
 those alone, and the results are placed back at their ``[B, T]`` columns (`learner.model.place_window`; both
 directions and their gradients are gathers, no scatter). Each row's window is shifted as little as needed to lie
 inside ``[1, T)``, so it covers every requested token that exists; tokens outside the request are 0 like unscored
 ones. A window covering ``[1, T)`` (``W >= T - 1``) runs the whole-sequence path and masks it. A token outside its
 row's window silently gets 0: callers check that every trained token lies in it
-(`learner.rl.batches.check_scored_window`). `token_logprobs` goes one step further: the model's last block runs its
+(`learner.rl.batch_assembly.check_scored_window`). `token_logprobs` goes one step further: the model's last block runs
+its
 queries, attention output and MLP only at the window (``Transformer(..., output_window=...)``; keys and values
 everywhere): with W = T / 2 that is about half the last block's work (~4% of the blocks' FLOPs in a twelve-layer
 model).
@@ -42,11 +44,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from learner.model import Transformer
-from learner.model import place_window
-from learner.model import take_window
-from learner.sampler_replay import SamplerParams
-from learner.sampler_replay import replayed_token_stats
+from learner.logprobs.sampler_replay import SamplerParams, replayed_token_stats
+from learner.model.transformer import Transformer, place_window, take_window
 
 
 def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, attention_mask: jax.Array, *,
@@ -66,7 +65,8 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
             when there are several chunks (see the module docstring).
         return_entropy: also return the entropy of each predictive distribution, aligned like the logprobs.
         sampling: per-sequence ``[B]`` sampling parameters to replay (PROCESSED logprobs): temperature, then top-k,
-            top-p, min-p as the server applied them (see `learner.sampler_replay`); ``temperature`` must then stay
+            top-p, min-p as the server applied them (see `learner.logprobs.sampler_replay`); ``temperature`` must then
+            stay
             1.0. None (default): plain ``log_softmax(logits / temperature)``.
         window_start: ``[B]`` int, the first scored token of each row; with ``window_size``.
         window_size: static int, tokens scored per row from ``window_start`` (see the module docstring); None
@@ -78,7 +78,7 @@ def token_logprobs(model: Transformer, tokens: jax.Array, positions: jax.Array, 
 
     Example:
         >>> from flax import nnx
-        >>> from learner.model import model_config
+        >>> from learner.model.transformer import model_config
         >>> model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
         >>> tokens = jnp.array([[5, 6, 7, 0]])
         >>> lp = token_logprobs(model, tokens, jnp.arange(4)[None], tokens > 0, chunk_size=2)

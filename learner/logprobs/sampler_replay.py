@@ -4,11 +4,11 @@ The engine samples from its sampling distribution (temperature, top-k, top-p, mi
 logprobs must be of the same distribution, replayed per sequence from the parameters recorded with each rollout
 and in the engine's order (`rollout_client.sampling_params.SamplerOrder`), or every importance ratio is biased by
 the log of the kept mass. With PROCESSED logprobs the engine reports logprobs of that distribution; with RAW ones
-the learner rebuilds them (`learner.logprob_mode.rebuilt_rollout_logprobs`).
+the learner rebuilds them (`learner.update.logprob_mode.rebuilt_rollout_logprobs`).
 
 Orders: temperature-first (Tether, SGLang) cuts the temperature-scaled distribution, top-p within the top-k set;
 temperature-last (mlx-lm) cuts the temperature-1 distribution, top-p over the whole vocabulary, breaks ties at a
-cut by token id as mlx-lm does (`learner.sampling_transform.kept_by_rank`), then applies the temperature to the
+cut by token id as mlx-lm does (`learner.logprobs.sampling_transform.kept_by_rank`), then applies the temperature to the
 kept set.
 """
 
@@ -18,14 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from learner.logprobs.sampling_transform import (
+    Cut,
+    descending,
+    kept_by_rank,
+    kept_threshold,
+    splits_ties,
+    top_candidates,
+)
 from rollout_client.sampling_params import SamplerOrder
-
-from learner.sampling_transform import Cut
-from learner.sampling_transform import descending
-from learner.sampling_transform import kept_by_rank
-from learner.sampling_transform import kept_threshold
-from learner.sampling_transform import splits_ties
-from learner.sampling_transform import top_candidates
 
 
 class SamplerParams(NamedTuple):

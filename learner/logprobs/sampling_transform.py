@@ -16,7 +16,8 @@ tokens at or above a value, so the kept set is ``scaled >= threshold`` for one t
 depends only on the first ``r + 1`` logits, so a correct prefix of the sorted vocabulary gives the same threshold,
 bit for bit, as all of it.
 
-mlx-lm's order (the learner replays it for the MLX engine, `learner.sampler_replay`) cuts the temperature-1 logits
+mlx-lm's order (the learner replays it for the MLX engine, `learner.logprobs.sampler_replay`) cuts the temperature-1
+logits
 with the same thresholds, top-p over the whole vocabulary (``top_p_after_top_k=False``), then applies the
 temperature to the kept set; it breaks ties at a cut by token id, which `kept_by_rank` reproduces.
 

@@ -8,9 +8,8 @@ log kept mass over valid tokens says how large the uncorrected truncation bias i
 import jax
 import jax.numpy as jnp
 
-from learner.logprobs import map_token_chunks
-from learner.sampler_replay import SamplerParams
-from learner.sampler_replay import replayed_token_stats
+from learner.logprobs.chunked import map_token_chunks
+from learner.logprobs.sampler_replay import SamplerParams, replayed_token_stats
 
 
 def log_kept_mass(hidden: jax.Array, output_kernel: jax.Array, tokens: jax.Array, attention_mask: jax.Array, *,

@@ -1,6 +1,7 @@
 """LoRA: low-rank adapters on a frozen base (Hu et al., 2021), as parameters of their own type.
 
-With ``ModelConfig.lora`` set, every `learner.model.Projection` whose path matches one of ``LoraConfig.targets``
+With ``ModelConfig.lora`` set, every `learner.model.Projection` whose path matches one of
+``LoraConfig.targets``
 (``"layers/3/attn/q_proj"``, ...) gets a `LoRA` submodule ``lora`` holding two `LoRAParam`s::
 
     layers/{i}/attn/q_proj/lora/a   [D, r]          (the kernel's input axes, then the rank)
@@ -17,16 +18,17 @@ its own dtype (bf16 allowed) and is passed to the update as an argument it never
 reference of a LoRA run is the base with the adapters off: the base model's graph over the same frozen arrays
 (`base_config`), no second copy of the weights.
 
-Adapters are sharded by the rule of their kernel (`learner.sharding.state_shardings`): ``a`` like the kernel's input
+Adapters are sharded by the rule of their kernel (`learner.model.sharding.state_shardings`): ``a`` like the kernel's
+input
 axes, ``b`` like its output axes, the rank replicated.
 
 For the engines and exports the adapters are merged into the kernels (`merge_adapters`), or written as a PEFT
-adapter (`learner.peft_export`).
+adapter (`learner.checkpoints.peft_export`).
 
 Several adapters on one base (``LoraConfig.adapters`` with more than one name) are stacked on a leading axis
 (`StackedLoRAParam`: ``a`` ``[N, D, r]``, ``b`` ``[N, r, H, Dh]``, that axis replicated); every call then runs inside
 `select_adapters`, which says the adapter of each row, and `split_adapters` gives each adapter's arrays in the
-single-adapter layout (export). Each adapter's own loss: `learner.adapter_loss`.
+single-adapter layout (export). Each adapter's own loss: `learner.update.adapter_loss`.
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ class LoRAParam(nnx.Param):
 
 class StackedLoRAParam(LoRAParam):
     """The matrices of several adapters (`LoraConfig.adapters`) stacked on a leading axis, one entry per adapter (a
-    `LoRAParam`: what trains, is optimised and checkpointed is unchanged; `learner.sharding` replicates the axis)."""
+    `LoRAParam`: what trains, is optimised and checkpointed is unchanged; `learner.model.sharding` replicates the
+    axis)."""
 
 
 class LoRA(nnx.Module):
@@ -170,7 +173,7 @@ class LoRA(nnx.Module):
             return (x.astype(a.dtype) @ a) @ (self.scale * b.reshape(b.shape[0], -1))
         if self.row_adapters is None:
             raise ValueError("a model with several LoRA adapters (model.lora.adapters) needs the adapter of each row: "
-                             "call it within learner.lora.select_adapters(model, adapter)")
+                             "call it within learner.model.lora.select_adapters(model, adapter)")
         count, rank = a.shape[0], a.shape[-1]
         # Each row's matrices by a one-hot matmul rather than a gather: the gradient is a matmul too (a gather's is
         # a scatter-add, slow to compile on the CPU and slow on a TPU), exact, and rows of one adapter give the
@@ -190,7 +193,7 @@ def select_adapters(model: nnx.Module, adapter: jax.Array):
 
     The selection is an attribute of the stacked `LoRA` modules for the block's duration (like a mode flag), reset
     on exit so that the model's state holds nothing of it. An index outside ``[0, N)`` selects no adapter (the row
-    runs the base alone): `learner.adapter_loss.check_adapter_indices` refuses such batches.
+    runs the base alone): `learner.update.adapter_loss.check_adapter_indices` refuses such batches.
 
     Example::
 

@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from learner.lora import FROZEN, LoRA, LoraConfig, adapter_shapes, adapter_targets, base_config
-from learner.model import Block, ModelConfig, Projection, RMSNorm, Transformer, output_head, token_embedding
+from learner.model.lora import FROZEN, LoRA, LoraConfig, adapter_shapes, adapter_targets, base_config
+from learner.model.transformer import Block, ModelConfig, Projection, RMSNorm, Transformer, output_head, token_embedding
 
 
 def init_sharded_params(config: ModelConfig, shardings: nnx.State, seed: int = 0) -> nnx.State:
@@ -27,12 +28,12 @@ def init_sharded_params(config: ModelConfig, shardings: nnx.State, seed: int = 0
 
     Args:
         config: the model's shapes and dtypes.
-        shardings: NamedShardings of the model's state (e.g. `learner.sharding.state_shardings` of it).
+        shardings: NamedShardings of the model's state (e.g. `learner.model.sharding.state_shardings` of it).
         seed: the seed of the ``nnx.Rngs`` the parameters are drawn from.
 
     Example:
-        >>> from learner.model import model_config
-        >>> from learner.sharding import make_mesh, state_shardings
+        >>> from learner.model.transformer import model_config
+        >>> from learner.model.sharding import make_mesh, state_shardings
         >>> config = model_config("tiny")
         >>> abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
         >>> params = init_sharded_params(config, state_shardings(abstract, make_mesh(data=4, tensor=2)))

@@ -44,7 +44,7 @@ def parameter_names(state) -> tuple[list[str], jax.tree_util.PyTreeDef]:
 
     Example:
         >>> from flax import nnx
-        >>> from learner.model import Transformer, model_config
+        >>> from learner.model.transformer import Transformer, model_config
         >>> names, _ = parameter_names(nnx.state(Transformer(model_config("tiny"), rngs=nnx.Rngs(0))))
         >>> names[:3]
         ['embed/embedding', 'final_norm/scale', 'layers/0/attn/k_proj/bias']

@@ -11,10 +11,10 @@ type and require annotating ops whose output sharding is ambiguous (e.g. contrac
 A parameter dimension that its mesh axes do not divide evenly is replicated over those axes instead (e.g. a
 vocabulary of 151,936 over ``tensor=3``), so every rule set works on every mesh.
 
-LoRA adapters (``<projection>/lora/a`` and ``/lora/b``, `learner.lora`) follow the rule of their kernel: ``a``
+LoRA adapters (``<projection>/lora/a`` and ``/lora/b``, `learner.model.lora`) follow the rule of their kernel: ``a``
 (``in_shape + (r,)``) is sharded like the kernel's input axes, ``b`` (``(r,) + out_shape``) like its output axes, the
 rank replicated; so an adapter's shards sit with the kernel's shards they update. Several adapters stacked on a
-leading axis (`learner.lora.StackedLoRAParam`) add that axis replicated.
+leading axis (`learner.model.lora.StackedLoRAParam`) add that axis replicated.
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from learner.lora import StackedLoRAParam, adapter_parts
-from learner.param_paths import parameter_path
+from learner.model.lora import StackedLoRAParam, adapter_parts
+from learner.model.param_paths import parameter_path
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 Rules = Sequence[tuple[str, P]]
 
-# Paths are learner.param_paths.parameter_path of learner.model.Transformer's parameters.
+# Paths are learner.model.param_paths.parameter_path of learner.model.Transformer's parameters.
 DEFAULT_RULES: Rules = (
     (r"^embed/embedding$", P("tensor", "fsdp")),  # [V, D]
     (r"/attn/[qkv]_proj/kernel$", P("fsdp", "tensor", None)),  # [D, heads, Dh]
@@ -86,7 +87,7 @@ def partition_spec(path: str, shape: Sequence[int], mesh: Mesh, rules: Rules = D
         >>> partition_spec("lm_head/kernel", (64, 128), mesh), partition_spec("lm_head/kernel", (64, 6), mesh)
         (P('fsdp', 'tensor'), P('fsdp', None))
     """
-    for pattern, spec in rules:
+    for pattern, spec in rules:  # noqa: B007
         if re.search(pattern, path):
             break
     else:
@@ -102,7 +103,7 @@ def state_shardings(state, mesh: Mesh, rules: Rules = DEFAULT_RULES):
 
     Example:
         >>> from flax import nnx
-        >>> from learner.model import Transformer, model_config
+        >>> from learner.model.transformer import Transformer, model_config
         >>> state = nnx.state(nnx.eval_shape(lambda: Transformer(model_config("tiny"), rngs=nnx.Rngs(0))))
         >>> state_shardings(state, make_mesh(data=4, tensor=2))["embed"]["embedding"].get_value().spec
         P('tensor', 'fsdp')

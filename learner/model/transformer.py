@@ -2,14 +2,15 @@
 
 The model is the same code for the learner (full forward over right-padded sequences) and the inference server
 (prefill + decode through a KV cache). Hugging Face Llama, Mistral, Qwen2 and Qwen3 checkpoints load into it
-(`learner.hf_checkpoint.model_config_from_checkpoint`, `learner.safetensors_io`; docs/models.md lists what is
+(`learner.checkpoints.hf_checkpoint.model_config_from_checkpoint`, `learner.checkpoints.safetensors_io`; docs/models.md
+lists what is
 supported and what is refused).
 
 Full forward (learner)::
 
     model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
     hidden = model(tokens, positions, attention_mask)   # [B, T, D], after the final RMSNorm
-    logits = model.logits(hidden)                       # [B, T, V] float32 (chunk it: learner.logprobs)
+    logits = model.logits(hidden)                       # [B, T, V] float32 (chunk it: learner.logprobs.chunked)
     hidden_at = model(tokens, positions, attention_mask, output_window=(first, W))  # [B, W, D] at first[b] + [0, W)
 
 ``tokens`` and ``positions`` are int32 ``[B, T]``; ``attention_mask`` is ``[B, T]`` (True / 1 = real token).
@@ -61,7 +62,7 @@ Parameter paths (used by the sharding rules and the safetensors name map), with 
     final_norm/scale                [D]
     lm_head/kernel                  [D, V]         (absent when tie_embeddings)
 
-With ``config.lora`` the targeted projections also hold ``.../lora/a`` and ``.../lora/b`` (`learner.lora`).
+With ``config.lora`` the targeted projections also hold ``.../lora/a`` and ``.../lora/b`` (`learner.model.lora`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from learner.lora import LoraConfig, attach_adapters
+from learner.model.lora import LoraConfig, attach_adapters
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -132,7 +133,7 @@ class ModelConfig:
     max_seq_len: int = 2048  # Longest sequence (prompt + completion) the model is configured for.
     param_dtype: str = "float32"  # Storage dtype of the parameters: float32, bfloat16 or float16.
     dtype: str = "float32"  # Compute dtype of activations and matmuls (norms, softmax, logits stay float32).
-    lora: LoraConfig | None = None  # Low-rank adapters on the projections (learner.lora); None: none.
+    lora: LoraConfig | None = None  # Low-rank adapters on the projections (learner.model.lora); None: none.
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -241,7 +242,7 @@ class Projection(nnx.Module):
         self.bias = nnx.Param(jnp.zeros(out_shape, config.param_dtype)) if use_bias else None
         self.num_in_axes = len(in_shape)
         self.dtype = config.dtype
-        self.lora = None  # a learner.lora.LoRA when the model's LoRA config targets this projection
+        self.lora = None  # a learner.model.lora.LoRA when the model's LoRA config targets this projection
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # One 2-D matmul, [N, in] @ [in, out], with the head axes merged by reshapes (free in row-major layout): a
@@ -475,7 +476,7 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        # learner.param_init builds the same parts in the same order (the order they draw from rngs).
+        # learner.model.param_init builds the same parts in the same order (the order they draw from rngs).
         self.config = config
         self.embed = token_embedding(config, rngs)
         self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
@@ -496,7 +497,7 @@ class Transformer(nnx.Module):
                 hidden states at columns ``first[b] + [0, W)``, ``[B, W, D]`` (`take_window`). The last block then
                 runs its queries, attention output and MLP at those columns alone (its keys and values at every
                 token), saving ``1 - W / T`` of its work; an RL loss that scores only the completion
-                (`learner.logprobs`, scored window) needs no more.
+                (`learner.logprobs.chunked`, scored window) needs no more.
         """
         t = tokens.shape[1]
         key_valid = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)

@@ -13,7 +13,8 @@ import pathlib
 import socket
 import struct
 import time
-from typing import Any, Mapping, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np

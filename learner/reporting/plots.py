@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from learner.metrics_writers import read_metrics
+from learner.reporting.metrics_writers import read_metrics
 
 # (panel title, metrics drawn in it); a panel none of whose metrics were logged is left out.
 DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (

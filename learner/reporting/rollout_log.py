@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import tensorstore as ts

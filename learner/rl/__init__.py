@@ -9,11 +9,11 @@
 ``python -m learner.train`` is the same loop from the command line.
 """
 
-from learner.rl.batches import NoUsableRolloutsError
-from learner.rl.batches import Payload
-from learner.rl.batches import PayloadSpec
-from learner.rl.batches import assemble_payload
-from learner.rl.batches import demonstration_batch
+from learner.rl.batch_assembly import NoUsableRolloutsError
+from learner.rl.batch_assembly import Payload
+from learner.rl.batch_assembly import PayloadSpec
+from learner.rl.batch_assembly import assemble_payload
+from learner.rl.batch_assembly import demonstration_batch
 from learner.rl.config import RunConfig
 from learner.rl.config import load_config
 from learner.rl.config import to_dict

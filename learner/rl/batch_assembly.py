@@ -17,15 +17,15 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-import corrections
 import jax
 import numpy as np
 
-from learner.batch import TrainBatch
-from learner.bucketing import BucketConfig, pad_batch
-from learner.logprob_mode import replay_params
-from learner.sampler_replay import SamplerParams, transforms
+import corrections
+from learner.logprobs.sampler_replay import SamplerParams, transforms
 from learner.tasks import REWARD_BOUND, EnvironmentTask
+from learner.update.batch import TrainBatch
+from learner.update.bucketing import BucketConfig, pad_batch
+from learner.update.logprob_mode import replay_params
 from rollout_client import RolloutBatch, collate
 from rollout_client.sampling_params import SamplerOrder
 
@@ -119,7 +119,10 @@ def check_scored_window(loss_mask, scored_window: int | None) -> None:
     >>> check_scored_window(mask, 3)
     Traceback (most recent call last):
     ...
-    ValueError: update.scored_window: the update scores 3 tokens per row from its first trained one, but row 2 trains tokens 0 to 3 (a span of 4): the tokens past the window would silently get logprob 0. Set update.scored_window to at least 4, or to "off" (every token); "auto" is the completion budget (rollout.max_new_tokens or the task's) rounded up to a multiple of 8
+    ValueError: update.scored_window: the update scores 3 tokens per row from its first trained one, but row 2 trains
+    tokens 0 to 3 (a span of 4): the tokens past the window would silently get logprob 0. Set update.scored_window to at
+    least 4, or to "off" (every token); "auto" is the completion budget (rollout.max_new_tokens or the task's) rounded
+    up to a multiple of 8
     """
     if scored_window is None:
         return

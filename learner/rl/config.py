@@ -26,13 +26,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import corrections
-
-from learner.checkpoints import CheckpointConfig
-from learner.lora import LoraConfig
-from learner.optimizer import OptimizerConfig
-from learner.precision import MATMUL_PRECISIONS
-from learner.rl import migration
-from learner.update import UpdateConfig
+from learner.checkpoints.checkpointer import CheckpointConfig
+from learner.model.lora import LoraConfig
+from learner.model.precision import MATMUL_PRECISIONS
+from learner.rl import framework_config
+from learner.update.optimizer import OptimizerConfig
+from learner.update.step import UpdateConfig
 from rollout_client import ClientConfig, SamplingParams, ValidationConfig
 
 
@@ -52,7 +51,7 @@ def _non_negative(default):
 
 @dataclasses.dataclass(frozen=True)
 class LoraSection:
-    """Low-rank adapters on a frozen base (`lora_config`: learner.lora.LoraConfig; docs/lora.md)."""
+    """Low-rank adapters on a frozen base (`lora_config`: learner.model.lora.LoraConfig; docs/lora.md)."""
 
     rank: int = _non_negative(0)  # adapters' rank; 0: full fine-tuning (no adapters).
     alpha: float = 16.0  # the adapters' product is scaled by alpha / rank.
@@ -74,7 +73,7 @@ class ModelSection:
     name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
     hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
     param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
-    # Precision of every matmul of the learner's passes and the embedded server (learner.precision): "highest",
+    # Precision of every matmul of the learner's passes and the embedded server (learner.model.precision): "highest",
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
     matmul_precision: str = _bounded("auto", choices=MATMUL_PRECISIONS)
@@ -148,7 +147,7 @@ class ServerSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    """AdamW of the RL updates (`optimizer_config`: learner.optimizer.OptimizerConfig)."""
+    """AdamW of the RL updates (`optimizer_config`: learner.update.optimizer.OptimizerConfig)."""
 
     learning_rate: float = 1e-3  # peak learning rate.
     end_learning_rate: float | None = None  # cosine decay to this at the run's last update; None: constant.
@@ -181,7 +180,7 @@ class CorrectionsSection:
     preset: str = "decoupled_token_is"  # corrections.PRESETS name.
     overrides: dict = dataclasses.field(default_factory=dict)  # preset(name, **overrides), e.g. {kl_coef = 0.05}.
     # A verl / SkyRL / AReaL YAML or a slime launch script (path; at most one): its loss replaces the preset, its
-    # training settings set the run's keys below --set (learner.rl.migration; docs/migrating.md).
+    # training settings set the run's keys below --set (learner.rl.framework_config; docs/migrating.md).
     from_verl: str | None = None
     from_skyrl: str | None = None
     from_slime: str | None = None
@@ -190,7 +189,7 @@ class CorrectionsSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """The device mesh (learner.sharding.make_mesh); one size may be -1 (the remaining devices)."""
+    """The device mesh (learner.model.sharding.make_mesh); one size may be -1 (the remaining devices)."""
 
     data: int = -1
     fsdp: int = 1
@@ -265,8 +264,8 @@ class RunConfig:
 
 def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
     """The preset with its overrides; errors name ``corrections.preset`` or ``corrections.overrides``."""
-    if migration.framework_file(config.corrections) is not None:
-        return migration.correction_config(config.corrections)
+    if framework_config.framework_file(config.corrections) is not None:
+        return framework_config.correction_config(config.corrections)
     if config.corrections.preset not in corrections.PRESETS:
         raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS "
                          f"({', '.join(corrections.PRESETS)})")
@@ -282,7 +281,7 @@ def update_config(config: RunConfig, correction: corrections.CorrectionConfig, l
 
     ``max_new_tokens``: the rollout's completion budget (``rollout.max_new_tokens`` or the task's), which
     ``update.scored_window = "auto"`` scores; "auto" without it scores every token (whoever passes it builds the
-    batches with `learner.rl.batches.check_scored_window`).
+    batches with `learner.rl.batch_assembly.check_scored_window`).
 
     >>> config = load_config(None)
     >>> update_config(config, correction_config(config), 64, max_new_tokens=20).scored_window
@@ -360,7 +359,7 @@ def lora_config(config: RunConfig) -> LoraConfig | None:
                     targets=tuple(section.targets), dtype=section.dtype, adapters=adapters)
     if lora.stacked:  # rollouts would need a per-request adapter on every engine (docs/lora.md)
         raise ValueError(f"model.lora.adapters={list(adapters)!r}: the RL loop trains one adapter; several on one base "
-                         "are trained through the learner library (learner.update with TrainBatch.adapter) and "
+                         "are trained through the learner library (learner.update.step with TrainBatch.adapter) and "
                          "exported per adapter (docs/lora.md); give one name or none")
     return lora
 
@@ -563,7 +562,8 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     >>> load_config(None, ["optimizer.warmup_steps=60"])
     Traceback (most recent call last):
     ...
-    ValueError: optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates (loop.steps x update.num_minibatches x update.ppo_epochs)
+    ValueError: optimizer.warmup_steps=60: must be fewer than the run's 60 optimizer updates (loop.steps x
+    update.num_minibatches x update.ppo_epochs)
     """
     try:
         base = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
@@ -573,10 +573,10 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     data = copy.deepcopy(base)
     for override in overrides:
         _apply(data, *override)
-    framework_file = migration.framework_file(data.get("corrections", {}))
+    framework_file = framework_config.framework_file(data.get("corrections", {}))
     if framework_file is None:
         return _build(RunConfig, data, "")
-    data = migration.with_framework_file(base, *framework_file)  # the TOML file < the framework file < --set
+    data = framework_config.with_framework_file(base, *framework_file)  # the TOML file < the framework file < --set
     for override in overrides:
         _apply(data, *override)
     try:
@@ -584,7 +584,8 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     except ValueError as error:
         name, path = framework_file
         raise ValueError(f"{error} (with corrections.from_{name}={path!r}, which sets "
-                         f"{', '.join(migration.migrate(name, path).run)}; --set a key to replace its value)") from None
+                         f"{', '.join(framework_config.migrate(name, path).run)}; --set a key to replace its "
+                         "value)") from None
 
 
 def to_dict(config: RunConfig) -> dict:

@@ -5,7 +5,7 @@
 - ``"tether"``: the rollout.v1 reference server, launched here (``python -m learner.serving``) unless
   ``server.address`` names one.
 - ``"mlx"``: the MLX servicer, always launched here (weights are published by restarting it on a new checkpoint
-  directory under ``server.weights_dir``, written by `learner.hf_checkpoint.write_hf_checkpoint`).
+  directory under ``server.weights_dir``, written by `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`).
 - ``"sglang"``, ``"vllm"``: an external engine's smg gRPC data plane at ``server.address`` and its HTTP control plane
   at ``server.control_url`` (weights loaded from ``server.weights_dir``).
 
@@ -24,20 +24,31 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rollout_client import (Engine, EngineInfo, EngineProcess, EngineRequirements, LogprobMode, MlxEngine,
-                            ModelIdentity, PauseMode, TetherEngine, check_capabilities)
-from rollout_client.engine_pool import EnginePool, Member, PoolConfig
-from rollout_client.request_guards import check_model_identity
-from rollout_client.sampling_params import SamplerOrder
-from rollout_client.sglang_engine import SGLangEngine
-from rollout_client.vllm_engine import VllmEngine
-from rollout_client.server.cli import AUTH_TOKEN_ENV
-
-from learner.hf_checkpoint import write_hf_checkpoint
-from learner.peft_export import write_peft_adapter
+from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
+from learner.checkpoints.peft_export import write_peft_adapter
+from learner.checkpoints.safetensors_io import config_to_hf
 from learner.rl.config import RunConfig, client_config, engine_addresses
 from learner.rl.devices import engine_environment
-from learner.safetensors_io import config_to_hf
+from rollout_client import (
+    Engine,
+    EngineInfo,
+    EnginePool,
+    EngineProcess,
+    EngineRequirements,
+    LogprobMode,
+    Member,
+    MlxEngine,
+    ModelIdentity,
+    PauseMode,
+    PoolConfig,
+    SGLangEngine,
+    TetherEngine,
+    VllmEngine,
+    check_capabilities,
+    check_model_identity,
+)
+from rollout_client.sampling_params import SamplerOrder
+from rollout_client.server.cli import AUTH_TOKEN_ENV
 
 ENGINES = {"tether": TetherEngine, "mlx": MlxEngine, "sglang": SGLangEngine, "vllm": VllmEngine}  # server.engine
 ADAPTER_ENGINES = ("sglang",)  # their smg proto loads an adapter under an id a GenerateRequest names (lora_id)

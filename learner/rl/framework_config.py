@@ -5,7 +5,7 @@ training and that Tether has elsewhere (epochs, mini-batches, optimizer and sche
 prompt, temperature, top-p, top-k, batch and completion sizes) become run-config keys; settings that change training
 but have no Tether equivalent are listed "not applied" with the reason; everything else "not used". Every key of the
 file gets one row: their key, their value, Tether's key or what happened to it (`Migration.table`). The tables of
-what each key becomes are ``corrections._training``'s (the front doors list the training settings they drop with them).
+what each key becomes are ``corrections.frameworks``' (the front doors list the training settings they drop with them).
 
 Precedence (``load_config``): the TOML file < the framework file < ``--set``.
 """
@@ -21,10 +21,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import corrections
-from corrections import _slime
-from corrections._files import merge, read_file
-from corrections._keys import UnknownKeyWarning
-from corrections._training import BETAS, GRPO, MAPS, Row, rows, whole  # noqa: F401 (BETAS, GRPO: the tables' texts)
+from corrections.frameworks import (  # noqa: F401 (BETAS, GRPO: the tables' texts)
+    BETAS,
+    GRPO,
+    MAPS,
+    Row,
+    UnknownKeyWarning,
+    merge,
+    read_file,
+    rows,
+    slime_arguments,
+    whole,
+)
 
 FROM_KEYS = {"from_verl": "verl", "from_skyrl": "skyrl", "from_slime": "slime", "from_areal": "areal"}
 
@@ -54,7 +62,7 @@ def _show(value) -> str:
 
 @functools.lru_cache(maxsize=16)
 def migrate(framework: str, path: str) -> Migration:
-    """Reads a framework's config file (``corrections._files.read_file``) into a ``Migration``.
+    """Reads a framework's config file (``corrections.frameworks.read_file``) into a ``Migration``.
 
     >>> import pathlib
     >>> root = pathlib.Path(__file__).parents[2] / "tests" / "fixtures" / "frameworks"
@@ -71,7 +79,7 @@ def migrate(framework: str, path: str) -> Migration:
     if framework == "slime":
         if not isinstance(data, list):
             raise ValueError(f"corrections.from_slime={path!r}: give a slime launch script (.sh).")
-        data = _slime._arguments(data)
+        data = slime_arguments(data)
     elif not isinstance(data, Mapping):
         raise ValueError(f"corrections.from_{framework}={path!r}: give a YAML file.")
     with warnings.catch_warnings(record=True) as caught:

@@ -24,14 +24,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rollout_client import LogprobMode, RolloutRequest
-
-from learner.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
-from learner.plots import DEFAULT_PANELS, plot_learning_curves
-from learner.progress import ProgressBar, summary_table
-from learner.rl import migration
+from learner.reporting.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
+from learner.reporting.plots import DEFAULT_PANELS, plot_learning_curves
+from learner.reporting.progress import ProgressBar, summary_table
+from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
+from learner.rl import framework_config
 from learner.rl.config import sampling_params
-from learner.rollout_log import LoggedBatch, RolloutLogWriter
+from rollout_client import LogprobMode, RolloutRequest
 
 if TYPE_CHECKING:
     from learner.rl.run import Run, StepRecord
@@ -236,7 +235,7 @@ class SummaryHook(Hook):
         evaluated = [s for s in steps if any(key.startswith("eval/") for key in self.history[s])]
         rows = [
             ("task", config.task.name),
-            ("corrections", migration.corrections_name(config.corrections)),
+            ("corrections", framework_config.corrections_name(config.corrections)),
             ("steps", f"{steps[0]}-{steps[-1]} of {config.loop.steps}"),
             ("reward (first 20 -> last 20 steps)", f"{np.mean(rewards[:20]):.3f} -> {np.mean(rewards[-20:]):.3f}"),
             ("samples trained on (mean, min share)", f"{np.mean(kept):.2f}, {np.min(kept):.2f}"),

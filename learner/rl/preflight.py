@@ -15,7 +15,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from learner.distributed import cluster_detected
-from learner.model import model_config
+from learner.model.transformer import model_config
 from learner.rl.config import engine_addresses
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@ Pipeline (a grain ``MapDataset``, lazy and random-access)::
 Every process builds the same pipeline with its own ``process_index``: the shards are disjoint and equally long
 (records beyond a multiple of the process count are dropped), so every process yields the same number of batches.
 ``repeat`` reseeds the shuffle each epoch; a batch never spans two epochs (an epoch's last partial batch is
-dropped). The iterator's state is a small JSON dict (``{"next_index": n}``) that `learner.checkpoints` saves
+dropped). The iterator's state is a small JSON dict (``{"next_index": n}``) that `learner.checkpoints.checkpointer`
+saves
 per process, so a restored run continues with exactly the batches it had not seen.
 
 Each process's local batch becomes one global ``jax.Array`` with `global_batch`::
@@ -96,8 +97,9 @@ def global_batch(local_batch: Batch, sharding: jax.sharding.Sharding) -> dict[st
     """Assembles every process's local batch into global arrays laid out by ``sharding``.
 
     Each process passes its own rows (e.g. its `prompt_dataset` batch); they land on its own devices. With
-    `learner.sharding.batch_sharding` on a mesh whose devices run over the processes in order (as
-    `learner.sharding.make_mesh` builds them), the global batch is the local batches concatenated in process order.
+    `learner.model.sharding.batch_sharding` on a mesh whose devices run over the processes in order (as
+    `learner.model.sharding.make_mesh` builds them), the global batch is the local batches concatenated in process
+    order.
 
     Args:
         local_batch: this process's batch, dict of ``[local_batch_size, ...]`` numpy arrays.

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from learner.data import prompt_dataset, prompt_iterator
 from learner.rl.episodes import EpisodeRequest
+from learner.rl.prompt_dataset import prompt_dataset, prompt_iterator
 from rollout_client import LogprobMode, RolloutRequest, SamplingParams
 
 
@@ -33,7 +33,8 @@ class DataPosition:
 class PromptStream:
     """Rollout requests, one per prompt record, in the order of a grain pipeline over the task's records.
 
-    The pipeline shuffles record indices with ``seed`` and reshuffles every epoch (`learner.data`); every process
+    The pipeline shuffles record indices with ``seed`` and reshuffles every epoch (`learner.rl.prompt_dataset`); every
+    process
     walks the whole stream (process 0 issues the requests). ``position(n)`` is the iterator state before the
     ``n``-th batch pulled: after ``n`` trained batches, the position to resume from. `next_record` gives the
     prompt records of the issued requests in issue order (the order `rollout_client.RolloutBuffer` returns them).

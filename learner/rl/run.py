@@ -16,7 +16,7 @@ closed on every exit path, in reverse order, by one ``ExitStack``; the checkpoin
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
 new weights, and call the hooks (`learner.rl.hooks`: metrics, rollout log, progress, plot, checkpoints). Batches have
-one fixed shape (`learner.rl.batches.PayloadSpec`), so the update compiles once.
+one fixed shape (`learner.rl.batch_assembly.PayloadSpec`), so the update compiles once.
 
 Resume: entering a run whose ``run_dir`` has checkpoints restores the latest; metrics and rollout log drop the steps
 after it. The saved data position is that of the first batch not yet trained, so the prompt order is that of an
@@ -43,22 +43,22 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from learner.batch import TrainBatch
-from learner.checkpoints import Checkpointer
-from learner.lora import base_identity, check_base_identity
-from learner.rl.batches import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
+from learner.checkpoints.checkpointer import Checkpointer
+from learner.model.lora import base_identity, check_base_identity
+from learner.model.transformer import count_params
+from learner.rl import framework_config
+from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity, publishes_adapters, sampler_order
-from learner.rl import migration
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
-from learner.rl.prompts import DataPosition, PromptStream
+from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.run_lock import hold_run_dir
 from learner.rl.trainer import Trainer, model_context
-from learner.logprob_mode import check_logprob_mode
-from learner.model import count_params
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
+from learner.update.batch import TrainBatch
+from learner.update.logprob_mode import check_logprob_mode
 from rollout_client import LogprobMode, RolloutBuffer
 
 
@@ -132,7 +132,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
-            migration.report(config.corrections, self.run_dir)
+            framework_config.report(config.corrections, self.run_dir)
         try:
             self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
                                   model_context=model_context(config))
@@ -223,7 +223,7 @@ class Run:
 
     @functools.cached_property
     def _base_identity(self) -> dict:
-        """The LoRA base's identity (`learner.lora.base_identity`), hashed once per run."""
+        """The LoRA base's identity (`learner.model.lora.base_identity`), hashed once per run."""
         model = self.config.model
         return base_identity(model.hf_path, model.name, self.config.loop.seed)
 

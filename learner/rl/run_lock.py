@@ -41,7 +41,7 @@ def hold_run_dir(run_dir: pathlib.Path) -> Iterator[None]:
             raise RunDirLockedError(f"run_dir {run_dir} is in use by another run ({_holder(path)}); wait for it to "
                                     "end, or set another run_dir") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                  "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, json.dumps(holder).encode(), 0)
         yield

@@ -6,32 +6,40 @@ import dataclasses
 import functools
 import time
 
-import corrections
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from learner.batch import TrainBatch
-from learner.checkpoints import Checkpointer, restore_target
-from learner.hf_checkpoint import model_config_from_checkpoint
-from learner.logprob_mode import rebuild_batch_logprobs
-from learner.lora import merge_adapters
-from learner.model import Transformer, model_config
-from learner.optimizer import make_optimizer, skipped_updates
-from learner.param_paths import parameter_names
-from learner.precision import resolve_matmul_precision, with_matmul_precision
-from learner.rl.batches import demonstration_batch
+import corrections
+from learner.checkpoints.checkpointer import Checkpointer, restore_target
+from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
+from learner.checkpoints.safetensors_io import load_safetensors
+from learner.logprobs.truncation_bias import truncation_bias_metrics
+from learner.model.lora import merge_adapters
+from learner.model.param_paths import parameter_names
+from learner.model.precision import resolve_matmul_precision, with_matmul_precision
+from learner.model.sharding import batch_sharding, make_mesh
+from learner.model.transformer import Transformer, model_config
+from learner.rl.batch_assembly import demonstration_batch
+from learner.rl.config import (
+    RunConfig,
+    correction_config,
+    lora_config,
+    optimizer_config,
+    optimizer_updates,
+    update_config,
+    warmup_optimizer_config,
+)
 from learner.rl.preflight import ConfigError
-from learner.rl.config import (RunConfig, correction_config, lora_config, optimizer_config, optimizer_updates,
-                               update_config, warmup_optimizer_config)
-from learner.safetensors_io import load_safetensors
-from learner.sharding import batch_sharding, make_mesh
-from learner.train_state import create_sharded_frozen, create_sharded_train_state, train_state_shardings
-from learner.truncation_bias import truncation_bias_metrics
-from learner.update import make_update_fn, merge_model, recompute_logprobs
+from learner.update.batch import TrainBatch
+from learner.update.logprob_mode import rebuild_batch_logprobs
+from learner.update.optimizer import make_optimizer, skipped_updates
+from learner.update.step import make_update_fn, merge_model, recompute_logprobs
+from learner.update.train_state import create_sharded_frozen, create_sharded_train_state, train_state_shardings
 
 
 def bucket_length(length: int) -> int:
@@ -55,7 +63,8 @@ def mean_metrics(metrics) -> dict[str, float]:
 class Trainer:
     """Mesh, train state, reference parameters and the jitted steps of one run.
 
-    With ``model.lora`` the train state holds the adapters, ``frozen`` the base (`learner.lora`): ``model_config`` is
+    With ``model.lora`` the train state holds the adapters, ``frozen`` the base (`learner.model.lora`): ``model_config``
+    is
     the base's (what the engines serve, with the adapters merged into it: `host_weights`), ``train_config`` the
     model trained. Without it both are the same and ``frozen`` is None.
 
@@ -256,7 +265,7 @@ class Trainer:
 
     def host_weights(self) -> dict[str, np.ndarray]:
         """The parameters as ``{path: array}`` in the engine's naming, gathered from every process; with LoRA the
-        base's, the adapters merged into their kernels (`learner.lora.merge_adapters`)."""
+        base's, the adapters merged into their kernels (`learner.model.lora.merge_adapters`)."""
         weights = self._gather(self.state.params)
         if self.lora is None:
             return weights

@@ -11,16 +11,13 @@ import pathlib
 
 from flax import nnx
 
-from learner.hf_checkpoint import model_config_from_checkpoint
-from learner.model import Transformer
-from learner.model import model_config
-from learner.precision import MATMUL_PRECISIONS
-from learner.precision import resolve_matmul_precision
-from learner.safetensors_io import load_safetensors
+from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
+from learner.checkpoints.safetensors_io import load_safetensors
+from learner.model.precision import MATMUL_PRECISIONS, resolve_matmul_precision
+from learner.model.transformer import Transformer, model_config
 from learner.serving.model_generator import ModelGenerator
 from rollout_client.protocol import pb
-from rollout_client.server.cli import run
-from rollout_client.server.cli import server_parser
+from rollout_client.server.cli import run, server_parser
 from rollout_client.server.weights_io import load_weights
 
 

@@ -29,19 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from learner.model import Transformer
-from learner.model import cast_model
-from learner.param_paths import parameter_names
-from learner.precision import with_matmul_precision
+from learner.model.param_paths import parameter_names
+from learner.model.precision import with_matmul_precision
+from learner.model.transformer import Transformer, cast_model
 from learner.serving.orbax_weights import read_orbax
 from learner.serving.sampling import sample_token
 from rollout_client.protocol import pb
 from rollout_client.sampling_params import LogprobMode
-from rollout_client.server.generator import Generator
-from rollout_client.server.generator import GeneratorInfo
-from rollout_client.server.generator import SequenceSpec
-from rollout_client.server.generator import WeightSpec
-from rollout_client.server.generator import check_weights_match
+from rollout_client.server.generator import Generator, GeneratorInfo, SequenceSpec, WeightSpec, check_weights_match
 from rollout_client.server.weights_io import WeightReaders
 
 
@@ -62,7 +57,7 @@ class ModelGenerator(Generator):
       decode_steps_per_call: decode steps fused into one jitted call.
       eos_token_ids: default stop tokens; empty: a request without stop tokens runs to
         max_new_tokens.
-      matmul_precision: precision of the prefill's and the decode's dots (`learner.precision`).
+      matmul_precision: precision of the prefill's and the decode's dots (`learner.model.precision`).
     """
 
     def __init__(self, model: Transformer, dtype: str = "float32", max_batch_size: int = 16,

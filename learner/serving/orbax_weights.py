@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from learner.param_paths import parameter_path
+from learner.model.param_paths import parameter_path
 
 
 def read_orbax(path: str) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """Drawing one token from the sampling distribution.
 
-The transform itself (temperature, then top-k, top-p, min-p) lives in `learner.sampling_transform`: the learner
+The transform itself (temperature, then top-k, top-p, min-p) lives in `learner.logprobs.sampling_transform`: the learner
 replays the same code on its own logits, so PROCESSED logprobs of both sides are of the same distribution.
 PROCESSED logprobs are ``log_softmax`` of the kept scaled logits (-inf elsewhere); RAW logprobs are
 ``log_softmax(logits)`` of the untouched model logits.
@@ -9,7 +9,7 @@ PROCESSED logprobs are ``log_softmax`` of the kept scaled logits (-inf elsewhere
 import jax
 import jax.numpy as jnp
 
-from learner.sampling_transform import processed_logprobs
+from learner.logprobs.sampling_transform import processed_logprobs
 
 
 def sample_token(logits: jax.Array, key: jax.Array, temperature, top_k, top_p, min_p, processed_mode

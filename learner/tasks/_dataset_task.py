@@ -11,7 +11,8 @@ Run config::
 Each row becomes a prompt: the prompt column's text (or ``prompt_format`` filled from the row), or the chat
 ``messages`` column, put through the tokenizer's chat template when it has one (``chat_template``), and encoded.
 Prompts longer than ``max_prompt_tokens`` (or empty) are left out and counted. The loop shuffles the kept prompts,
-epoch after epoch, without replacement (`learner.rl.prompts.PromptStream`). Each completion is decoded up to its stop
+epoch after epoch, without replacement (`learner.rl.prompt_stream.PromptStream`). Each completion is decoded up to its
+stop
 token and scored by the rewards (`learner.tasks._rewards`) with the prompt text and the row.
 
 For an evaluation, `DatasetTask.validation_records` are the held-out prompts and `DatasetTask.score` scores

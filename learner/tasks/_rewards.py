@@ -13,7 +13,8 @@ A batched reward takes lists and returns one number per sample; mark it with ``m
 
 Either may be ``async def``. A reward is a finite number of magnitude at most `REWARD_BOUND` (1e6): rewards are
 trained in float32, where 1e300 is inf and the square of 1e20 (in a group's standard deviation) overflows; a sample
-with a larger reward, or a larger weighted total, is skipped and named like one whose reward raised. The built-ins (`BUILTIN_REWARDS`) read the reference answer from the row's answer
+with a larger reward, or a larger weighted total, is skipped and named like one whose reward raised. The built-ins
+(`BUILTIN_REWARDS`) read the reference answer from the row's answer
 column: ``exact_match``, ``gsm8k``, ``boxed`` and ``format``.
 """
 
@@ -155,7 +156,7 @@ class Reward:
     @property
     def is_async(self) -> bool:
         fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
-        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+        return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
 _ENTRY_KEYS = ("name", "weight", "args", "batched", "label")
@@ -393,7 +394,7 @@ def _run_async(calls: Sequence[Callable[[], Any]], timeout_s: float | None, work
         async with gate:
             try:
                 return await asyncio.wait_for(call(), timeout_s), None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None, _timeout_error(timeout_s)
             except Exception as err:
                 return None, err

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from learner.tasks._prompts import PromptRecords
+from learner.tasks._text_records import PromptRecords
 from learner.tasks._tokenizer import TOKENIZER, CharTokenizer
 
 

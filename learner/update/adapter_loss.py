@@ -1,4 +1,4 @@
-"""Each adapter's own loss in a batch that mixes several LoRA adapters (`learner.lora`, ``model.lora.adapters``).
+"""Each adapter's own loss in a batch that mixes several LoRA adapters (`learner.model.lora`, ``model.lora.adapters``).
 
 A mixed batch trains N adapters at once, and each adapter's loss is its own reduction over its own rows: with
 ``token-mean``, adapter k's loss is the token mean over the rows whose ``TrainBatch.adapter`` is k, so adapter k
@@ -9,8 +9,10 @@ its one pair. Each reduction keeps its meaning per adapter: ``seq-mean-*`` count
 ``seq-mean-token-sum-norm`` divides by adapter k's rows times the length.
 
 The update differentiates the sum of the numerators: rows of adapter j reach only entry j of every stacked adapter
-matrix (`learner.lora.LoRA`), so entry k of its gradient is adapter k's numerator's, and dividing entry k by adapter
-k's denominator gives each adapter the gradient of its own loss (`scale_by_adapter`). `learner.optimizer` then clips
+matrix (`learner.model.lora.LoRA`), so entry k of its gradient is adapter k's numerator's, and dividing entry k by
+adapter
+k's denominator gives each adapter the gradient of its own loss (`scale_by_adapter`). `learner.update.optimizer` then
+clips
 each adapter by its own gradient norm (`adapter_norms`), so that with AdamW, whose other arithmetic is per element,
 adapter k's update is the one a batch of its rows alone would give. The non-finite guard stays shared: a NaN in
 one adapter's loss skips the update of all.
@@ -22,10 +24,11 @@ across the batch).
 
 from __future__ import annotations
 
-import corrections
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import corrections
 
 
 def check_corrections(config: corrections.CorrectionConfig, count: int) -> None:

@@ -3,15 +3,17 @@
 Column ``t`` of every per-token field describes token ``tokens[:, t]``: ``rollout_logprobs[:, t]`` is the
 logprob the server sampled it with, ``loss_mask[:, t]`` says whether it is trained on (completion tokens: 1;
 prompt, padding and column 0: 0), and ``policy_version[:, t]`` is the policy version the server stamped on it.
-This is the alignment of `learner.logprobs` (``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``).
+This is the alignment of `learner.logprobs.chunked` (``logprobs[:, t] = log p(tokens[:, t] | tokens[:, :t])``).
 
 ``sampling`` holds each row's sampling parameters when the server returned PROCESSED logprobs
-(`learner.logprob_mode.replay_params`): the update then replays that transform in every logprob pass, so its ratios
+(`learner.update.logprob_mode.replay_params`): the update then replays that transform in every logprob pass, so its
+ratios
 are of the same distribution as the server's logprobs. None: RAW or temperature-only logprobs, computed at
 `learner.update.UpdateConfig.temperature`.
 
 ``adapter`` says which LoRA adapter each row trains and is scored by when the model stacks several
-(``model.lora.adapters``; `learner.lora.select_adapters`, `learner.adapter_loss`): an index into the adapter names.
+(``model.lora.adapters``; `learner.model.lora.select_adapters`, `learner.update.adapter_loss`): an index into the
+adapter names.
 None: every row adapter 0 (the only one of a single-adapter or full fine-tuning run).
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import jax
 from flax import struct
 
-from learner.sampler_replay import SamplerParams
+from learner.logprobs.sampler_replay import SamplerParams
 
 
 @struct.dataclass

@@ -5,7 +5,7 @@ batch to batch, so the token axis is cut to the longest real row and padded up t
 from ``min_length``, or multiples of ``multiple``), and the row axis is padded to a multiple of the update's
 ``num_minibatches * num_microbatches * data_parallel`` (`learner.update.UpdateConfig.row_multiple`). Padding is
 fully masked (attention and loss masks 0), so it changes no loss and no gradient; padded rows' sampling parameters
-are neutral (`learner.sampler_replay.NEUTRAL`). Runs on host NumPy arrays, before the batch is put on devices.
+are neutral (`learner.logprobs.sampler_replay.NEUTRAL`). Runs on host NumPy arrays, before the batch is put on devices.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from learner.batch import TrainBatch
+from learner.update.batch import TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ logprobs must be of the same distribution:
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from rollout_client.sampling_params import LogprobMode, SamplerOrder
 
-from learner.batch import TrainBatch
-from learner.logprobs import map_token_chunks
-from learner.sampler_replay import SamplerParams, replayed_token_stats, transforms
+from learner.logprobs.chunked import map_token_chunks
+from learner.logprobs.sampler_replay import SamplerParams, replayed_token_stats, transforms
+from learner.update.batch import TrainBatch
+from rollout_client.sampling_params import LogprobMode, SamplerOrder
 
 
 def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode | str) -> LogprobMode:
@@ -34,7 +34,8 @@ def check_logprob_mode(learner_mode: LogprobMode | str, server_mode: LogprobMode
     >>> check_logprob_mode("RAW", "PROCESSED")
     Traceback (most recent call last):
     ...
-    ValueError: logprob_mode: the learner computes RAW logprobs but the server returns PROCESSED ones; every importance ratio would be biased by the log of the sampler's kept mass. Set both to the same mode.
+    ValueError: logprob_mode: the learner computes RAW logprobs but the server returns PROCESSED ones; every importance
+    ratio would be biased by the log of the sampler's kept mass. Set both to the same mode.
     """
     learner, server = _mode("learner", learner_mode), _mode("server", server_mode)
     if learner != server:
@@ -69,7 +70,7 @@ def rebuilt_rollout_logprobs(hidden: jax.Array, output_kernel: jax.Array, batch:
     Returns:
       ``rollout_logprobs`` ``[B, T]``: ``learner_processed + (raw - learner_raw) / T`` where ``loss_mask`` is 1,
       the batch's values elsewhere; ``log_kept_mass`` ``[B, T]``: the log of the mass the sampler kept (<= 0), for
-      `learner.truncation_bias.truncation_bias_metrics`.
+      `learner.logprobs.truncation_bias.truncation_bias_metrics`.
     """
     sampling = batch.sampling
     stats = map_token_chunks(lambda logits, targets: replayed_token_stats(logits, targets, sampling, with_raw=True),

@@ -16,7 +16,8 @@ and ``optax.apply_if_finite`` 20.5. Three choices make that so:
   inf propagate through the sum of squares, so it needs no pass of its own), the clip scales by
   ``min(1, max_grad_norm / global_norm)``, and a caller that has the norm already (the update step logs it) passes
   it as the ``global_norm`` extra argument of ``update``. A gradient whose norm overflows float32 (above ~1.8e19)
-  counts as non-finite too. Several LoRA adapters stacked on one base (`learner.adapter_loss`) pass ``[N]`` norms,
+  counts as non-finite too. Several LoRA adapters stacked on one base (`learner.update.adapter_loss`) pass ``[N]``
+  norms,
   one per entry of the leading axis of every gradient: each adapter is clipped by its own norm, as it would be
   trained alone (the finite check and the step count stay shared).
 * A skip is a choice of scalars, not of tensors: the moments decay by ``b1`` / ``b2`` and take ``(1 - b1)`` /

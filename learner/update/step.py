@@ -32,17 +32,19 @@ else ``log_softmax(logits / UpdateConfig.temperature)``. Setting both is an erro
 
 With ``UpdateConfig.scored_window = W`` every logprob pass scores only ``W`` tokens per row, from the row's first
 trained token (the first nonzero of ``loss_mask``; column 0 for a fully masked row): the output projection and
-log-softmax run on ``[B, W]`` positions instead of ``[B, T]`` (see `learner.logprobs`). The loss is unchanged as long
-as every trained token lies within ``W`` of its row's first one (`learner.rl.batches.check_scored_window` checks it
+log-softmax run on ``[B, W]`` positions instead of ``[B, T]`` (see `learner.logprobs.chunked`). The loss is unchanged as
+long
+as every trained token lies within ``W`` of its row's first one (`learner.rl.batch_assembly.check_scored_window` checks
+it
 where batches are built); the logprobs returned (the proximal ones) are then 0 outside that window, so in
 particular at prompt tokens.
 
-LoRA (`learner.lora`): ``state.params`` holds the adapters only and the frozen base comes as the ``frozen``
+LoRA (`learner.model.lora`): ``state.params`` holds the adapters only and the frozen base comes as the ``frozen``
 argument (not donated); every pass runs ``nnx.merge(graphdef, params, frozen)``, the gradient is taken with respect
 to ``params`` alone, so gradients, accumulators and optimizer state are the adapters' size. With several adapters
 stacked (``model.lora.adapters``) every pass runs each row through its adapter (``TrainBatch.adapter``,
-`learner.lora.select_adapters`) and each adapter's loss is its own reduction over its own rows
-(`learner.adapter_loss`): per adapter a numerator and a denominator are summed over micro-batches, and entry k of
+`learner.model.lora.select_adapters`) and each adapter's loss is its own reduction over its own rows
+(`learner.update.adapter_loss`): per adapter a numerator and a denominator are summed over micro-batches, and entry k of
 the gradient is divided by adapter k's denominator. ``actor/pg_loss`` is then the sum of the adapters' losses, and
 ``actor/pg_loss_adapter{k}`` each one.
 """
@@ -53,22 +55,28 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
-import corrections
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from learner.adapter_loss import (adapter_loss_terms, adapter_norms, check_adapter_indices, check_corrections,
-                                  scale_by_adapter)
-from learner.batch import TrainBatch
-from learner.lora import select_adapters, stacked_adapter_count
-from learner.logprobs import token_logprobs
-from learner.optimizer import skipped_updates
-from learner.precision import with_matmul_precision
-from learner.sharding import BATCH_AXES, batch_sharding
-from learner.train_state import TrainState
+import corrections
+from learner.logprobs.chunked import token_logprobs
+from learner.model.lora import select_adapters, stacked_adapter_count
+from learner.model.precision import with_matmul_precision
+from learner.model.sharding import BATCH_AXES, batch_sharding
+from learner.update.adapter_loss import (
+    adapter_loss_terms,
+    adapter_norms,
+    check_adapter_indices,
+    check_corrections,
+    scale_by_adapter,
+)
+from learner.update.batch import TrainBatch
+from learner.update.optimizer import skipped_updates
+from learner.update.train_state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +95,12 @@ class UpdateConfig:
     ppo_epochs: int = 1  # passes over the batch, reshuffled each time.
     shuffle: bool = True  # permute rows before splitting them into mini-batches, every epoch.
     temperature: float = 1.0  # logprobs' temperature when the batch has no sampling params (else must be 1).
-    logprob_chunk_size: int = 512  # tokens per chunk of the output projection (see learner.logprobs).
+    logprob_chunk_size: int = 512  # tokens per chunk of the output projection (see learner.logprobs.chunked).
     logprob_remat: bool | None = None  # recompute each chunk's logits in the backward pass; None: only when the
-    # sequence spans several chunks (one chunk gains no memory from it; see learner.logprobs).
+    # sequence spans several chunks (one chunk gains no memory from it; see learner.logprobs.chunked).
     rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
     scored_window: int | None = None  # score only this many tokens per row, from its first loss_mask token (static;
-    # every trained token must lie in it); None: every token. See learner.logprobs.
+    # every trained token must lie in it); None: every token. See learner.logprobs.chunked.
 
     def __post_init__(self):
         if not isinstance(self.corrections, corrections.CorrectionConfig):
@@ -152,7 +160,7 @@ def _check_sampling(batch: TrainBatch, config: UpdateConfig) -> None:
 
 
 def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
-    """The model of ``params`` and, with LoRA, the ``frozen`` base (`learner.lora`)."""
+    """The model of ``params`` and, with LoRA, the ``frozen`` base (`learner.model.lora`)."""
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
@@ -191,7 +199,7 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBa
     (only in each row's scored window when ``config.scored_window`` is set: 0 elsewhere).
 
     Example:
-        >>> from learner.model import Transformer, model_config
+        >>> from learner.model.transformer import Transformer, model_config
         >>> graphdef, params = nnx.split(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)))
         >>> tokens = jnp.ones((2, 4), jnp.int32)
         >>> batch = TrainBatch(tokens, jnp.broadcast_to(jnp.arange(4), (2, 4)), tokens > 0, *(tokens,) * 4)
@@ -266,7 +274,7 @@ class MinibatchGradients(NamedTuple):
     denominator: jax.Array  # the summed denominator (of every adapter)
     metrics: dict  # the corrections' metrics of the whole mini-batch (every micro-batch's row statistics together)
     proximal: jax.Array | None  # [rows, T] the training pass's logprobs used as the proximal ones, or None
-    adapter_losses: jax.Array  # [N] each adapter's loss (learner.adapter_loss); [1] the loss without stacked adapters
+    adapter_losses: jax.Array  # [N] each adapter's loss (learner.update.adapter_loss); [1] without stacked adapters
 
 
 def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
@@ -277,7 +285,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     The gradient is the float32 sum over micro-batches times one scalar (``1 / denominator``, or NaN when the loss
     is not finite, so that the optimizer's guard skips it); its global norm is that of the sum times the scalar, so
     the scaled gradient is never written out for the norm alone (the multiply fuses into the optimizer's update).
-    With N stacked adapters the scalar is one per adapter (`learner.adapter_loss`), entry k of the sum times
+    With N stacked adapters the scalar is one per adapter (`learner.update.adapter_loss`), entry k of the sum times
     ``1 / denominator[k]``.
 
     Args:
@@ -341,8 +349,9 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
 
     A non-finite loss makes the gradient non-finite, so the optimizer's finiteness guard skips it. The gradients'
     global norm is computed once, logged, and handed to the optimizer as its ``global_norm`` extra argument (the
-    clip and the guard of `learner.optimizer` reuse it; optimizers without extra arguments ignore it). With N stacked
-    adapters it hands on each adapter's norm (``[N]``): `learner.optimizer` clips each adapter by its own.
+    clip and the guard of `learner.update.optimizer` reuse it; optimizers without extra arguments ignore it). With N
+    stacked
+    adapters it hands on each adapter's norm (``[N]``): `learner.update.optimizer` clips each adapter by its own.
     """
     out = minibatch_gradients(state.params, rows, state.policy_version, key, graphdef=graphdef, config=config,
                               mesh=mesh, param_shardings=param_shardings, weight_scale=weight_scale,
@@ -388,9 +397,9 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     """The whole update for one rollout batch (un-jitted; see `make_update_fn`).
 
     Rows ``B`` must be a multiple of ``config.num_minibatches * config.num_microbatches`` (pad with fully masked
-    rows: `learner.bucketing`). ``ref_params`` is required when ``config.corrections.kl_coef > 0``, unless
+    rows: `learner.update.bucketing`). ``ref_params`` is required when ``config.corrections.kl_coef > 0``, unless
     ``reference_graphdef`` is given: then the reference is that graph over ``frozen`` (LoRA: the base with the
-    adapters off, `learner.lora.base_config`). ``frozen``: the frozen base of a LoRA model, else None.
+    adapters off, `learner.model.lora.base_config`). ``frozen``: the frozen base of a LoRA model, else None.
 
     Returns:
         The new state (``step`` advanced by one per optimizer update, ``policy_version`` by one, ``rng`` split),
@@ -402,7 +411,7 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     parts = config.num_minibatches * config.num_microbatches
     if batch.tokens.shape[0] % parts:
         raise ValueError(f"batch rows {batch.tokens.shape[0]} are not a multiple of num_minibatches * "
-                         f"num_microbatches = {parts}; pad the batch (learner.bucketing.pad_batch).")
+                         f"num_microbatches = {parts}; pad the batch (learner.update.bucketing.pad_batch).")
     if config.corrections.kl_coef > 0 and ref_params is None and reference_graphdef is None:
         raise ValueError("ref_params are required when corrections.kl_coef > 0.")
     _check_sampling(batch, config)
@@ -453,16 +462,16 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params, frozen=None) -> (state, metrics,
     proximal_logprobs)``.
 
-    LoRA: ``frozen_shardings`` are those of the frozen base passed as ``frozen`` (`learner.train_state.
+    LoRA: ``frozen_shardings`` are those of the frozen base passed as ``frozen`` (`learner.update.train_state.
     create_sharded_frozen`), and with ``kl_coef > 0`` ``reference_graphdef`` (the base's graph) makes the
     reference the base with the adapters off: ``ref_params`` is then None.
 
-    The state is donated and keeps ``shardings`` (from `learner.train_state.train_state_shardings`); batch leaves
+    The state is donated and keeps ``shardings`` (from `learner.update.train_state.train_state_shardings`); batch leaves
     are sharded over ``("data", "fsdp")``; ``ref_params`` (None unless ``kl_coef > 0``) like the parameters; metrics
     and the proximal logprobs come back replicated. Each new batch shape compiles a new program: bucket them
-    (`learner.bucketing`). ``compiler_options`` are XLA options for this program (e.g.
+    (`learner.update.bucketing`). ``compiler_options`` are XLA options for this program (e.g.
     ``{"xla_backend_optimization_level": 0}`` trades CPU run time for a faster compile in tests).
-    ``matmul_precision``: the precision of every dot of the program (`learner.precision`).
+    ``matmul_precision``: the precision of every dot of the program (`learner.model.precision`).
     """
     step = with_matmul_precision(functools.partial(update_step, graphdef=graphdef, optimizer=optimizer,
                                                    config=config, mesh=mesh, param_shardings=shardings.params,

@@ -103,9 +103,13 @@ def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs
     ...                                                     max_staleness=1))
     Traceback (most recent call last):
     ...
-    rollout_client.engine.EngineCapabilityError: engine 'mlx' cannot honour this run:
-    - rollout.logprob_mode='raw' with rollout.temperature, rollout.top_p, rollout.top_k at rollout.max_staleness=1: the learner rebuilds the sampling distribution's logprobs from the raw ones with its own weights, which are the weights that sampled only when nothing is stale (set rollout.max_staleness=0, or rollout.logprob_mode='processed' where the engine offers it)
-    - rollout.max_staleness=1: requests kept running across a weight update need per-token versions; this engine reports none (set rollout.max_staleness=0)
+    rollout_client.engines.base.EngineCapabilityError: engine 'mlx' cannot honour this run:
+    - rollout.logprob_mode='raw' with rollout.temperature, rollout.top_p, rollout.top_k at rollout.max_staleness=1: the
+    learner rebuilds the sampling distribution's logprobs from the raw ones with its own weights, which are the weights
+    that sampled only when nothing is stale (set rollout.max_staleness=0, or rollout.logprob_mode='processed' where the
+    engine offers it)
+    - rollout.max_staleness=1: requests kept running across a weight update need per-token versions; this engine reports
+    none (set rollout.max_staleness=0)
     """
     missing = []
     if needs.logprob_mode not in capabilities.logprob_modes:
@@ -187,9 +191,9 @@ class Engine(abc.ABC):
     def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
         """Makes the engine serve ``weights`` as ``policy_version``; returns the version it confirms."""
 
-    def may_have_restarted(self) -> None:
+    def may_have_restarted(self) -> None:  # noqa: B027
         """The engine was unreachable and answers again: it may have been restarted on other weights, so the next
-        `publish` must load the weights even at the version published last (`rollout_client.engine_pool` calls this
+        `publish` must load the weights even at the version published last (`rollout_client.engines.pool` calls this
         before it takes an external engine back). Nothing by default: right for an engine whose `publish` asks the
         engine what it serves (rollout.v1)."""
 

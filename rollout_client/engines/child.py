@@ -1,6 +1,6 @@
 """Runs a module as a child process that dies with its parent.
 
-``python -m rollout_client.engine_child PARENT_PID MODULE ARGS...`` first asks the kernel to SIGKILL this process
+``python -m rollout_client.engines.child PARENT_PID MODULE ARGS...`` first asks the kernel to SIGKILL this process
 when its parent exits (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), then runs ``python -m MODULE ARGS...`` in this
 process. `EngineProcess` starts engines this way: a learner killed with SIGKILL leaves no engine behind.
 """

@@ -5,7 +5,8 @@ go through each engine's own HTTP API:
 
 - `HttpControl`: a small JSON-over-HTTP client (stdlib only). Every failure names the method, the URL and the
   engine's answer (`ControlPlaneError`), or says the endpoint could not be reached (`ControlPlaneUnavailableError`).
-- `HttpControlledEngine`: the `rollout_client.Engine` over `rollout_client.smg.SmgClient` whose `publish` writes a
+- `HttpControlledEngine`: the `rollout_client.Engine` over `rollout_client.engines.smg.SmgClient` whose `publish` writes
+a
   checkpoint directory and has the engine load it (pause -> load -> resume -> confirm), stamping versions at
   admission. Subclasses name the endpoints (`rollout_client.SGLangEngine`, `rollout_client.VllmEngine`).
 - `final_repeats_last_chunk`: the stream shape both engines' smg servicers share.
@@ -30,19 +31,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from rollout_client.client import ClientConfig
-from rollout_client.engine import Engine
-from rollout_client.engine import EngineInfo
+from rollout_client.engines.base import Engine, EngineInfo
+from rollout_client.engines.smg.client import SmgClient
+from rollout_client.engines.smg.dialects import SmgDialect
+from rollout_client.engines.weight_dirs import CheckpointWriter, collect_garbage, version_dir
 from rollout_client.errors import RolloutError
-from rollout_client.request_guards import PromptLimits
-from rollout_client.request_guards import RequestRefusedError
-from rollout_client.request_guards import check_request
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.sampling_params import PauseMode
-from rollout_client.smg.client import SmgClient
-from rollout_client.smg.dialects import SmgDialect
-from rollout_client.weight_dirs import CheckpointWriter
-from rollout_client.weight_dirs import collect_garbage
-from rollout_client.weight_dirs import version_dir
+from rollout_client.request_guards import PromptLimits, RequestRefusedError, check_request
+from rollout_client.sampling_params import LogprobMode, PauseMode
 
 __all__ = ["ControlPlaneError", "ControlPlaneUnavailableError", "HttpControl", "HttpControlledEngine",
            "final_repeats_last_chunk"]
@@ -179,7 +174,7 @@ class HttpControlledEngine(Engine):
       config: how to reach the engine's gRPC server (``config.target``) and how patient to be.
       control: its HTTP control endpoint.
       write_checkpoint: (directory, weights) -> writes a Hugging Face checkpoint there atomically
-        (`rollout_client.weight_dirs.CheckpointWriter`).
+        (`rollout_client.engines.weight_dirs.CheckpointWriter`).
       weights_dir: where the version directories go; the engine must read the same path (a shared filesystem).
       logprob_mode: which logprobs the server returns (a server setting; see the subclass).
       pause_mode: how `publish` pauses the engine.

@@ -28,23 +28,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from rollout_client.client import ClientConfig
-from rollout_client.engine import Engine
-from rollout_client.engine import EngineCapabilities
-from rollout_client.engine import EngineInfo
-from rollout_client.engine import VersionReporting
-from rollout_client.engine import WeightTransport
-from rollout_client.engine_process import EngineProcess
-from rollout_client.engine_process import free_port
-from rollout_client.request_guards import ModelIdentity
-from rollout_client.request_guards import PromptLimits
-from rollout_client.request_guards import check_model_identity
-from rollout_client.request_guards import check_request
+from rollout_client.engines.base import Engine, EngineCapabilities, EngineInfo, VersionReporting, WeightTransport
+from rollout_client.engines.process import EngineProcess, free_port
+from rollout_client.engines.smg.client import SmgClient
+from rollout_client.engines.smg.dialects import MLX
+from rollout_client.engines.weight_dirs import CheckpointWriter, collect_garbage, version_dir
+from rollout_client.request_guards import ModelIdentity, PromptLimits, check_model_identity, check_request
 from rollout_client.sampling_params import LogprobMode
-from rollout_client.smg.client import SmgClient
-from rollout_client.smg.dialects import MLX
-from rollout_client.weight_dirs import CheckpointWriter
-from rollout_client.weight_dirs import collect_garbage
-from rollout_client.weight_dirs import version_dir
 
 __all__ = ["MLX_CAPABILITIES", "MLX_SERVER_MODULE", "MlxEngine"]
 

@@ -27,17 +27,14 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from collections.abc import Mapping
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 import numpy as np
 
 from rollout_client import errors
-from rollout_client.engine import Engine
-from rollout_client.engine import EngineInfo
-from rollout_client.http_control import ControlPlaneUnavailableError
+from rollout_client.engines.base import Engine, EngineInfo
+from rollout_client.engines.http_control import ControlPlaneUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +148,7 @@ class EnginePool(Engine):
         self._counts = {"engines/redispatched": 0, "engines/relaunches": 0, "engines/taken_out": 0,
                         "engines/taken_back": 0}
         # Publishes run on threads that live as long as the pool: an engine restarted by its publish (MLX) is a
-        # child process that dies with the thread that started it (PR_SET_PDEATHSIG, rollout_client.engine_child).
+        # child process that dies with the thread that started it (PR_SET_PDEATHSIG, rollout_client.engines.child).
         self._publisher = concurrent.futures.ThreadPoolExecutor(len(self.members), "engine-publish")
         self._check_same_model()
         self._supervisor = threading.Thread(target=self._supervise, name="engine-pool", daemon=True)

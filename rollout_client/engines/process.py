@@ -1,7 +1,7 @@
 """An inference engine's server as a child process of the learner, on 127.0.0.1.
 
 The child runs ``python -m MODULE ARGS`` (e.g. ``learner.serving``, the reference server with the learner's model)
-through `rollout_client.engine_child`, so it dies with its parent: a learner killed with SIGKILL leaves no server
+through `rollout_client.engines.child`, so it dies with its parent: a learner killed with SIGKILL leaves no server
 behind, and a rerun starts a fresh one.
 
 Two ways to learn the port:
@@ -25,8 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rollout_client.errors import RolloutUnavailableError
 
@@ -72,7 +71,7 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.address = f"127.0.0.1:{port}" if port is not None else "127.0.0.1 (port not yet bound)"
         environment = {**os.environ, **(env or {})}
-        child = [sys.executable, "-m", "rollout_client.engine_child", str(os.getpid()), module, *args,
+        child = [sys.executable, "-m", "rollout_client.engines.child", str(os.getpid()), module, *args,
                  "--host", "127.0.0.1"]
         if port is not None:
             self._process = self._start([*child, "--port", str(port)], environment)

@@ -10,7 +10,8 @@ Control plane (`SGLangControl`), SGLang's native HTTP API (``python/sglang/srt/e
 "load_format", "weight_version", "flush_cache", "abort_all_requests"}`` (``UpdateWeightFromDiskReqInput``; 200 with
 ``{"success": true, ...}``, 400 with ``success: false`` and a message), ``POST /continue_generation``, and the served
 version from ``GET /model_info`` (``weight_version``; older servers: ``GET /get_weight_version``). LoRA adapters
-(``publish_adapters``) are loaded over the smg proto itself, under ids requests name (`rollout_client.sglang_adapters`).
+(``publish_adapters``) are loaded over the smg proto itself, under ids requests name
+(`rollout_client.engines.sglang_adapters`).
 
 Versions: the smg proto carries no per-token ``weight_versions`` (SGLang's HTTP ``meta_info`` does; the gRPC
 ``GenerateStreamChunk``/``GenerateComplete`` have no such field), so the client stamps the version served at
@@ -29,24 +30,21 @@ import pathlib
 import re
 from collections.abc import Sequence
 
-from smg_grpc_proto import sglang_scheduler_pb2
-from smg_grpc_proto import sglang_scheduler_pb2_grpc
+from smg_grpc_proto import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from rollout_client.client import ClientConfig
-from rollout_client.engine import EngineCapabilities
-from rollout_client.engine import VersionReporting
-from rollout_client.engine import WeightTransport
-from rollout_client.http_control import ControlPlaneError
-from rollout_client.http_control import HttpControl
-from rollout_client.http_control import HttpControlledEngine
-from rollout_client.http_control import final_repeats_last_chunk
-from rollout_client.sglang_adapters import SGLangAdapters
-from rollout_client.weight_dirs import CheckpointWriter
+from rollout_client.engines.base import EngineCapabilities, VersionReporting, WeightTransport
+from rollout_client.engines.http_control import (
+    ControlPlaneError,
+    HttpControl,
+    HttpControlledEngine,
+    final_repeats_last_chunk,
+)
+from rollout_client.engines.sglang_adapters import SGLangAdapters
+from rollout_client.engines.smg.dialects import EngineSampling, SmgDialect
+from rollout_client.engines.weight_dirs import CheckpointWriter
 from rollout_client.request_guards import RequestRefusedError
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.sampling_params import PauseMode
-from rollout_client.smg.dialects import EngineSampling
-from rollout_client.smg.dialects import SmgDialect
+from rollout_client.sampling_params import LogprobMode, PauseMode
 
 __all__ = ["SGLANG", "SGLANG_CAPABILITIES", "SGLangControl", "SGLangEngine", "adapter_name", "sglang_generate_request"]
 
@@ -80,7 +78,8 @@ def sglang_generate_request(request_id: str, prompt: Sequence[int], sampling: En
         sampling_params=sglang_scheduler_pb2.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1, min_p=sampling.min_p,
             frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, stop=sampling.stop_strings, stop_token_ids=sampling.stop_token_ids,
+            max_new_tokens=sampling.max_new_tokens, min_new_tokens=0, stop=sampling.stop_strings,
+            stop_token_ids=sampling.stop_token_ids,
             ignore_eos=not sampling.stop_token_ids, skip_special_tokens=False, spaces_between_special_tokens=False,
             no_stop_trim=True, n=sampling.n, stream_interval=STREAM_INTERVAL))
 
@@ -95,7 +94,7 @@ SGLANG = SmgDialect(
 
 def adapter_name(policy_version: int) -> str:
     """The name, and the caller-minted id requests give as ``GenerateRequest.lora_id``, under which an adapter
-    publish serves ``policy_version`` (`rollout_client.sglang_adapters`)."""
+    publish serves ``policy_version`` (`rollout_client.engines.sglang_adapters`)."""
     return f"tether-v{policy_version}"
 
 
@@ -158,7 +157,8 @@ class SGLangEngine(HttpControlledEngine):
       publish_adapters: `publish` gets LoRA adapters (``write_checkpoint`` writes a PEFT adapter directory), loads
         them over the smg proto's ``LoadLoRAAdapter`` with `adapter_name` (version) as name and id, unloads the
         previous version's once the new one serves, and every request names the adapter of the version it was
-        admitted at (``GenerateRequest.lora_id``; `rollout_client.sglang_adapters`). The engine must implement those
+        admitted at (``GenerateRequest.lora_id``; `rollout_client.engines.sglang_adapters`). The engine must implement
+        those
         RPCs (smg-grpc-servicer 0.14.1 does not: refused here, at construction). False: merged weights,
         ``/update_weights_from_disk``.
     """

@@ -18,8 +18,8 @@ from __future__ import annotations
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2
 
-from rollout_client.http_control import ControlPlaneError
-from rollout_client.smg.client import SmgClient
+from rollout_client.engines.http_control import ControlPlaneError
+from rollout_client.engines.smg.client import SmgClient
 
 __all__ = ["SGLangAdapters"]
 

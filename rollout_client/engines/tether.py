@@ -8,16 +8,16 @@ from collections.abc import Mapping
 import numpy as np
 
 from rollout_client.client import ClientConfig
-from rollout_client.engine import SAMPLER_STEPS
-from rollout_client.engine import Engine
-from rollout_client.engine import EngineCapabilities
-from rollout_client.engine import EngineInfo
-from rollout_client.engine import VersionReporting
-from rollout_client.engine import WeightTransport
-from rollout_client.request_guards import PromptLimits
-from rollout_client.request_guards import check_request
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.sampling_params import PauseMode
+from rollout_client.engines.base import (
+    SAMPLER_STEPS,
+    Engine,
+    EngineCapabilities,
+    EngineInfo,
+    VersionReporting,
+    WeightTransport,
+)
+from rollout_client.request_guards import PromptLimits, check_request
+from rollout_client.sampling_params import LogprobMode, PauseMode
 from rollout_client.sync_client import RolloutClient
 
 ROLLOUT_V1_CAPABILITIES = EngineCapabilities(

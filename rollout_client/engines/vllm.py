@@ -25,22 +25,19 @@ import os
 import pathlib
 from collections.abc import Sequence
 
-from smg_grpc_proto import vllm_engine_pb2
-from smg_grpc_proto import vllm_engine_pb2_grpc
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from rollout_client.client import ClientConfig
-from rollout_client.engine import EngineCapabilities
-from rollout_client.engine import VersionReporting
-from rollout_client.engine import WeightTransport
-from rollout_client.http_control import ControlPlaneError
-from rollout_client.http_control import HttpControl
-from rollout_client.http_control import HttpControlledEngine
-from rollout_client.http_control import final_repeats_last_chunk
-from rollout_client.weight_dirs import CheckpointWriter
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.sampling_params import PauseMode
-from rollout_client.smg.dialects import EngineSampling
-from rollout_client.smg.dialects import SmgDialect
+from rollout_client.engines.base import EngineCapabilities, VersionReporting, WeightTransport
+from rollout_client.engines.http_control import (
+    ControlPlaneError,
+    HttpControl,
+    HttpControlledEngine,
+    final_repeats_last_chunk,
+)
+from rollout_client.engines.smg.dialects import EngineSampling, SmgDialect
+from rollout_client.engines.weight_dirs import CheckpointWriter
+from rollout_client.sampling_params import LogprobMode, PauseMode
 
 __all__ = ["VLLM", "VLLM_CAPABILITIES", "VllmControl", "VllmEngine", "vllm_generate_request"]
 
@@ -65,7 +62,8 @@ def vllm_generate_request(request_id: str, prompt: Sequence[int], sampling: Engi
         sampling_params=vllm_engine_pb2.SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
             frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, max_tokens=sampling.max_new_tokens,
-            min_tokens=0, stop=sampling.stop_strings, stop_token_ids=sampling.stop_token_ids, ignore_eos=True, skip_special_tokens=False,
+            min_tokens=0, stop=sampling.stop_strings,
+            stop_token_ids=sampling.stop_token_ids, ignore_eos=True, skip_special_tokens=False,
             spaces_between_special_tokens=False, include_stop_str_in_output=False, n=sampling.n, logprobs=0))
 
 

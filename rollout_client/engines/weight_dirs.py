@@ -10,13 +10,13 @@ from __future__ import annotations
 import pathlib
 import re
 import shutil
-from collections.abc import Callable
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 # (directory, weights): writes a Hugging Face checkpoint directory (config.json, safetensors, tokenizer files) at
-# `directory` atomically, replacing one there (e.g. `learner.hf_checkpoint.write_hf_checkpoint` with overwrite).
+# `directory` atomically, replacing one there (e.g. `learner.checkpoints.hf_checkpoint.write_hf_checkpoint` with
+# overwrite).
 CheckpointWriter = Callable[[pathlib.Path, Mapping[str, np.ndarray]], object]
 
 _VERSION_DIR = re.compile(r"^v\d{12}$")

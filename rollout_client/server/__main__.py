@@ -6,8 +6,7 @@ runs behind the same shell as ``python -m learner.serving``.
 
 import argparse
 
-from rollout_client.server.cli import run
-from rollout_client.server.cli import server_parser
+from rollout_client.server.cli import run, server_parser
 from rollout_client.server.scripted import ScriptedGenerator
 
 

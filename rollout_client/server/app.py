@@ -18,14 +18,10 @@ import sys
 import traceback
 
 import grpc
-from grpc_health.v1 import health
-from grpc_health.v1 import health_pb2
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollout_client.protocol import SERVER_OPTIONS
-from rollout_client.protocol import SERVICE_NAME
-from rollout_client.protocol import pb_grpc
+from rollout_client.protocol import SERVER_OPTIONS, SERVICE_NAME, pb_grpc
 from rollout_client.server.auth import TokenAuthInterceptor
 from rollout_client.server.generator import Generator
 from rollout_client.server.scheduler import Scheduler

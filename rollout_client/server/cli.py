@@ -9,11 +9,9 @@ import argparse
 import asyncio
 import os
 import pathlib
-from collections.abc import Callable
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from rollout_client.server.app import ServerConfig
-from rollout_client.server.app import serve
+from rollout_client.server.app import ServerConfig, serve
 from rollout_client.server.generator import Generator
 from rollout_client.server.service import RolloutServicer
 

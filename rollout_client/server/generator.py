@@ -13,11 +13,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from rollout_client.protocol import pb
-from rollout_client.sampling_params import FinishReason
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.server.weights_io import WeightReaders
-from rollout_client.server.weights_io import read_safetensors
-
+from rollout_client.sampling_params import FinishReason, LogprobMode
+from rollout_client.server.weights_io import WeightReaders, read_safetensors
 
 # Parameter path -> (shape, dtype): the weights an engine accepts.
 WeightSpec = Mapping[str, tuple[tuple[int, ...], np.dtype]]

@@ -8,14 +8,10 @@ import secrets
 
 import numpy as np
 
-from rollout_client.packed_arrays import BYTES_PER_TOKEN
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
-from rollout_client.protocol import MIN_CHUNK_TOKENS
-from rollout_client.protocol import pb
+from rollout_client.packed_arrays import BYTES_PER_TOKEN, TOKEN_ID_DTYPE
+from rollout_client.protocol import MIN_CHUNK_TOKENS, pb
 from rollout_client.sampling_params import LogprobMode
-from rollout_client.server.generator import GeneratorInfo
-from rollout_client.server.generator import ResolvedSampling
-from rollout_client.server.generator import SequenceSpec
+from rollout_client.server.generator import GeneratorInfo, ResolvedSampling, SequenceSpec
 
 MAX_SAMPLES_PER_REQUEST = 1024
 

@@ -17,12 +17,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from rollout_client.protocol import MAX_POLICY_VERSION
-from rollout_client.sampling_params import FinishReason
-from rollout_client.sampling_params import PauseMode
-from rollout_client.server.generator import Generator
-from rollout_client.server.generator import PreconditionError
-from rollout_client.server.generator import SequenceOutput
-from rollout_client.server.generator import SequenceSpec
+from rollout_client.sampling_params import FinishReason, PauseMode
+from rollout_client.server.generator import Generator, PreconditionError, SequenceOutput, SequenceSpec
 
 OutputSink = Callable[[SequenceOutput], None]
 

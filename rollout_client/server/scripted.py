@@ -12,11 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rollout_client.server.generator import Generator
-from rollout_client.server.generator import GeneratorInfo
-from rollout_client.server.generator import SequenceSpec
-from rollout_client.server.generator import WeightSpec
-from rollout_client.server.generator import check_weights_match
+from rollout_client.server.generator import Generator, GeneratorInfo, SequenceSpec, WeightSpec, check_weights_match
 
 _WEIGHT_SPEC = {"logprob_scale": ((), np.dtype("float32"))}
 

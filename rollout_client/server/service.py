@@ -11,23 +11,20 @@ import pathlib
 import grpc
 import numpy as np
 
-from rollout_client.packed_arrays import LOGPROB_DTYPE
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
-from rollout_client.packed_arrays import pack
-from rollout_client.protocol import pb
-from rollout_client.protocol import pb_grpc
+from rollout_client.packed_arrays import LOGPROB_DTYPE, TOKEN_ID_DTYPE, pack
+from rollout_client.protocol import pb, pb_grpc
 from rollout_client.sampling_params import PauseMode
-from rollout_client.server.generator import PreconditionError
-from rollout_client.server.generator import SequenceOutput
-from rollout_client.server.generator import SequenceSpec
-from rollout_client.server.generator import WeightSpec
-from rollout_client.server.generator import check_tensor_layout
-from rollout_client.server.generator import spec_bytes
+from rollout_client.server.generator import (
+    PreconditionError,
+    SequenceOutput,
+    SequenceSpec,
+    WeightSpec,
+    check_tensor_layout,
+    spec_bytes,
+)
 from rollout_client.server.request_resolution import resolve_request
 from rollout_client.server.scheduler import Scheduler
-from rollout_client.server.weights_io import PathsDisabledError
-from rollout_client.server.weights_io import WeightReaders
-from rollout_client.server.weights_io import load_weights
+from rollout_client.server.weights_io import PathsDisabledError, WeightReaders, load_weights
 from rollout_client.weight_chunks import assemble_weights
 
 

@@ -13,8 +13,7 @@ errors name the path only relative to that directory.
 import os
 import pathlib
 import stat
-from collections.abc import Callable
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.hf_checkpoint import model_config_from_checkpoint
-from learner.model import Transformer
-from learner.precision import resolve_matmul_precision, with_matmul_precision
-from learner.safetensors_io import load_safetensors
+from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
+from learner.checkpoints.safetensors_io import load_safetensors
+from learner.model.precision import resolve_matmul_precision, with_matmul_precision
+from learner.model.transformer import Transformer
 from tests.learner.test_hf_models import CASES, GOLDEN, _golden
 
 

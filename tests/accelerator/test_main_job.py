@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from learner.metrics_writers import read_metrics
+from learner.reporting.metrics_writers import read_metrics
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 60

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_train_state
-from learner.update import make_update_fn
+from learner.model.sharding import make_mesh
+from learner.update.step import make_update_fn
+from learner.update.train_state import create_sharded_train_state
 from tests.learner import update_problem
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -18,9 +18,8 @@ import pytest
 import yaml
 
 import corrections
-from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections._files import read_file
-from corrections import UnknownKeyWarning
+from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule, UnknownKeyWarning
+from corrections.frameworks._files import read_file
 from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
 from tests.reference_ports import areal, verl
 

@@ -19,7 +19,7 @@ import pytest
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections import _areal, _skyrl, _slime, _verl
+from corrections.frameworks import _areal, _skyrl, _slime, _verl
 from tests.reference_ports import areal, skyrl, slime, verl
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -27,7 +27,7 @@ B, T = 6, 8
 DOCS = pathlib.Path(__file__).parents[2] / "docs" / "migrating.md"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def batch():
     """Rows of lengths 8, 5, 3, 8, 6, 1 (no empty row); mismatch old - roll of a few per cent with one row of
     sum ~0.9 (product/seq-sum masks reject it) and one token of ratio ~6 (TIS caps it, IcePop drops it)."""

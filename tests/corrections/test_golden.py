@@ -73,7 +73,7 @@ ROWS = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def batch(seed=0):
     rng = np.random.default_rng(seed)
     m = np.zeros((B, T), np.float32)
@@ -363,7 +363,8 @@ def cov_inputs(data):
     rng = np.random.default_rng(7)
     adv = rng.normal(0.0, 2.0, (B, T))
     lp = n["old"] + rng.normal(0.0, 0.2, (B, T))
-    return (dirty(lp, m), j["old"], dirty(adv, m)), (as64(np.where(m, lp, 0.0)), n["old"], as64(np.where(m, adv, 0.0))), m
+    return (dirty(lp, m), j["old"], dirty(adv, m)), (as64(np.where(m, lp, 0.0)), n["old"], as64(np.where(m, adv,
+                                                                                                         0.0))), m
 
 
 @pytest.mark.parametrize("ratio", [0.05, 0.2, 1.0, 0.0])
@@ -680,7 +681,7 @@ def test_bounds_are_inclusive_or_strict_as_specified():
     assert np.asarray(jax.vmap(lambda x, mm: corrections.outlier_sequence_mask(x, mm, 1.0, 1.0))(lr, m)).all()
     half = np.array([[0.5, -0.5, 0.0]], np.float32)
     for rule in ("seq_mean_k1", "seq_sum_k1"):
-        keep = jax.vmap(lambda x, mm: corrections.divergence_mask(x, mm, rule, 1.0, 1.0))(half, m)
+        keep = jax.vmap(lambda x, mm: corrections.divergence_mask(x, mm, rule, 1.0, 1.0))(half, m)  # noqa: B023
         assert np.asarray(keep).all(), rule
     _, aux = corrections.rollout_is_loss(lr, lr, m, clip_low=0.0, clip_high=0.5)
     np.testing.assert_array_equal(aux["pg_clipfrac"], m)  # r = 1 is not inside (1 - 0, 1.5): strict

@@ -314,7 +314,8 @@ def test_skyrl_cispo_ratio_metrics_and_areal_behave_approx_kl():
     roll = old + rng.normal(0, 0.3, (2, 4))
     m = np.array([[1, 1, 1, 0], [1, 1, 1, 1.0]])
     cfg = CorrectionConfig(objective=Objective("cispo", clip_low=0.2, clip_high=0.2),
-                           importance=ImportanceWeights("token", high=None), rejection=(RejectionRule("token", 0.7, 1.4),))
+                           importance=ImportanceWeights("token", high=None),
+                           rejection=(RejectionRule("token", 0.7, 1.4),))
     out = run(cfg, lp, [1.0, -1.0], m, old, roll)
     alg = {"cispo": {"cispo_eps_clip_low": 0.2, "cispo_eps_clip_high": 0.2}}
     _, want = skyrl.compute_policy_loss_cispo(lp, old, np.ones((2, 4)), alg, m)

@@ -257,8 +257,8 @@ def processed_reference(logits, temperature, top_p):
 def test_pitfall_9_sampler_truncation_replayed_from_recorded_params():
     """Top-p at T != 1: the server's PROCESSED logprob is log_softmax(logits / T) - log(kept mass); the client records
     the parameters with every sample and the learner replays them, giving the server's value, not the biased one."""
-    from learner.logprob_mode import replay_params
-    from learner.sampler_replay import replayed_token_stats
+    from learner.logprobs.sampler_replay import replayed_token_stats
+    from learner.update.logprob_mode import replay_params
     from rollout_client import FinishReason, LogprobMode, RolloutRequest, SamplingParams, collate
     from rollout_client.protocol import pb
     from rollout_client.samples import RawSample, build_sample

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, RejectionRule
@@ -37,7 +38,7 @@ CONFIGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(name):
     config = CONFIGS[name]
 

@@ -72,12 +72,12 @@ def _build(seed=0, rows=ROWS):
     return types.SimpleNamespace(j=j, n=n)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def data():
     return _build()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def data_with_empty_row():
     rows = list(ROWS)
     rows[1] = (0, 0, 0.0, 0.0, 0.0, None)

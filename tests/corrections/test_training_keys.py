@@ -12,7 +12,7 @@ import pytest
 
 import corrections
 from corrections import TrainingKeysWarning
-from corrections._training import BETAS, GRPO, KL_IN_REWARD
+from corrections.frameworks._training import BETAS, GRPO, KL_IN_REWARD
 
 
 def dropped(call) -> tuple[str, dict[str, str]]:
@@ -48,7 +48,7 @@ def test_direct_call_lists_the_training_settings_it_drops(framework, config, wan
     door = getattr(corrections, f"from_{framework}")
     message, listed = dropped(lambda: door(config))
     assert listed == want
-    assert f"corrections.from_{framework} = " in message and "learner.rl.migration" in message
+    assert f"corrections.from_{framework} = " in message and "learner.rl.framework_config" in message
     for key in want:
         assert f"{key}=" in message
 

@@ -36,9 +36,12 @@ def with_value(name, position, value):
 
 
 BAD = [  # (argument, position, value, message of an eager call)
-    ("logprobs", (1, 0), NAN, "logprobs must be finite where the mask is 1; first bad value nan at (row, column) = (1, 0)"),
-    ("logprobs", (0, 1), 0.5, "logprobs must be <= 0.001 where the mask is 1; first bad value 0.5 at (row, column) = (0, 1)"),
-    ("advantages", (1,), NAN, "advantages must be finite where the mask is 1; first bad value nan at (row, column) = (1, 0)"),
+    ("logprobs", (1, 0), NAN,
+     "logprobs must be finite where the mask is 1; first bad value nan at (row, column) = (1, 0)"),
+    ("logprobs", (0, 1), 0.5,
+     "logprobs must be <= 0.001 where the mask is 1; first bad value 0.5 at (row, column) = (0, 1)"),
+    ("advantages", (1,), NAN,
+     "advantages must be finite where the mask is 1; first bad value nan at (row, column) = (1, 0)"),
     ("proximal_logprobs", (0, 1), NAN,
      "proximal_logprobs must be finite where the mask is 1; first bad value nan at (row, column) = (0, 1)"),
     ("ref_logprobs", (0, 0), -np.inf,

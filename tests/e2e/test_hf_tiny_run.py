@@ -8,9 +8,10 @@ CPU-seconds, engine processes included (43 s and 39 s at the same load on the sh
 default suite's budget is tight.
 
 The run is the config with smaller batches (and no warm-up: its compile would double the time again; the warm-up on
-a pad == eos tokenizer is tested in tests/rl/test_batches.py): every other setting, the model, tokenizer, dataset,
+a pad == eos tokenizer is tested in tests/learner/rl/test_batches.py): every other setting, the model, tokenizer,
+dataset,
 reward and evaluation included, is the config's. At random initialisation the evaluation scores are ~0: here they
-are checked for presence and consistency (their values: tests/rl/test_hooks.py).
+are checked for presence and consistency (their values: tests/learner/rl/test_hooks.py).
 """
 
 import importlib.util
@@ -26,10 +27,10 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from learner.metrics_writers import read_metrics
-from learner.param_paths import named_leaves
+from learner.checkpoints.safetensors_io import hf_tensors
+from learner.model.param_paths import named_leaves
+from learner.reporting.metrics_writers import read_metrics
 from learner.rl import CheckpointHook, EvalHook, MetricsHook, Run, load_config
-from learner.safetensors_io import hf_tensors
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "configs" / "hf_tiny.toml"

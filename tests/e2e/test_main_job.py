@@ -9,14 +9,14 @@ import sys
 
 import numpy as np
 
-from learner.checkpoints import CheckpointConfig, Checkpointer
-from learner.data import prompt_dataset
-from learner.metrics_writers import read_metrics
-from learner.rollout_log import RolloutLogReader
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
+from learner.reporting.metrics_writers import read_metrics
+from learner.reporting.rollout_log import RolloutLogReader
 from learner.rl import load_config
+from learner.rl.prompt_dataset import prompt_dataset
 from learner.tasks import load_task
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.toml"
 # A shortened default run: few steps, small batches, fast compiles.
 SHORT = ("warmup.steps=2", "warmup.batch_size=16", "rollout.prompts_per_step=4", "rollout.num_samples=4",

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from learner.metrics_writers import read_metrics
+from learner.reporting.metrics_writers import read_metrics
 from learner.rl import load_config
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "mismatch_study.py"
 
 

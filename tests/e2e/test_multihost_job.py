@@ -4,7 +4,7 @@ import json
 import socket
 import subprocess
 
-from tests.test_main_job import REPO_ROOT, check_run, train_command, train_env
+from tests.e2e.test_main_job import REPO_ROOT, check_run, train_command, train_env
 
 STEPS = 2
 

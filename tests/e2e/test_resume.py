@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from learner.metrics_writers import read_metrics
-from tests.test_main_job import REPO_ROOT, check_run, run_training, train_command, train_env
+from learner.reporting.metrics_writers import read_metrics
+from tests.e2e.test_main_job import REPO_ROOT, check_run, run_training, train_command, train_env
 
 STEPS = 8
 OVERRIDES = (f"loop.steps={STEPS}", "checkpoints.every=2")

@@ -4,8 +4,7 @@ Run as ``python -m tests.faults.failing_engine_server --fail-at-step N [rollout_
 """
 
 from rollout_client.server.__main__ import add_scripted_arguments
-from rollout_client.server.cli import run
-from rollout_client.server.cli import server_parser
+from rollout_client.server.cli import run, server_parser
 from rollout_client.server.scripted import ScriptedGenerator
 
 FAILURE = "CUDA_ERROR_OUT_OF_MEMORY: out of memory (simulated by tests.faults.failing_engine_server)"

@@ -9,13 +9,10 @@ Run as ``python -m tests.faults.hostile_server [server args]``.
 
 import numpy as np
 
-from rollout_client.packed_arrays import LOGPROB_DTYPE
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
+from rollout_client.packed_arrays import LOGPROB_DTYPE, TOKEN_ID_DTYPE
 from rollout_client.protocol import pb
-from rollout_client.server.__main__ import add_scripted_arguments
-from rollout_client.server.__main__ import scripted_engine
-from rollout_client.server.cli import run
-from rollout_client.server.cli import server_parser
+from rollout_client.server.__main__ import add_scripted_arguments, scripted_engine
+from rollout_client.server.cli import run, server_parser
 from rollout_client.server.service import RolloutServicer
 
 ADVERTISED_VOCAB_SIZE = 10_000

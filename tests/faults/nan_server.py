@@ -5,11 +5,9 @@ Run as ``python -m tests.faults.nan_server [learner.serving args]``.
 
 import numpy as np
 
-from learner.serving.__main__ import add_model_arguments
-from learner.serving.__main__ import model_engine
+from learner.serving.__main__ import add_model_arguments, model_engine
 from rollout_client.packed_arrays import LOGPROB_DTYPE
-from rollout_client.server.cli import run
-from rollout_client.server.cli import server_parser
+from rollout_client.server.cli import run, server_parser
 from rollout_client.server.service import RolloutServicer
 
 

@@ -6,11 +6,9 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from etils import epath
 
-from learner.checkpoints import MANIFEST, CheckpointConfig, Checkpointer, verify_manifest
-
+from learner.checkpoints.checkpointer import MANIFEST, CheckpointConfig, Checkpointer, verify_manifest
 
 NOISE = np.random.default_rng(0).standard_normal(4096).astype(np.float32)  # incompressible: real array bytes
 

@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from learner.disk_full import DiskFullLogFilter, disk_full_cause
-from learner.train import errors_as_lines
+from learner.reporting.disk_full import DiskFullLogFilter, disk_full_cause
+from learner.rl.error_lines import errors_as_lines
 
 TENSORSTORE = ('RESOURCE_EXHAUSTED: Error writing local file "/runs/a/checkpoints/4.orbax-checkpoint-tmp/state/'
                '_sharding": Failed writing: "/runs/a/checkpoints/4.orbax-checkpoint-tmp/state/_sharding": Failed to '
@@ -23,7 +23,7 @@ def _chained():
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise ValueError(TENSORSTORE)
+            raise ValueError(TENSORSTORE)  # noqa: B904
     except ValueError as error:
         return error
 
@@ -48,7 +48,7 @@ def test_a_full_disk_is_one_error_line_and_other_errors_keep_their_traceback():
                                 "command to resume")
     with pytest.raises(ZeroDivisionError):
         with errors_as_lines(run_dir="/runs/a"):
-            1 / 0
+            1 / 0  # noqa: B018
 
 
 def test_orbax_logs_of_a_full_disk_are_dropped_and_others_kept():

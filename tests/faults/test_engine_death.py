@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 from rollout_client import ClientConfig, EngineProcess, RolloutRequest, SamplingParams, TetherEngine
-from rollout_client.engine_pool import EnginePool, EnginesDownError, Member, PoolConfig
+from rollout_client.engines.pool import EnginePool, EnginesDownError, Member, PoolConfig
 from rollout_client.server.app import ENGINE_FAILED_EXIT_CODE
 from rollout_client.server.scheduler import Scheduler
-from rollout_client.server.scripted import ScriptedGenerator
+from tests.e2e.test_main_job import train_command, train_env
 from tests.faults.failing_engine_server import FAILURE, FailingGenerator
-from tests.test_main_job import train_command, train_env
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUEST = RolloutRequest([5, 6, 7], SamplingParams(max_new_tokens=20, stop_token_ids=(), seed=3), num_samples=2)
@@ -36,8 +35,8 @@ def test_a_failing_generation_loop_reports_its_error_instead_of_dying_silently()
     failed = threading.Event()
     errors = []
     scheduler = Scheduler(FailingGenerator(1), on_failure=lambda error: (errors.append(error), failed.set()))
-    from rollout_client.server.generator import SequenceSpec
     from rollout_client.sampling_params import LogprobMode
+    from rollout_client.server.generator import SequenceSpec
     spec = SequenceSpec(prompt_token_ids=np.array([5, 6], np.int32), sampling=REQUEST.sampling, sample_index=0,
                         logprob_mode=LogprobMode.PROCESSED)
     scheduler.submit(spec, sink=lambda output: None)

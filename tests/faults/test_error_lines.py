@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.test_main_job import DEFAULT_CONFIG, REPO_ROOT, train_env
+from tests.e2e.test_main_job import DEFAULT_CONFIG, REPO_ROOT, train_env
 
 CASES = {
     "unknown model name": (["--set", 'model.name="nope"'], "model.name: unknown model config 'nope'; known: "),
@@ -53,7 +53,7 @@ def test_a_resume_with_another_model_is_refused_listing_every_changed_key(tmp_pa
     orbax, asking for partial_restore)."""
     import jax.numpy as jnp
 
-    from learner.checkpoints import CheckpointConfig, Checkpointer
+    from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
     from learner.rl import load_config, to_dict
 
     run_dir = tmp_path / "run"
@@ -61,7 +61,8 @@ def test_a_resume_with_another_model_is_refused_listing_every_changed_key(tmp_pa
     with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
         checkpointer.save(0, {"w": jnp.zeros(3)}, policy_version=0, config=to_dict(saved))
     line = error_line([sys.executable, "-m", "learner.train", "--config", str(DEFAULT_CONFIG),
-                       "--set", f'run_dir="{run_dir}"', "--set", "warmup.steps=0", "--set", "task.args={num_prompts=64, digits=1}"])
+                       "--set", f'run_dir="{run_dir}"', "--set", "warmup.steps=0",
+                       "--set", "task.args={num_prompts=64, digits=1}"])
     assert line == (f"error: {run_dir}/checkpoints holds step 0 of a run with other settings: model.name, "
                     "task.args.digits, task.args.num_prompts changed. Use a new run_dir, or set "
                     "loop.allow_config_change = true to resume anyway")
@@ -73,8 +74,8 @@ def test_ctrl_c_mid_run_is_one_line_and_exit_130(tmp_path):
     import signal
     import time
 
-    from learner.metrics_writers import read_metrics
-    from tests.test_main_job import train_command
+    from learner.reporting.metrics_writers import read_metrics
+    from tests.e2e.test_main_job import train_command
 
     run_dir = tmp_path / "run"
     process = subprocess.Popen(train_command(run_dir, "loop.steps=50", "loop.plot_every=1"), cwd=REPO_ROOT,

@@ -5,17 +5,16 @@ non-zero exit, and the newest checkpoint is the finite one it had.
 """
 
 import subprocess
-import sys
 
 import jax
 import numpy as np
 
-from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.rl import load_config
 from learner.rl.trainer import Trainer
 from learner.tasks import load_task
 from rollout_client import EngineProcess
-from tests.test_main_job import REPO_ROOT, train_command, train_env
+from tests.e2e.test_main_job import REPO_ROOT, train_command, train_env
 
 
 def test_a_nan_producing_server_stops_the_run_and_leaves_a_finite_checkpoint(tmp_path):

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer, restore_target
 from learner.rl import CheckpointHook, Run, load_config
 from learner.rl.run import NonFiniteUpdateError
 from learner.rl.trainer import Trainer

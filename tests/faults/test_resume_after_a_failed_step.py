@@ -3,8 +3,8 @@ start's checkpoint 0: no second save of step 0 (orbax's StepAlreadyExistsError),
 
 import subprocess
 
-from learner.metrics_writers import read_metrics
-from tests.test_main_job import REPO_ROOT, run_training, train_command, train_env
+from learner.reporting.metrics_writers import read_metrics
+from tests.e2e.test_main_job import REPO_ROOT, run_training, train_command, train_env
 
 STEPS = 2
 

@@ -12,17 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import RolloutBuffer
-from rollout_client import RolloutClient
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client import ValidationConfig
+from rollout_client import ClientConfig, RolloutBuffer, RolloutClient, RolloutRequest, SamplingParams, ValidationConfig
 from rollout_client.protocol import pb
 from rollout_client.samples import RawSample
-from rollout_client.validation import Expected
-from rollout_client.validation import find_problem
-
+from rollout_client.validation import Expected, find_problem
 from tests.faults.hostile_server import STOP_TOKEN
 from tests.rollout_client.conftest import ServerProcess
 

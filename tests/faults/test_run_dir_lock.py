@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from learner.rl.run_lock import LOCK_FILE, hold_run_dir
-from tests.test_main_job import REPO_ROOT, train_command, train_env
+from tests.e2e.test_main_job import REPO_ROOT, train_command, train_env
 
 HOLD = ("import pathlib, sys, time\n"
         "from learner.rl.run_lock import hold_run_dir\n"

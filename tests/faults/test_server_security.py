@@ -14,17 +14,9 @@ import grpc
 import numpy as np
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import PauseMode
-from rollout_client import RolloutClient
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
-from rollout_client.packed_arrays import pack
-from rollout_client.protocol import MAX_POLICY_VERSION
-from rollout_client.protocol import bearer
-from rollout_client.protocol import pb
-from rollout_client.protocol import pb_grpc
+from rollout_client import ClientConfig, PauseMode, RolloutClient, RolloutRequest, SamplingParams
+from rollout_client.packed_arrays import TOKEN_ID_DTYPE, pack
+from rollout_client.protocol import MAX_POLICY_VERSION, bearer, pb, pb_grpc
 from rollout_client.server.cli import AUTH_TOKEN_ENV
 from tests.rollout_client.conftest import ServerProcess
 
@@ -219,13 +211,11 @@ def final_logprobs(rpc: pb_grpc.RolloutServiceStub) -> np.ndarray:
 
 
 def test_nan_weights_do_not_outlive_the_next_good_update(start):
+    import jax
     from flax import nnx
 
-    from learner.model import Transformer
-    from learner.model import model_config
-    from learner.param_paths import parameter_names
-
-    import jax
+    from learner.model.param_paths import parameter_names
+    from learner.model.transformer import Transformer, model_config
 
     state = nnx.state(Transformer(model_config("tiny"), rngs=nnx.Rngs(0)), nnx.Param)
     names, _ = parameter_names(state)

@@ -13,7 +13,7 @@ import sys
 import jax.numpy as jnp
 from orbax.checkpoint._src.path import atomicity
 
-from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 
 
 def _state(step: int) -> dict:

@@ -3,7 +3,7 @@ for each new vocabulary."""
 
 import jax
 
-from learner.sampling_transform import descending, kept_threshold
+from learner.logprobs.sampling_transform import descending, kept_threshold
 
 descending_jitted = jax.jit(descending)
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner.batch import TrainBatch
-from learner.bucketing import BucketConfig, bucket_length, pad_batch
+from learner.update.batch import TrainBatch
+from learner.update.bucketing import BucketConfig, bucket_length, pad_batch
 
 
 def _random_batch(rng: np.random.Generator, rows: int, columns: int) -> TrainBatch:

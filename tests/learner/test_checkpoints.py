@@ -14,12 +14,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
-from learner.data import prompt_dataset, prompt_iterator
-from learner.model import Transformer, model_config
-from learner.sharding import make_mesh, state_shardings
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer, restore_target
+from learner.model.sharding import make_mesh, state_shardings
+from learner.model.transformer import Transformer, model_config
+from learner.rl.prompt_dataset import prompt_dataset, prompt_iterator
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from learner.data import global_batch, pad_prompt, prompt_dataset, prompt_iterator
-from learner.sharding import batch_sharding, make_mesh
+from learner.model.sharding import batch_sharding, make_mesh
+from learner.rl.prompt_dataset import global_batch, pad_prompt, prompt_dataset, prompt_iterator
 
 MAX_PROMPT_LEN = 6
 RECORDS = [{"id": i, "prompt_ids": list(range(1, 1 + i % MAX_PROMPT_LEN + 1))} for i in range(24)]

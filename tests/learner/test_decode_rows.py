@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.model import Transformer, model_config
+from learner.model.transformer import Transformer, model_config
 from learner.serving import model_generator
 from learner.serving.model_generator import ModelGenerator
 from rollout_client.sampling_params import LogprobMode, PauseMode

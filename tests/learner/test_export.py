@@ -18,14 +18,14 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
+from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
+from learner.checkpoints.safetensors_io import load_safetensors
 from learner.export import export_run, main, read_checkpoint_params
-from learner.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
-from learner.model import Llama3RopeScaling, ModelConfig, Transformer, model_config
-from learner.param_paths import named_leaves, parameter_names
+from learner.model.param_paths import named_leaves, parameter_names
+from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 from learner.rl.config import load_config, to_dict
-from learner.safetensors_io import load_safetensors
-from learner.train_state import create_train_state
+from learner.update.train_state import create_train_state
 
 VOCAB = ["<pad>", "<s>", "</s>", "<|im_end|>"] + [f"w{i}" for i in range(60)]
 BOS, EOS, IM_END = 1, 2, 3

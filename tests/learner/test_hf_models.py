@@ -7,8 +7,8 @@ every bug class these cases guard against (a wrong RoPE theta or scaling, a miss
 moves the logits by more than 1e-2 (`test_golden_logits_detect_a_wrong_rope`).
 """
 
-import importlib
 import dataclasses
+import importlib
 import json
 import pathlib
 
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.hf_checkpoint import model_config_from_checkpoint
-from learner.model import Llama3RopeScaling, ModelConfig, Transformer, model_config
-from learner.safetensors_io import config_from_hf, config_to_hf, load_safetensors
+from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
+from learner.checkpoints.safetensors_io import config_from_hf, config_to_hf, load_safetensors
+from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf_golden"
 CASES = sorted(path.name for path in GOLDEN.iterdir() if (path / "golden.npz").is_file())

@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.logprobs import token_logprobs
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_train_state
-from learner.update import make_update_fn, update_step
+from learner.logprobs.chunked import token_logprobs
+from learner.model.sharding import make_mesh
+from learner.update.step import make_update_fn, update_step
+from learner.update.train_state import create_sharded_train_state
 from tests.learner import update_problem
 from tests.learner.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
 

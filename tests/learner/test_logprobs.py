@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.logprobs import logprobs_from_hidden, token_logprobs
-from learner.model import Transformer, model_config
+from learner.logprobs.chunked import logprobs_from_hidden, token_logprobs
+from learner.model.transformer import Transformer, model_config
 
 B, T, D, V = 3, 11, 16, 40
 

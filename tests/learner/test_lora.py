@@ -1,4 +1,4 @@
-"""LoRA (`learner.lora`): adapters on a frozen base, trained alone (issue #32, items 1 and 2).
+"""LoRA (`learner.model.lora`): adapters on a frozen base, trained alone (issue #32, items 1 and 2).
 
 What is independent of the code under test: the adapter path's value and gradients are written here in NumPy
 float64 from the formula ``y = x @ W + s * (x @ A) @ B``; the KL of a LoRA update is checked against the float64
@@ -15,14 +15,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from corrections import CorrectionConfig, ImportanceWeights
-from learner.lora import LoRA, LoRAParam, LoraConfig, merge_adapters
-from learner.model import Projection, Transformer, model_config
-from learner.logprobs import token_logprobs
-from learner.optimizer import OptimizerConfig, make_optimizer
-from learner.param_paths import named_leaves
-from learner.sharding import make_mesh, state_shardings
-from learner.train_state import create_sharded_frozen, create_sharded_train_state
-from learner.update import make_update_fn, merge_model
+from learner.logprobs.chunked import token_logprobs
+from learner.model.lora import LoRA, LoraConfig, LoRAParam, merge_adapters
+from learner.model.param_paths import named_leaves
+from learner.model.sharding import make_mesh, state_shardings
+from learner.model.transformer import Projection, Transformer, model_config
+from learner.update.optimizer import OptimizerConfig, make_optimizer
+from learner.update.step import make_update_fn, merge_model
+from learner.update.train_state import create_sharded_frozen, create_sharded_train_state
 from tests.learner.update_problem import FAST_COMPILE, global_batch, rollout_batch, update_config
 
 LORA = LoraConfig(rank=4, alpha=8.0)

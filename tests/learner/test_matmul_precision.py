@@ -8,24 +8,21 @@ the attribute is checked by tests/accelerator/ (golden logits at 1e-4).
 """
 
 import dataclasses
-import re
 import types
 
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from learner.model import model_config
-from learner.precision import resolve_matmul_precision, with_matmul_precision
+from learner.model.precision import resolve_matmul_precision, with_matmul_precision
+from learner.model.sharding import make_mesh
 from learner.rl import load_config
 from learner.rl.engines import reference_server_args
 from learner.rl.trainer import Trainer
 from learner.serving.__main__ import add_model_arguments, model_engine
-from learner.sharding import make_mesh
 from learner.tasks import load_task
-from learner.train_state import create_sharded_train_state
-from learner.update import make_update_fn
+from learner.update.step import make_update_fn
+from learner.update.train_state import create_sharded_train_state
 from rollout_client.server.cli import server_parser
 from tests.learner import update_problem
 from tests.learner.test_update import SAMPLING

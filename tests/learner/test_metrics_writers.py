@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner.metrics_writers import (
+from learner.reporting.metrics_writers import (
     FanOutWriter,
     JsonlWriter,
     TensorBoardWriter,
@@ -107,7 +107,8 @@ def test_tensorboard_event_file_framing(tmp_path):
 def test_tensorboard_reads_the_scalars_back(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator",
-        reason="reading the file back needs the tensorboard package (in the test extras); the framing test above runs without it")
+        reason="reading the file back needs the tensorboard package (in the test extras); the framing test above runs "
+               "without it")
     writer = TensorBoardWriter(tmp_path)
     for step in range(5):
         writer.write(step, _metrics(step))
@@ -123,7 +124,7 @@ def test_tensorboard_reads_the_scalars_back(tmp_path):
 
 
 def test_fan_out_fetches_once_and_writes_everywhere(tmp_path, monkeypatch):
-    import learner.metrics_writers as metrics_writers
+    import learner.reporting.metrics_writers as metrics_writers
 
     fetches = []
     real_device_get = metrics_writers.jax.device_get

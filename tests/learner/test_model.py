@@ -10,8 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.model import (Llama3RopeScaling, Transformer, cast_model, count_params, model_config, place_window,
-                          rope_frequencies, take_window)
+from learner.model.transformer import (
+    Llama3RopeScaling,
+    Transformer,
+    cast_model,
+    count_params,
+    model_config,
+    place_window,
+    rope_frequencies,
+    take_window,
+)
 
 PROMPT_LENS = np.array([3, 6, 1])  # right-padded rows of different lengths
 TOTAL_LENS = PROMPT_LENS + 4  # each row decodes 4 more tokens

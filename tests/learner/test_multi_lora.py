@@ -21,20 +21,24 @@ from jax.sharding import PartitionSpec as P
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights
 from corrections._config import REDUCTIONS
-from learner.adapter_loss import adapter_loss_terms
-from learner.bucketing import BucketConfig, pad_batch
-from learner.checkpoints import CheckpointConfig, Checkpointer, restore_target
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer, restore_target
+from learner.checkpoints.peft_export import peft_tensors
 from learner.export import export_run, main
-from learner.lora import LoRA, LoRAParam, LoraConfig, StackedLoRAParam, merge_adapters, select_adapters
-from learner.model import Projection, Transformer, model_config
-from learner.optimizer import OptimizerConfig, make_optimizer
-from learner.param_paths import named_leaves
-from learner.peft_export import peft_tensors
+from learner.model.lora import LoRA, LoraConfig, LoRAParam, StackedLoRAParam, merge_adapters, select_adapters
+from learner.model.param_paths import named_leaves
+from learner.model.sharding import make_mesh, state_shardings
+from learner.model.transformer import Projection, Transformer, model_config
 from learner.rl.config import changed_keys, load_config, lora_config, to_dict
-from learner.sharding import make_mesh, state_shardings
-from learner.train_state import (create_sharded_frozen, create_sharded_train_state, create_train_state,
-                                 train_state_shardings)
-from learner.update import make_update_fn
+from learner.update.adapter_loss import adapter_loss_terms
+from learner.update.bucketing import BucketConfig, pad_batch
+from learner.update.optimizer import OptimizerConfig, make_optimizer
+from learner.update.step import make_update_fn
+from learner.update.train_state import (
+    create_sharded_frozen,
+    create_sharded_train_state,
+    create_train_state,
+    train_state_shardings,
+)
 from tests.learner.update_problem import FAST_COMPILE, global_batch, rollout_batch, update_config
 
 NAMES = ("math", "code")
@@ -194,7 +198,7 @@ def test_each_adapters_loss_is_its_own_reduction_against_float64(reduction, deno
 
 
 KL = CorrectionConfig(importance=ImportanceWeights("token", high=2.0), kl_coef=0.1, kl_estimator="k3")
-# learner.optimizer's AdamW as a clipped SGD of rate 1: with b1 = b2 = 0 and eps >> |g| its step is
+# learner.update.optimizer's AdamW as a clipped SGD of rate 1: with b1 = b2 = 0 and eps >> |g| its step is
 # -lr * g / (|g| + eps) = -g (to 1e-6 relative). max_grad_norm = 1 clips both adapters of the problem below (their
 # gradient norms are ~2.6 and ~1.4), each by its own norm, as if trained alone (one global norm, ~3.0, would not).
 CLIPPED_SGD = make_optimizer(OptimizerConfig(peak_learning_rate=1e6, eps=1e6, b1=0.0, b2=0.0, max_grad_norm=1.0))

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from learner.distributed import initialize
-from learner.sharding import make_mesh
+from learner.model.sharding import make_mesh
 from tests.learner.update_problem import FAST_COMPILE, run_update
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from learner.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer, skipped_updates
+from learner.update.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer, skipped_updates
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine():

@@ -9,11 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
-from learner import param_init
-from learner.lora import FROZEN, LoraConfig
-from learner.model import Transformer, model_config
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_frozen, create_sharded_train_state, create_train_state
+from learner.model import param_init
+from learner.model.lora import FROZEN, LoraConfig
+from learner.model.sharding import make_mesh
+from learner.model.transformer import Transformer, model_config
+from learner.update.train_state import create_sharded_frozen, create_sharded_train_state, create_train_state
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True, "qk_norm": True, "num_layers": 3}],
@@ -39,7 +39,8 @@ def test_lora_adapters_and_base_equal_the_single_program_init():
     _, state, _ = create_sharded_train_state(config, optax.adamw(1e-3), mesh, seed=7)
     frozen, frozen_shardings = create_sharded_frozen(config, mesh, seed=7)
     model = jax.jit(lambda: nnx.state(Transformer(config, rngs=nnx.Rngs(7))))()
-    for got, want in ((state.params, nnx.filter_state(model, nnx.Not(FROZEN))), (frozen, nnx.filter_state(model, FROZEN))):
+    for got, want in ((state.params, nnx.filter_state(model, nnx.Not(FROZEN))), (frozen, nnx.filter_state(model,
+                                                                                                          FROZEN))):
         assert jax.tree.structure(got) == jax.tree.structure(want)
         for (path, expected), actual in zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got)):
             np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=jax.tree_util.keystr(path))

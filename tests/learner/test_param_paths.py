@@ -7,8 +7,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from learner.model import Transformer, model_config
-from learner.param_paths import parameter_names
+from learner.model.param_paths import parameter_names
+from learner.model.transformer import Transformer, model_config
 from learner.serving import read_orbax
 
 

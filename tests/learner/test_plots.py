@@ -4,8 +4,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from learner.metrics_writers import JsonlWriter
-from learner.plots import plot_learning_curves
+from learner.reporting.metrics_writers import JsonlWriter
+from learner.reporting.plots import plot_learning_curves
 
 
 def test_writes_a_png_of_the_panels(tmp_path):

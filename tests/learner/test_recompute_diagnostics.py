@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import corrections
-from learner.metrics_writers import read_metrics
-from learner.rollout_log import RolloutLogWriter
+from learner.reporting.metrics_writers import read_metrics
+from learner.reporting.rollout_log import RolloutLogWriter
 from tests.learner.test_rollout_log import make_batch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "recompute_diagnostics.py"

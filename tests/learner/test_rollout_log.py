@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from learner.rollout_log import TOKEN_FIELDS, LoggedBatch, RolloutLogReader, RolloutLogWriter
+from learner.reporting.rollout_log import TOKEN_FIELDS, LoggedBatch, RolloutLogReader, RolloutLogWriter
 
 
 def make_batch(step: int, rows: int, length: int, seed: int = 0) -> LoggedBatch:

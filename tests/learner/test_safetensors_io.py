@@ -9,10 +9,16 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from learner.model import Llama3RopeScaling, Transformer, model_config
-from learner.param_paths import named_leaves
-from learner.safetensors_io import (config_from_hf, config_to_hf, hf_name_map, hf_tensors, load_safetensors,
-                                    save_safetensors)
+from learner.checkpoints.safetensors_io import (
+    config_from_hf,
+    config_to_hf,
+    hf_name_map,
+    hf_tensors,
+    load_safetensors,
+    save_safetensors,
+)
+from learner.model.param_paths import named_leaves
+from learner.model.transformer import Llama3RopeScaling, Transformer, model_config
 
 LLAMA3 = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 CONFIGS = {"qwen2_untied": model_config("tiny"),

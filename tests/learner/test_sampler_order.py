@@ -18,12 +18,20 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 
-from learner.logprob_mode import rebuilt_rollout_logprobs, replay_params
-from learner.batch import TrainBatch
-from learner.sampler_replay import SamplerParams, replayed_kept, replayed_token_stats
-from rollout_client import (EngineCapabilities, EngineCapabilityError, LogprobMode, PauseMode, TetherEngine,
-                            VersionReporting, WeightTransport, check_capabilities)
-from rollout_client.engine import EngineRequirements
+from learner.logprobs.sampler_replay import SamplerParams, replayed_kept, replayed_token_stats
+from learner.update.batch import TrainBatch
+from learner.update.logprob_mode import rebuilt_rollout_logprobs, replay_params
+from rollout_client import (
+    EngineCapabilities,
+    EngineCapabilityError,
+    LogprobMode,
+    PauseMode,
+    TetherEngine,
+    VersionReporting,
+    WeightTransport,
+    check_capabilities,
+)
+from rollout_client.engines.base import EngineRequirements
 from rollout_client.sampling_params import SamplerOrder
 
 FIRST, LAST = SamplerOrder.TEMPERATURE_FIRST, SamplerOrder.TEMPERATURE_LAST

@@ -15,17 +15,17 @@ from flax import nnx
 from hypothesis import given, settings
 
 from corrections import CorrectionConfig, ImportanceWeights, mismatch_metrics
-from learner.batch import TrainBatch
-from learner.logprob_mode import check_logprob_mode, rebuild_batch_logprobs, replay_params
-from learner.logprobs import logprobs_from_hidden, token_logprobs
-from learner.model import Transformer, model_config
-from learner.param_paths import parameter_names
-from learner.sampler_replay import SamplerParams, replayed_thresholds, replayed_token_stats
-from learner.sampling_transform import processed_logprobs
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_train_state
-from learner.truncation_bias import log_kept_mass, truncation_bias_metrics
-from learner.update import UpdateConfig, make_update_fn
+from learner.logprobs.chunked import logprobs_from_hidden, token_logprobs
+from learner.logprobs.sampler_replay import SamplerParams, replayed_thresholds, replayed_token_stats
+from learner.logprobs.sampling_transform import processed_logprobs
+from learner.logprobs.truncation_bias import log_kept_mass, truncation_bias_metrics
+from learner.model.param_paths import parameter_names
+from learner.model.sharding import make_mesh
+from learner.model.transformer import Transformer, model_config
+from learner.update.batch import TrainBatch
+from learner.update.logprob_mode import check_logprob_mode, rebuild_batch_logprobs, replay_params
+from learner.update.step import UpdateConfig, make_update_fn
+from learner.update.train_state import create_sharded_train_state
 from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
 from tests.learner.sort_reference import full_sort_cut
 from tests.learner.update_problem import FAST_COMPILE
@@ -89,7 +89,8 @@ def test_replay_gradient_equals_unchunked_gradient(head):
     def plain(h, k):
         return jnp.sum(reference_stats(logits_fn(h, k), targets, sampling)[0] ** 2)
 
-    for got, want in zip(jax.jit(jax.grad(chunked, (0, 1)))(hidden, kernel), jax.jit(jax.grad(plain, (0, 1)))(hidden, kernel)):
+    for got, want in zip(jax.jit(jax.grad(chunked, (0, 1)))(hidden, kernel), jax.jit(jax.grad(plain, (0, 1)))(hidden,
+                                                                                                              kernel)):
         assert np.isfinite(np.asarray(got)).all()
         np.testing.assert_allclose(got, want, atol=1e-5)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 
-from learner.sampler_replay import SamplerParams, replayed_thresholds
-from learner.sampling_transform import NETWORK_MAX_VOCAB, descending, kept_threshold, top_candidates
+from learner.logprobs.sampler_replay import SamplerParams, replayed_thresholds
+from learner.logprobs.sampling_transform import NETWORK_MAX_VOCAB, descending, kept_threshold, top_candidates
 from tests.learner.sort_reference import descending_jitted, full_sort_cut
 
 

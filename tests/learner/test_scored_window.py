@@ -12,14 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from corrections import CorrectionConfig, ImportanceWeights
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from learner.logprobs import logprobs_from_hidden
-from learner.sampler_replay import SamplerParams
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_train_state
-from learner.update import UpdateConfig, update_step
+from corrections import CorrectionConfig, ImportanceWeights
+from learner.logprobs.chunked import logprobs_from_hidden
+from learner.logprobs.sampler_replay import SamplerParams
+from learner.model.sharding import make_mesh
+from learner.update.step import UpdateConfig, update_step
+from learner.update.train_state import create_sharded_train_state
 from tests.learner import update_problem
 from tests.learner.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
 
@@ -40,7 +41,7 @@ def _in_window(start, size, length):
     return (offset >= 0) & (offset < size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_stats(chunk_size, remat, window_size):
     """Logprobs and entropies, jitted per static setting (a hypothesis example compiles once, not op by op)."""
     def stats(hidden, kernel, tokens, mask, window_start):

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from learner.model import Transformer, model_config
-from learner.sharding import batch_sharding, make_mesh, partition_spec, shard_state, state_shardings
+from learner.model.sharding import batch_sharding, make_mesh, partition_spec, shard_state, state_shardings
+from learner.model.transformer import Transformer, model_config
 
 
 @pytest.fixture(scope="module")

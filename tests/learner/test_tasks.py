@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.model import model_config
-from learner.tasks import _registry as registry
+from learner.model.transformer import model_config
 from learner.tasks import (
     EOS_ID,
     PAD_ID,
@@ -25,8 +24,9 @@ from learner.tasks import (
     register_task,
     task_names,
 )
+from learner.tasks import _registry as registry
 
-# The dataset task needs a file; the calculator is an environment (its tests: tests/rl/test_episodes.py).
+# The dataset task needs a file; the calculator is an environment (its tests: tests/learner/rl/test_episodes.py).
 DIGIT_TASKS = [name for name in task_names() if name not in ("dataset", "tool_calculator")]
 PROMPT_12_PLUS_79 = np.concatenate([[TOKENIZER.bos_id], TOKENIZER.encode("12+79"), [TOKENIZER.sep_id]])
 

@@ -8,20 +8,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import corrections
-from corrections import CorrectionConfig, ImportanceWeights, grpo_advantages
 from flax import nnx
 
-from learner.batch import TrainBatch
-from learner.bucketing import BucketConfig, pad_batch
-from learner.logprobs import token_logprobs
-from learner.model import model_config
-from learner.optimizer import OptimizerConfig, make_optimizer
-from learner.sampler_replay import NEUTRAL, SamplerParams
-from learner.sharding import make_mesh
-from learner.train_state import create_sharded_train_state
-from learner.update import (UpdateConfig, make_update_fn, minibatch_gradients, minibatch_update,
-                            proximal_from_training_pass, recompute_logprobs, update_step)
+import corrections
+from corrections import CorrectionConfig, ImportanceWeights, grpo_advantages
+from learner.logprobs.chunked import token_logprobs
+from learner.logprobs.sampler_replay import NEUTRAL, SamplerParams
+from learner.model.sharding import make_mesh
+from learner.model.transformer import model_config
+from learner.update.batch import TrainBatch
+from learner.update.bucketing import BucketConfig, pad_batch
+from learner.update.optimizer import OptimizerConfig, make_optimizer
+from learner.update.step import (
+    UpdateConfig,
+    make_update_fn,
+    minibatch_gradients,
+    minibatch_update,
+    proximal_from_training_pass,
+    recompute_logprobs,
+    update_step,
+)
+from learner.update.train_state import create_sharded_train_state
 from tests.learner import update_problem
 from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, OPTIMIZER, PAD_TOKEN, ROWS, run_update
 
@@ -122,7 +129,7 @@ def test_minibatch_scan_equals_the_same_updates_one_by_one():
     losses = []
     for _ in range(config.ppo_epochs):
         for k in range(config.num_minibatches):
-            rows = jax.tree.map(lambda x: x[k::config.num_minibatches], (batch, proximal, None))
+            rows = jax.tree.map(lambda x: x[k::config.num_minibatches], (batch, proximal, None))  # noqa: B023
             state, one_metrics, _ = one_update(state, rows, jax.random.key(0))
             losses.append(one_metrics["actor/pg_loss"])
 

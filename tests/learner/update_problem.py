@@ -10,14 +10,14 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from corrections import CorrectionConfig, ImportanceWeights
 from jax.experimental import multihost_utils
 
-from learner.batch import TrainBatch
-from learner.model import model_config
-from learner.sharding import batch_sharding
-from learner.train_state import create_sharded_train_state
-from learner.update import UpdateConfig, make_update_fn
+from corrections import CorrectionConfig, ImportanceWeights
+from learner.model.sharding import batch_sharding
+from learner.model.transformer import model_config
+from learner.update.batch import TrainBatch
+from learner.update.step import UpdateConfig, make_update_fn
+from learner.update.train_state import create_sharded_train_state
 
 ROWS, LENGTH, PROMPT = 16, 24, 4
 PAD_TOKEN, EMPTY_ROW_TOKEN = 127, 126

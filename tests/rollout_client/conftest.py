@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import RolloutClient
+from rollout_client import ClientConfig, RolloutClient
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0

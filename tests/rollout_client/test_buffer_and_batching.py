@@ -5,18 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from rollout_client import FinishReason
-from rollout_client import LogprobMode
-from rollout_client import RolloutBuffer
-from rollout_client import RolloutRequest
-from rollout_client import Sample
-from rollout_client import SamplingParams
-from rollout_client import collate
+from rollout_client import FinishReason, LogprobMode, RolloutBuffer, RolloutRequest, Sample, SamplingParams, collate
 from rollout_client.protocol import pb
-from rollout_client.samples import RawSample
-from rollout_client.samples import StreamAssembler
-from rollout_client.validation import Expected
-from rollout_client.validation import find_problem
+from rollout_client.samples import RawSample, StreamAssembler
+from rollout_client.validation import Expected, find_problem
 
 PARAMS = SamplingParams(max_new_tokens=20, stop_token_ids=())
 

@@ -5,7 +5,6 @@ fast to start, and its weights are one number, ``logprob_scale``, that multiplie
 server holds is visible in its samples.
 """
 
-import concurrent.futures
 import os
 import signal
 import time
@@ -13,16 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import EngineProcess
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client import TetherEngine
-from rollout_client.engine_process import free_port
-from rollout_client.engine_pool import EnginePool
-from rollout_client.engine_pool import EnginesDownError
-from rollout_client.engine_pool import Member
-from rollout_client.engine_pool import PoolConfig
+from rollout_client import ClientConfig, EngineProcess, RolloutRequest, SamplingParams, TetherEngine
+from rollout_client.engines.pool import EnginePool, EnginesDownError, Member, PoolConfig
+from rollout_client.engines.process import free_port
 
 SLOW = SamplingParams(max_new_tokens=50, stop_token_ids=(), seed=5)  # 50 steps x 5 ms: in flight for ~0.25 s
 CLIENT = dict(ready_timeout_s=60, initial_backoff_s=0.05, max_backoff_s=0.2)
@@ -38,7 +30,8 @@ def launch(tmp_path, name: str, vocab_size: int = 1000) -> TetherEngine:
 def launched_member(tmp_path, name: str) -> Member:
     engine = launch(tmp_path, name)
     relaunches = iter(range(1, 100))
-    return Member(engine.process.address, engine, relaunch=lambda current: launch(tmp_path, f"{name}-{next(relaunches)}"))
+    return Member(engine.process.address, engine, relaunch=lambda current: launch(tmp_path,
+                                                                                  f"{name}-{next(relaunches)}"))
 
 
 def external_member(tmp_path, name: str, vocab_size: int = 1000) -> Member:
@@ -153,7 +146,7 @@ def test_closing_the_pool_with_requests_in_flight_takes_no_engine_out(tmp_path, 
     server = launch(tmp_path, "server").process
     try:  # a client of someone else's server (no process of its own), as server.address makes one
         member = Member(server.address, TetherEngine(ClientConfig(target=server.address, **CLIENT)))
-        with caplog.at_level("WARNING", logger="rollout_client.engine_pool"):
+        with caplog.at_level("WARNING", logger="rollout_client.engines.pool"):
             with EnginePool([member]) as pool:
                 pool.submit(RolloutRequest([5, 6, 7], SLOW)).result(timeout=120)  # connected and serving
                 futures = [pool.submit(request) for request in requests(4)]

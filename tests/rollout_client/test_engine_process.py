@@ -8,9 +8,7 @@ import time
 
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import EngineProcess
-from rollout_client import RolloutClient
+from rollout_client import ClientConfig, EngineProcess, RolloutClient
 from tests.rollout_client.conftest import REPO_ROOT
 
 SCRIPTED = ("--engine", "scripted", "--vocab-size", "50")

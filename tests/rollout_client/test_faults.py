@@ -8,13 +8,14 @@ import grpc
 import numpy as np
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import InvalidRolloutError
-from rollout_client import RolloutClient
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client import ValidationConfig
-
+from rollout_client import (
+    ClientConfig,
+    InvalidRolloutError,
+    RolloutClient,
+    RolloutRequest,
+    SamplingParams,
+    ValidationConfig,
+)
 from tests.rollout_client.conftest import SCRIPTED
 
 PARAMS = SamplingParams(max_new_tokens=30, stop_token_ids=(), seed=9)

@@ -7,15 +7,17 @@ import grpc
 import numpy as np
 import pytest
 
-from rollout_client import ClientConfig
-from rollout_client import FinishReason
-from rollout_client import LogprobMode
-from rollout_client import PauseMode
-from rollout_client import RolloutClient
-from rollout_client import RolloutDeadlineError
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client import ServerNotReadyError
+from rollout_client import (
+    ClientConfig,
+    FinishReason,
+    LogprobMode,
+    PauseMode,
+    RolloutClient,
+    RolloutDeadlineError,
+    RolloutRequest,
+    SamplingParams,
+    ServerNotReadyError,
+)
 
 PROMPT = [5, 6, 7]
 

@@ -12,16 +12,10 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from learner.model import Transformer
-from learner.model import model_config
-from learner.param_paths import parameter_names
-from learner.sampling_transform import processed_logprobs
-from rollout_client import ClientConfig
-from rollout_client import LogprobMode
-from rollout_client import RolloutClient
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from rollout_client import collate
+from learner.logprobs.sampling_transform import processed_logprobs
+from learner.model.param_paths import parameter_names
+from learner.model.transformer import Transformer, model_config
+from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
 from rollout_client.protocol import pb
 from tests.rollout_client.conftest import ServerProcess
 

@@ -9,12 +9,8 @@ import signal
 import subprocess
 import sys
 
-from rollout_client import ClientConfig
-from rollout_client import RolloutClient
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
-from tests.rollout_client.conftest import REPO_ROOT
-from tests.rollout_client.conftest import ServerProcess
+from rollout_client import ClientConfig, RolloutClient, RolloutRequest, SamplingParams
+from tests.rollout_client.conftest import REPO_ROOT, ServerProcess
 
 # Run first in a fresh interpreter: any later import of flax or learner (or a submodule) raises ImportError.
 REFUSE_FLAX_AND_LEARNER = """
@@ -52,7 +48,7 @@ def test_every_module_imports_without_flax_or_learner():
     result = subprocess.run([sys.executable, "-c", IMPORT_EVERY_MODULE], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "rollout_client.server.__main__" in result.stdout and "rollout_client.engine_process" in result.stdout
+    assert "rollout_client.server.__main__" in result.stdout and "rollout_client.engines.process" in result.stdout
 
 
 def test_scripted_server_serves_without_flax_or_learner(tmp_path):

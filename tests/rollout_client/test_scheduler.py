@@ -4,10 +4,8 @@ import queue
 
 import numpy as np
 
-from rollout_client.sampling_params import FinishReason
-from rollout_client.sampling_params import LogprobMode
-from rollout_client.server.generator import ResolvedSampling
-from rollout_client.server.generator import SequenceSpec
+from rollout_client.sampling_params import FinishReason, LogprobMode
+from rollout_client.server.generator import ResolvedSampling, SequenceSpec
 from rollout_client.server.scheduler import Scheduler
 from rollout_client.server.scripted import ScriptedGenerator
 

@@ -6,9 +6,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rollout_client import PauseMode
-from rollout_client import RolloutRequest
-from rollout_client import SamplingParams
+from rollout_client import PauseMode, RolloutRequest, SamplingParams
 from rollout_client.protocol import pb
 
 PARAMS = SamplingParams(max_new_tokens=60, stop_token_ids=(), seed=5)

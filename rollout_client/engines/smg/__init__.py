@@ -5,13 +5,13 @@ calls over any of them, so that `AsyncSmgClient` / `SmgClient` are the rollout.v
 deadlines, validation and `Sample` objects. A new smg engine is a new dialect plus its control plane.
 """
 
-from rollout_client.smg.client import AsyncSmgClient
-from rollout_client.smg.client import SmgClient
-from rollout_client.smg.dialects import MLX
-from rollout_client.smg.dialects import EngineSampling
-from rollout_client.smg.dialects import SmgDialect
-from rollout_client.smg.stub import SmgHealth
-from rollout_client.smg.stub import SmgStub
+from rollout_client.engines.smg.client import AsyncSmgClient
+from rollout_client.engines.smg.client import SmgClient
+from rollout_client.engines.smg.dialects import MLX
+from rollout_client.engines.smg.dialects import EngineSampling
+from rollout_client.engines.smg.dialects import SmgDialect
+from rollout_client.engines.smg.stub import SmgHealth
+from rollout_client.engines.smg.stub import SmgStub
 
 __all__ = [
     "MLX",

@@ -1,6 +1,7 @@
 """Clients of an engine that speaks an smg proto: rollout.v1's clients with the engine's data plane underneath.
 
-`AsyncSmgClient` is `rollout_client.AsyncRolloutClient` whose stub is `rollout_client.smg.stub.SmgStub`: sampling,
+`AsyncSmgClient` is `rollout_client.AsyncRolloutClient` whose stub is `rollout_client.engines.smg.stub.SmgStub`:
+sampling,
 retries, deadlines, validation and the `Sample` objects are the rollout.v1 client's own. The smg protos have no
 pause or weight RPCs: those methods raise, and the engine's control plane (e.g. `rollout_client.MlxEngine.publish`,
 which restarts the engine) changes weights, holding admission meanwhile (`hold`, `release`).
@@ -11,11 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout_client.client import AsyncRolloutClient
-from rollout_client.client import ClientConfig
-from rollout_client.smg.dialects import SmgDialect
-from rollout_client.smg.stub import SmgHealth
-from rollout_client.smg.stub import SmgStub
+from rollout_client.client import AsyncRolloutClient, ClientConfig
+from rollout_client.engines.smg.dialects import SmgDialect
+from rollout_client.engines.smg.stub import SmgHealth, SmgStub
 from rollout_client.sync_client import RolloutClient
 
 __all__ = ["AsyncSmgClient", "SmgClient"]

@@ -1,6 +1,6 @@
 """What differs between the engines' smg protos (``smg-grpc-proto``), as data: one `SmgDialect` per engine.
 
-The data plane (`rollout_client.smg.stub`) is written once against what the protos share: a server-streaming
+The data plane (`rollout_client.engines.smg.stub`) is written once against what the protos share: a server-streaming
 ``Generate`` whose responses are a ``chunk`` (``token_ids``, ``output_logprobs.token_logprobs``, ``index``) or a
 ``complete`` (``output_ids``, ``output_logprobs``, ``finish_reason``, ``index``), ``Abort``, ``HealthCheck``
 (``healthy``) and ``GetModelInfo`` (``vocab_size``, ``max_context_length``, ``eos_token_ids``, ``model_type``,
@@ -17,8 +17,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from smg_grpc_proto import mlx_engine_pb2
-from smg_grpc_proto import mlx_engine_pb2_grpc
+from smg_grpc_proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 from rollout_client.sampling_params import LogprobMode
 

@@ -2,7 +2,7 @@
 
 `SmgStub` has the methods of rollout.v1's ``RolloutServiceStub`` that `rollout_client.AsyncRolloutClient` calls for
 sampling (``Generate``, ``GetServerInfo``, ``Abort``), and `SmgHealth` the ``grpc.health.v1`` check it waits on.
-They translate to the engine's proto (`rollout_client.smg.dialects.SmgDialect`), so the client's retries,
+They translate to the engine's proto (`rollout_client.engines.smg.dialects.SmgDialect`), so the client's retries,
 deadlines, validation drops and `Sample` assembly apply to these engines unchanged:
 
 - One rollout.v1 request of ``num_samples`` becomes one engine request per sample (engine request id
@@ -29,14 +29,11 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
 
+from rollout_client.engines.smg.dialects import EngineSampling, SmgDialect
 from rollout_client.errors import ProtocolError
-from rollout_client.packed_arrays import LOGPROB_DTYPE
-from rollout_client.packed_arrays import TOKEN_ID_DTYPE
-from rollout_client.packed_arrays import pack
+from rollout_client.packed_arrays import LOGPROB_DTYPE, TOKEN_ID_DTYPE, pack
 from rollout_client.protocol import pb
 from rollout_client.request_guards import RequestRefusedError
-from rollout_client.smg.dialects import EngineSampling
-from rollout_client.smg.dialects import SmgDialect
 
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                    "abort": pb.FINISH_REASON_ABORT}

@@ -1,5 +1,5 @@
 """One process of a two-process JAX distributed system that prints, as JSON, the index it reads before any backend
-starts and the memory budget `configure_learner` gives it for the default config (tests/rl/test_devices.py)."""
+starts and the memory budget `configure_learner` gives it for the default config (tests/learner/rl/test_devices.py)."""
 
 import json
 import sys

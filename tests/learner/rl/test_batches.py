@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from rollout_client.sampling_params import SamplerOrder
 
 from learner.rl import PayloadSpec, assemble_payload, demonstration_batch, load_config
-from learner.rl.batches import bounded_rewards, check_scored_window
+from learner.rl.batch_assembly import bounded_rewards, check_scored_window
 from learner.tasks import load_task
 from rollout_client import FinishReason, LogprobMode, Sample, SamplingParams
+from rollout_client.sampling_params import SamplerOrder
 
 TASK = load_task("addition_1digit", {"num_prompts": 8})
 TOKENIZER = TASK.tokenizer
@@ -96,7 +96,7 @@ def test_a_plugin_tasks_rewards_beyond_the_bound_are_skipped_named_and_counted(c
               [_sample(records[2], "8", "c", 0), _sample(records[2], "y", "c", 1)]]  # -inf: left out
     spec = PayloadSpec(rows=4, length=16, sampling=False, raw=False)
     errors = []
-    with caplog.at_level("WARNING", logger="learner.rl.batches"):
+    with caplog.at_level("WARNING", logger="learner.rl.batch_assembly"):
         payload, collated = assemble_payload(groups, records, _HugeOn7(), spec, num_samples=2,
                                              logprob_mode="processed", reward_errors=errors)
     assert int(payload.real_rows) == 2 and collated.tokens.shape[0] == 2

@@ -3,8 +3,18 @@
 import pytest
 
 from learner.rl import RunConfig, load_config, to_dict
-from learner.rl.config import (changed_keys, checkpoint_config, client_config, correction_config, engine_addresses,
-                               from_dict, optimizer_config, optimizer_updates, sampling_params, update_config)
+from learner.rl.config import (
+    changed_keys,
+    checkpoint_config,
+    client_config,
+    correction_config,
+    engine_addresses,
+    from_dict,
+    optimizer_config,
+    optimizer_updates,
+    sampling_params,
+    update_config,
+)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -5,15 +5,33 @@ import types
 import numpy as np
 import pytest
 
-from learner.model import model_config
+from learner.model.transformer import model_config
 from learner.rl import load_config
-from learner.rl.engines import (ENGINES, build_engine, check_identity, learner_identity, publishes_adapters,
-                                reference_server_args, requirements)
-from rollout_client.sglang_engine import SGLangEngine
-from rollout_client.vllm_engine import VllmEngine
-from rollout_client import (EngineCapabilities, EngineCapabilityError, EngineInfo, LogprobMode, MlxEngine,
-                            ModelIdentity, ModelMismatchError, PauseMode, TetherEngine, VersionReporting,
-                            WeightTransport, check_capabilities)
+from learner.rl.engines import (
+    ENGINES,
+    build_engine,
+    check_identity,
+    learner_identity,
+    publishes_adapters,
+    reference_server_args,
+    requirements,
+)
+from rollout_client import (
+    EngineCapabilities,
+    EngineCapabilityError,
+    EngineInfo,
+    LogprobMode,
+    MlxEngine,
+    ModelIdentity,
+    ModelMismatchError,
+    PauseMode,
+    TetherEngine,
+    VersionReporting,
+    WeightTransport,
+    check_capabilities,
+)
+from rollout_client.engines.sglang import SGLangEngine
+from rollout_client.engines.vllm import VllmEngine
 
 # What shared/reference/engines.md says of the MLX servicer: RAW only, its own sampler order, weights by restart,
 # no versions, no n, seed not honoured.

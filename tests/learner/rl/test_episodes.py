@@ -10,11 +10,19 @@ import time
 import numpy as np
 import pytest
 
-from learner.rl.batches import PayloadSpec, assemble_payload
+from learner.rl.batch_assembly import PayloadSpec, assemble_payload
 from learner.rl.episodes import EpisodeEngine, EpisodeRequest, episode_metrics
 from learner.tasks import EnvironmentTask, EpisodeLimits, StepResult, load_task
-from rollout_client import (ClientConfig, Engine, LogprobMode, RolloutBuffer, Sample, SamplingParams, TetherEngine,
-                            collate)
+from rollout_client import (
+    ClientConfig,
+    Engine,
+    LogprobMode,
+    RolloutBuffer,
+    Sample,
+    SamplingParams,
+    TetherEngine,
+    collate,
+)
 from rollout_client.sampling_params import FinishReason
 from tests.rollout_client.conftest import SCRIPTED, start_server  # noqa: F401 - the fixture
 
@@ -294,7 +302,7 @@ def test_episodes_make_a_fixed_shape_payload_with_env_tokens_masked_and_the_envi
 
 def test_an_environment_task_missing_a_member_is_refused_naming_it():
     with pytest.raises(ValueError, match="is not an EnvironmentTask: it lacks limits"):
-        load_task("tests.rl.test_episodes:NoLimitsTask")
+        load_task("tests.learner.rl.test_episodes:NoLimitsTask")
 
 
 class NoLimitsTask:  # an environment task without its limits (the test above)
@@ -400,10 +408,10 @@ def test_over_the_wire_the_trained_ids_are_the_ids_the_server_was_given_and_retu
 
 def test_the_rollout_log_keeps_episode_masks_and_per_token_versions_and_recompute_diagnostics_reads_episodes(
         tmp_path):
-    from learner.rollout_log import LoggedBatch, RolloutLogReader, RolloutLogWriter
-    from tests.learner.test_recompute_diagnostics import SCRIPT
-
     import importlib.util
+
+    from learner.reporting.rollout_log import LoggedBatch, RolloutLogReader, RolloutLogWriter
+    from tests.learner.test_recompute_diagnostics import SCRIPT
     spec = importlib.util.spec_from_file_location("recompute_diagnostics", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -444,7 +452,7 @@ def docs_environment_source() -> str:
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "multiturn.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "multiturn.md").read_text()
     (source,) = re.findall(r"## A 30-line environment.*?```python\n(.*?)```", text, re.S)
     return source
 
@@ -457,7 +465,7 @@ def Guess(**args):  # the docs' task as an import path, for load_task
 
 def test_the_30_line_environment_of_docs_multiturn_runs():
     assert len([line for line in docs_environment_source().splitlines() if line.strip()]) <= 32
-    task = load_task("tests.rl.test_episodes:Guess", {"num_prompts": 3})
+    task = load_task("tests.learner.rl.test_episodes:Guess", {"num_prompts": 3})
     assert isinstance(task, EnvironmentTask)
     env, record = task.environment(), task.prompts()[0]
     tok = task.tokenizer
@@ -471,8 +479,8 @@ def test_the_30_line_environment_of_docs_multiturn_runs():
 def test_a_short_calculator_run_trains_on_episodes_and_logs_their_masks_and_metrics(tmp_path):
     import json
 
+    from learner.reporting.rollout_log import RolloutLogReader
     from learner.rl import Run, load_config
-    from learner.rollout_log import RolloutLogReader
 
     config = load_config("configs/tool_calculator.toml", [
         "warmup.steps=2", "warmup.batch_size=8", "rollout.prompts_per_step=2", "rollout.num_samples=2",
@@ -500,7 +508,7 @@ def test_a_short_calculator_run_trains_on_episodes_and_logs_their_masks_and_metr
 
 @pytest.fixture(scope="module")
 def hf_calculator_files(tmp_path_factory):
-    from tests.tasks.test_hf_tiny_run import _load_script
+    from tests.e2e.test_hf_tiny_run import _load_script
 
     return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_calc") / "files", tool_calculator=True)
 

@@ -5,8 +5,8 @@ import types
 
 import numpy as np
 
-from learner.rl import AgreementHook, CheckpointHook, MetricsHook, SummaryHook, StepRecord, default_hooks, load_config
-from learner.batch import TrainBatch
+from learner.rl import AgreementHook, CheckpointHook, MetricsHook, StepRecord, SummaryHook, default_hooks, load_config
+from learner.update.batch import TrainBatch
 
 
 def _run(tmp_path, steps=5, start_step=0, restored_from=None):
@@ -126,7 +126,7 @@ def test_eval_hook_scores_greedy_and_sampled_completions_of_the_validation_promp
     hook = EvalHook()
     hook.on_start(run)
     records = {step: _record(step, 0.0) for step in (1, 2, 3)}
-    for step, record in records.items():
+    for step, record in records.items():  # noqa: B007
         hook.on_step(run, record)
     assert "eval/pass@1" not in records[1].metrics  # every 2 steps, and at the last step
     for step in (2, 3):

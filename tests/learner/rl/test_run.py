@@ -7,7 +7,7 @@ import signal
 import numpy as np
 import pytest
 
-from learner.checkpoints import CheckpointConfig, Checkpointer
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.rl import CheckpointHook, Hook, MetricsHook, ResumeConfigError, Run, load_config
 
 # A shortened default run: few steps, small batches, fast compiles. 4 prompts x 4 samples = 16 rows per step.
@@ -154,7 +154,7 @@ def test_kl_to_the_reference_policy_trains_reports_kl_loss_and_survives_a_resume
 
 
 def _leaves_in_name_order(params, names):
-    from learner.param_paths import parameter_names
+    from learner.model.param_paths import parameter_names
 
     own, _ = parameter_names(params)
     by_name = dict(zip(own, __import__("jax").tree.leaves(params)))

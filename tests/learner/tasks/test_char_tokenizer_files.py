@@ -2,6 +2,7 @@
 AutoTokenizer (as mlx-lm loads them) and through tokenizers alone."""
 
 import importlib
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings

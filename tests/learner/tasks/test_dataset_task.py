@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.rl import demonstration_batch
-from learner.rl.prompts import PromptStream
+from learner.rl.prompt_stream import PromptStream
 from learner.tasks import Demonstrations, Task, load_task, pass_at_k
 from rollout_client import LogprobMode, SamplingParams
-from tests.tasks.hf_files import write_tokenizer
+from tests.learner.tasks.hf_files import write_tokenizer
 
 transformers = importlib.import_module("transformers")
 

@@ -216,7 +216,7 @@ def test_a_batched_reward_returning_the_wrong_count_fails_every_sample(user_rewa
 def test_a_hanging_reward_times_out(tmp_path, monkeypatch):
     (tmp_path / "slow.py").write_text(textwrap.dedent("""
         import asyncio
-        from tests.tasks.test_rewards import RELEASE
+        from tests.learner.tasks.test_rewards import RELEASE
 
         def hang(completion, prompt, row):
             if completion == "hang":

@@ -27,10 +27,7 @@ import threading
 import urllib.parse
 
 import grpc
-from smg_grpc_proto import sglang_scheduler_pb2
-from smg_grpc_proto import sglang_scheduler_pb2_grpc
-from smg_grpc_proto import vllm_engine_pb2
-from smg_grpc_proto import vllm_engine_pb2_grpc
+from smg_grpc_proto import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 VOCAB = 64
 EOS = VOCAB - 1
@@ -140,8 +137,9 @@ class FakeSglangScheduler(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         stops = set() if params.ignore_eos else {*params.stop_token_ids, EOS}
         interval = params.stream_interval if params.HasField("stream_interval") else 1
         last = {}
-        for index, tokens, logprobs, finish in _chunks(self.engine, request.request_id, list(request.tokenized.input_ids),
-                                                       max(params.n, 1), params.max_new_tokens, stops, interval):
+        for index, tokens, logprobs, finish in _chunks(self.engine, request.request_id,
+                                                       list(request.tokenized.input_ids), max(params.n, 1),
+                                                       params.max_new_tokens, stops, interval):
             out = sglang_scheduler_pb2.OutputLogProbs(token_logprobs=logprobs, token_ids=tokens)
             yield sglang_scheduler_pb2.GenerateResponse(request_id=request.request_id, chunk=(
                 sglang_scheduler_pb2.GenerateStreamChunk(token_ids=tokens, output_logprobs=out, index=index)))
@@ -219,8 +217,9 @@ class FakeVllmEngine(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.engine.generate_requests.append(request)
         params = request.sampling_params
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {EOS})
-        for index, tokens, logprobs, finish in _chunks(self.engine, request.request_id, list(request.tokenized.input_ids),
-                                                       max(params.n, 1), params.max_tokens, stops, 1):
+        for index, tokens, logprobs, finish in _chunks(self.engine, request.request_id,
+                                                       list(request.tokenized.input_ids), max(params.n, 1),
+                                                       params.max_tokens, stops, 1):
             out = (vllm_engine_pb2.OutputLogProbs(token_logprobs=logprobs, token_ids=tokens)
                    if params.HasField("logprobs") else None)
             yield vllm_engine_pb2.GenerateResponse(chunk=vllm_engine_pb2.GenerateStreamChunk(
@@ -434,9 +433,9 @@ def vllm_servers() -> FakeServers:
 
 
 def write_fake_checkpoint(directory: pathlib.Path, weights) -> None:
-    """The tests' checkpoint writer (a `rollout_client.weight_dirs.CheckpointWriter`): ``{"offset": weights["offset"]}``
-    as WEIGHTS_FILE, written to a temporary directory and renamed into place, replacing one there (a retried
-    publish writes the same version again), as the learner's writer does."""
+    """The tests' checkpoint writer (a `rollout_client.engines.weight_dirs.CheckpointWriter`):
+    ``{"offset": weights["offset"]}`` as WEIGHTS_FILE, written to a temporary directory and renamed into place,
+    replacing one there (a retried publish writes the same version again), as the learner's writer does."""
     directory = pathlib.Path(directory)
     temporary, replaced = directory.with_name(f".{directory.name}.tmp"), directory.with_name(f".{directory.name}.old")
     temporary.mkdir(parents=True)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.hf_checkpoint import write_hf_checkpoint
-from learner.logprobs import token_logprobs
-from learner.model import Transformer, model_config
-from learner.param_paths import named_leaves
+from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
+from learner.logprobs.chunked import token_logprobs
+from learner.model.param_paths import named_leaves
+from learner.model.transformer import Transformer, model_config
 from learner.tasks import CharTokenizer
 from rollout_client import ClientConfig, MlxEngine, ValidationConfig
 

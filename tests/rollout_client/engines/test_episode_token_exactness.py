@@ -5,7 +5,8 @@ Mistral) on tiny tokenizers built here.
 - MLX (real, on CPU): one engine serves a tiny model whose vocabulary covers the four tokenizers; besides the ids,
   its RAW logprobs of every policy token equal the learner's logprobs of the trained sequence at that position: the
   engine conditioned on exactly the ids trained on, no re-tokenized history, no added bos.
-- SGLang and vLLM: protocol conformance only (`tests.engines.conformance_servers`: real gRPC servers, fake model):
+- SGLang and vLLM: protocol conformance only (`tests.rollout_client.engines.conformance_servers`: real gRPC servers,
+fake model):
   the ``input_ids`` each Generate call carried are the trained prefix, and its streamed ids are the trained tokens.
 """
 
@@ -16,18 +17,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from learner.hf_checkpoint import write_hf_checkpoint
-from learner.logprobs import token_logprobs
-from learner.model import Transformer, model_config
+from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
+from learner.logprobs.chunked import token_logprobs
+from learner.model.transformer import Transformer, model_config
 from learner.rl.episodes import EpisodeEngine, EpisodeRequest
 from learner.tasks import EpisodeLimits, HFTokenizer, StepResult, message_segment_ids
 from rollout_client import ClientConfig, LogprobMode, MlxEngine, SamplingParams, ValidationConfig
-from rollout_client.sglang_engine import SGLangEngine
-from rollout_client.vllm_engine import VllmEngine
-from tests.engines.conftest import host_weights
-from tests.engines.conformance_servers import VOCAB, sglang_servers, token, vllm_servers, write_fake_checkpoint
-from tests.rl.test_episodes import Recording
-from tests.tasks.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
+from rollout_client.engines.sglang import SGLangEngine
+from rollout_client.engines.vllm import VllmEngine
+from tests.learner.rl.test_episodes import Recording
+from tests.learner.tasks.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
+from tests.rollout_client.engines.conformance_servers import (
+    VOCAB,
+    sglang_servers,
+    token,
+    vllm_servers,
+    write_fake_checkpoint,
+)
+from tests.rollout_client.engines.conftest import host_weights
 
 LLAMA3_TEMPLATE = (  # Meta-Llama-3-Instruct's (tokenizer_config.json)
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "

@@ -11,10 +11,23 @@ import time
 import numpy as np
 import pytest
 
-from rollout_client import (EngineExitedError, FinishReason, LogprobMode, RequestRefusedError, RolloutRequest,
-                            SamplingParams)
-from tests.engines.conftest import (EOS_ID, MODEL_CONFIG, host_weights, learner_logits, learner_logprobs,
-                                    make_model, start_engine)
+from rollout_client import (
+    EngineExitedError,
+    FinishReason,
+    LogprobMode,
+    RequestRefusedError,
+    RolloutRequest,
+    SamplingParams,
+)
+from tests.rollout_client.engines.conftest import (
+    EOS_ID,
+    MODEL_CONFIG,
+    host_weights,
+    learner_logits,
+    learner_logprobs,
+    make_model,
+    start_engine,
+)
 
 TOLERANCE = 1e-5
 PROMPT = [1, *range(20, 30), 3]  # bos, ten characters, separator

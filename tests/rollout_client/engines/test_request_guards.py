@@ -5,8 +5,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollout_client import (ModelIdentity, ModelMismatchError, PromptLimits, RequestRefusedError, RolloutRequest,
-                            SamplingParams)
+from rollout_client import (
+    ModelIdentity,
+    ModelMismatchError,
+    PromptLimits,
+    RequestRefusedError,
+    RolloutRequest,
+    SamplingParams,
+)
 from rollout_client.request_guards import check_model_identity, check_request
 
 LIMITS = PromptLimits(vocab_size=100, max_seq_len=64)

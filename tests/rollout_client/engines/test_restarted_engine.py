@@ -1,5 +1,5 @@
 """An SGLang or vLLM engine restarted by its operator (same address, start-up weights) is republished before the pool
-takes it back: protocol conformance against the fake servers of `tests.engines.conformance_servers`.
+takes it back: protocol conformance against the fake servers of `tests.rollout_client.engines.conformance_servers`.
 
 The engine object remembers the version it published before the restart; the restarted engine serves its start-up
 weights (or, with LoRA adapters, holds no adapter). The pool must load the current version's directory again before
@@ -14,12 +14,18 @@ import numpy as np
 import pytest
 
 from rollout_client import ClientConfig, RolloutRequest, SamplingParams, ValidationConfig
-from rollout_client.engine_pool import EnginePool, Member, PoolConfig
-from rollout_client.http_control import ControlPlaneUnavailableError
-from rollout_client.sglang_engine import SGLangEngine, adapter_name
-from rollout_client.vllm_engine import VllmEngine
-from rollout_client.weight_dirs import version_dir
-from tests.engines.conformance_servers import VOCAB, sglang_servers, token, vllm_servers, write_fake_checkpoint
+from rollout_client.engines.http_control import ControlPlaneUnavailableError
+from rollout_client.engines.pool import EnginePool, Member, PoolConfig
+from rollout_client.engines.sglang import SGLangEngine, adapter_name
+from rollout_client.engines.vllm import VllmEngine
+from rollout_client.engines.weight_dirs import version_dir
+from tests.rollout_client.engines.conformance_servers import (
+    VOCAB,
+    sglang_servers,
+    token,
+    vllm_servers,
+    write_fake_checkpoint,
+)
 
 PROMPT = [3, 1, 4, 1, 5]
 OFFSET = 4  # the published weights; the restarted engine's start-up weights have offset 0
@@ -91,7 +97,8 @@ def test_restarted_engine_is_republished_before_it_is_taken_back_protocol_confor
         servers.stop()
 
     assert metrics["engines/taken_out"] == 1 and metrics["engines/taken_back"] == 1
-    assert loads(servers) == [str(version_dir(tmp_path / "weights", 1))]  # the current version's directory, loaded again
+    assert loads(servers) == [str(version_dir(tmp_path / "weights",
+                                              1))]  # the current version's directory, loaded again
     if start is sglang_adapters:  # the request named tether-v1, which the restarted engine holds again
         assert list(servers.engine.lora_ids.values()) == [adapter_name(1)]
         assert [sent.lora_id for sent in servers.engine.generate_requests] == [adapter_name(1)]

@@ -1,7 +1,8 @@
 """SGLang backend, protocol conformance only: SGLang does not run on this CPU.
 
 `rollout_client.SGLangEngine` is driven against a gRPC server built from smg's own ``SglangSchedulerServicer``
-base class and an HTTP server with SGLang's control endpoints (`tests.engines.conformance_servers`). What is checked:
+base class and an HTTP server with SGLang's control endpoints (`tests.rollout_client.engines.conformance_servers`). What
+is checked:
 what goes on the wire (every sampling field explicit, with the value meant), how the streamed answer is assembled
 (the final message repeats the last chunk), ``n``, abort, the publish sequence, and errors. What is not: that a real
 SGLang samples and loads as its source says.
@@ -13,15 +14,22 @@ import json
 import numpy as np
 import pytest
 
-from learner.lora import LoraConfig
-from learner.model import model_config
-from learner.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
+from learner.checkpoints.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_adapter
+from learner.model.lora import LoraConfig
+from learner.model.transformer import model_config
 from rollout_client import ClientConfig, FinishReason, LogprobMode, RolloutRequest, SamplingParams, ValidationConfig
+from rollout_client.engines.http_control import ControlPlaneError, ControlPlaneUnavailableError
+from rollout_client.engines.sglang import STREAM_INTERVAL, SGLangEngine
 from rollout_client.errors import ServerNotReadyError
-from rollout_client.http_control import ControlPlaneError, ControlPlaneUnavailableError
 from rollout_client.request_guards import RequestRefusedError
-from rollout_client.sglang_engine import STREAM_INTERVAL, SGLangEngine
-from tests.engines.conformance_servers import (EOS, VOCAB, logprob, sglang_servers, token, write_fake_checkpoint)
+from tests.rollout_client.engines.conformance_servers import (
+    EOS,
+    VOCAB,
+    logprob,
+    sglang_servers,
+    token,
+    write_fake_checkpoint,
+)
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -61,7 +69,8 @@ def test_generate_sends_every_sampling_field_explicitly_protocol_conformance(ser
     assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
     assert params.HasField("max_new_tokens") and params.max_new_tokens == 11
     assert (list(params.stop_token_ids), params.ignore_eos, params.min_new_tokens) == ([], True, 0)
-    assert (params.skip_special_tokens, params.spaces_between_special_tokens, params.no_stop_trim) == (False, False, True)
+    assert (params.skip_special_tokens, params.spaces_between_special_tokens, params.no_stop_trim) == (False, False,
+                                                                                                       True)
     assert params.HasField("stream_interval") and params.stream_interval == STREAM_INTERVAL
     assert params.n == 1 and not params.HasField("constraint") and not params.logit_bias
 

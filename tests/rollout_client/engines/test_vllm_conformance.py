@@ -1,7 +1,8 @@
 """vLLM backend, protocol conformance only: vLLM does not run on this CPU.
 
 `rollout_client.VllmEngine` is driven against a gRPC server built from smg's own ``VllmEngineServicer`` base class
-and an HTTP server with vLLM's pause / reload / resume endpoints (`tests.engines.conformance_servers`). What is
+and an HTTP server with vLLM's pause / reload / resume endpoints (`tests.rollout_client.engines.conformance_servers`).
+What is
 checked: the wire (every sampling field explicit, logprobs of the sampled token asked for, ``n``), stream assembly,
 abort, the publish sequence, errors. What is not: that a real vLLM samples and reloads as its source says.
 """
@@ -9,12 +10,19 @@ abort, the publish sequence, errors. What is not: that a real vLLM samples and r
 import numpy as np
 import pytest
 
-from rollout_client import ClientConfig, FinishReason, LogprobMode, PauseMode, RolloutRequest, SamplingParams
-from rollout_client import ValidationConfig
-from rollout_client.http_control import ControlPlaneError, ControlPlaneUnavailableError
+from rollout_client import (
+    ClientConfig,
+    FinishReason,
+    LogprobMode,
+    PauseMode,
+    RolloutRequest,
+    SamplingParams,
+    ValidationConfig,
+)
+from rollout_client.engines.http_control import ControlPlaneError, ControlPlaneUnavailableError
+from rollout_client.engines.vllm import VllmEngine
 from rollout_client.request_guards import RequestRefusedError
-from rollout_client.vllm_engine import VllmEngine
-from tests.engines.conformance_servers import VOCAB, logprob, token, vllm_servers, write_fake_checkpoint
+from tests.rollout_client.engines.conformance_servers import VOCAB, logprob, token, vllm_servers, write_fake_checkpoint
 
 PROMPT = [2, 7, 1, 8]
 

@@ -15,17 +15,16 @@ import pytest
 import yaml
 
 import corrections
-from learner.checkpoints import CheckpointConfig, Checkpointer
-from learner.metrics_writers import read_metrics
-from learner.rl import load_config
-from learner.rl import migration
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
+from learner.reporting.metrics_writers import read_metrics
+from learner.rl import framework_config, load_config
 from learner.rl.config import correction_config
-from tests.test_main_job import DEFAULT_CONFIG, run_training
+from tests.e2e.test_main_job import DEFAULT_CONFIG, run_training
 
-FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
+FILES = pathlib.Path(__file__).parents[2] / "fixtures" / "frameworks"
 
 
-def rows(m: migration.Migration) -> dict:
+def rows(m: framework_config.Migration) -> dict:
     return {row.key: (row.value, row.tether) for row in m.rows}
 
 
@@ -54,7 +53,7 @@ def test_training_settings_map_to_run_keys(framework, name, run):
     """The real files' training settings as run-config values (verl: 1024 prompts / 256 per mini-batch = 4
     updates; slime: 32 prompts x 8 samples / global batch 256 = 1; top_k -1 is Tether's 0; a constant schedule is
     end_learning_rate None), and the loss as the front door gives it."""
-    m = migration.migrate(framework, str(FILES / name))
+    m = framework_config.migrate(framework, str(FILES / name))
     assert m.run == run
     assert m.corrections == getattr(corrections, f"from_{framework}")(corrections.read_file(FILES / name))
 
@@ -65,29 +64,29 @@ def test_a_run_maps_the_training_settings_without_the_front_doors_warning(framew
     """The front door's TrainingKeysWarning is for direct calls; a run applies those settings and prints its table."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", corrections.TrainingKeysWarning)
-        m = migration.migrate.__wrapped__(framework, str(FILES / name))  # not the cached result
+        m = framework_config.migrate.__wrapped__(framework, str(FILES / name))  # not the cached result
     assert m.run["optimizer.learning_rate"] == 1e-6
 
 
 def test_every_key_gets_one_row():
     """verl's resolved config: the loss keys name their CorrectionConfig field, mapped keys their run key, settings
     Tether does otherwise say why, whole sections outside the loss are one row each, unknown keys are marked."""
-    m = migration.migrate("verl", str(FILES / "verl/_generated_ppo_trainer.yaml"))
+    m = framework_config.migrate("verl", str(FILES / "verl/_generated_ppo_trainer.yaml"))
     table = rows(m)
     assert len(table) == len(m.rows)  # each key once
     assert table["actor_rollout_ref.actor.clip_ratio_c"] == (3.0, "corrections.objective.dual_clip")
     assert table["algorithm.rollout_correction.rollout_is"] == (None, "corrections.importance.level")
     assert table["actor_rollout_ref.actor.ppo_epochs"] == (1, "update.ppo_epochs")
-    assert table["algorithm.adv_estimator"] == ("gae", f"not applied: {migration.GRPO}")
+    assert table["algorithm.adv_estimator"] == ("gae", f"not applied: {framework_config.GRPO}")
     assert table["algorithm.use_kl_in_reward"] == (False, "not used (Tether does the same)")
     assert table["critic"][1] == "not used (unknown to Tether's reader)"
     assert table["actor_rollout_ref.actor.sum_pi_squared_checkpointing"][1] == "not used (unknown to Tether's reader)"
     assert table["trainer.total_training_steps"] == (None, "not used (null: Tether's loop.steps stays)")
     assert table["actor_rollout_ref.actor.strategy"] == ("fsdp", "not used")
-    slime = rows(migration.migrate("slime", str(FILES / "slime/run-qwen3-4B.sh")))
+    slime = rows(framework_config.migrate("slime", str(FILES / "slime/run-qwen3-4B.sh")))
     assert slime["--eps-clip-high"] == (0.28, "corrections.objective.clip_high")
-    assert slime["--adam-beta2"] == (0.98, f"not applied: {migration.BETAS}")
-    areal = rows(migration.migrate("areal", str(FILES / "areal/gsm8k_grpo.yaml")))
+    assert slime["--adam-beta2"] == (0.98, f"not applied: {framework_config.BETAS}")
+    areal = rows(framework_config.migrate("areal", str(FILES / "areal/gsm8k_grpo.yaml")))
     assert areal["actor.optimizer.warmup_steps_proportion"][1].startswith("not applied: set optimizer.warmup_steps")
     assert m.table().splitlines()[1] == "their key\ttheir value\tTether"
 
@@ -100,7 +99,7 @@ def test_precedence_toml_then_framework_file_then_set(tmp_path):
     config = load_config(DEFAULT_CONFIG, sets)
     assert config.update.ppo_epochs == 1 and config.optimizer.learning_rate == 1e-6
     assert config.corrections.overrides == {}
-    assert correction_config(config) == migration.migrate("verl", path).corrections
+    assert correction_config(config) == framework_config.migrate("verl", path).corrections
     config = load_config(DEFAULT_CONFIG, [*sets, "update.ppo_epochs=3", "corrections.overrides={kl_coef = 0.2}"])
     assert config.update.ppo_epochs == 3 and correction_config(config).kl_coef == 0.2
     assert correction_config(config).denominator == "kept"  # the rest stays verl's
@@ -138,7 +137,7 @@ def test_run_from_a_verl_config(tmp_path):
     run_dir = tmp_path / "run"
     stdout = run_training(run_dir, f"corrections.from_verl={json.dumps(str(path))}", "loop.steps=1",
                           "warmup.steps=0")
-    table = (run_dir / migration.MAPPING_FILE).read_text()
+    table = (run_dir / framework_config.MAPPING_FILE).read_text()
     assert stdout.count("their key\ttheir value\tTether") == 1 and table in stdout
     assert "actor_rollout_ref.actor.optim.lr\t0.0005\toptimizer.learning_rate" in table
     assert "actor_rollout_ref.actor.kl_loss_coef\t0.02\tcorrections.kl_coef" in table

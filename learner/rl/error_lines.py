@@ -1,0 +1,48 @@
+"""The command line's errors as one line each: a user error or a full disk is one ``error:`` line and exit 1, never a
+traceback; Ctrl-C is one line and exit 130.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from learner.reporting.disk_full import disk_full_cause
+from learner.rl.batch_assembly import NoUsableRolloutsError
+from learner.rl.preflight import ConfigError
+from learner.rl.run import NonFiniteUpdateError, ResumeConfigError
+from learner.rl.run_lock import RunDirLockedError
+from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
+
+# Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
+# with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError,
+                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError)
+
+
+@contextlib.contextmanager
+def errors_as_lines(*classes: type[BaseException], run_dir: str | None = None):
+    """Turns an exception of ``classes`` (default `USER_ERRORS`), or one caused by a full disk (writing under
+    ``run_dir``), into one ``error: <message>`` line on stderr and exit 1; Ctrl-C into one line and exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command to resume from the latest checkpoint", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except (EngineExitedError, EnginesDownError) as error:  # its first line names the engine's log and exit code
+        sys.exit(f"error: {str(error).splitlines()[0].rstrip(':')}")
+    except classes or USER_ERRORS as error:  # noqa: B030
+        sys.exit(f"error: {error}")
+    except Exception as error:
+        if cause := disk_full_cause(error):
+            sys.exit(f"error: disk full writing under run_dir {run_dir} ({cause}). Committed checkpoints are intact "
+                     "(a partial save is deleted at the next start): free space and rerun the same command to resume")
+        raise
+
+
+def drop_closed_loop_callbacks(unraisable) -> None:
+    """``sys.unraisablehook``: after a failed save, tensorstore writes still pending complete into orbax's closed
+    event loop, each reporting ``RuntimeError('Event loop is closed')``; the failure itself is reported once."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        sys.__unraisablehook__(unraisable)
