@@ -59,7 +59,7 @@ def reinforce_pp_advantages(token_rewards, mask, gamma: float = 1.0, eps: float 
 
     >>> import numpy as np
     >>> np.asarray(reinforce_pp_advantages(np.array([[0.0, 1.0], [0.0, 0.0]]), np.ones((2, 2))),
-                   float).round(4).tolist()
+    ...     float).round(4).tolist()
     [[0.866, 0.866], [-0.866, -0.866]]
     """
     rewards = jnp.where(jnp.asarray(mask).astype(bool), jnp.asarray(token_rewards, jnp.float32), 0.0)

@@ -180,7 +180,7 @@ def preset(name: str, rejection_mode: str = "merge", **overrides: Any) -> Correc
     >>> [r.name for r in preset("decoupled_geo_rs", rejection=[{"name": "seq_max_k2", "high": 0.1}]).rejection]
     ['seq_mean_k1', 'seq_max_k2']
     >>> preset("decoupled_geo_rs", rejection=[{"name": "token_k1", "low": 0.5, "high": 2}],
-               rejection_mode="replace").rejection
+    ...     rejection_mode="replace").rejection
     (RejectionRule(name='token_k1', low=0.5, high=2),)
     >>> preset("no_such_preset")
     Traceback (most recent call last):

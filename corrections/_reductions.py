@@ -33,7 +33,7 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
     >>> [float(x) for x in loss_terms(loss, m, mode="seq-mean-token-mean")]
     [7.0, 2.0]
     >>> [float(x) for x in loss_terms(loss, np.array([[1, 1], [0, 0]]), mode="seq-mean-token-sum-norm",
-                                      count_rows=True)]
+    ...     count_rows=True)]
     [4.0, 2.0]
     """
     loss = jnp.asarray(loss, jnp.float32)
