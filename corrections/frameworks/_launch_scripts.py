@@ -5,11 +5,12 @@ slime script (its bash arrays and its ``train.py`` line).
 Not a shell: it reads what verl's launch scripts do to build that command, as bash would, without running anything.
 Line continuations, comments, single and double quotes, backslashes, redirections; ``NAME=value``, ``export
 NAME=value`` and arrays ``NAME=( ... )`` at the top level of the script, in order; ``$NAME``, ``${NAME}``,
-``${NAME:-default}`` (and ``-``, ``:=``, ``:+``, ``+``), ``"${NAME[@]}"``, ``$((arithmetic))``; ``$@``,
-``"${@:2}"`` and the positional parameters are empty (no arguments are passed). A variable the script does not
-set (``$HOME``) stays as text, whatever the reader's environment holds; assignments inside ``if``, ``for``,
-``while`` and ``case`` blocks are not followed; ``$(command)`` is not run and stays as text. Values are read as
-Hydra reads them: ints, floats, ``true``/``false``, ``null``, ``[lists]`` and ``{dicts}``, quoted text as text.
+``${NAME:-default}`` (and ``-``, ``:=``, ``:+``, ``+``), ``"${NAME[@]}"``, ``$((arithmetic))``, with field
+splitting of unquoted expansions; ``$@``, ``"${@:2}"`` and the positional parameters are empty (no arguments are
+passed). A variable the script does not set (``$HOME``) stays as text, whatever the reader's environment holds;
+assignments inside ``if``, ``for``, ``while`` and ``case`` blocks are not followed; ``$(command)`` is not run and
+stays as text (one word). Values are read as Hydra reads them: ints, floats, ``true``/``false``, ``null``,
+``[lists]`` and ``{dicts}``, quoted text as text.
 """
 
 from __future__ import annotations
@@ -26,16 +27,24 @@ from corrections.frameworks._files import hydra_command
 VERL_COMMAND = "verl.trainer.main_ppo"
 # verl's own config names for that command: their defaults are the ones the front door and the run mapping fill in.
 STOCK_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
-_OPERATORS = ("&&", "||", ";;", ";", "|", "&", "\n")
+_OPERATOR = re.compile(r"&&|\|\||;;|[;|&\n]")  # ends a statement
+_REDIRECTION = re.compile(r"[<>&|]+")
+_QUOTED_PLAIN = re.compile(r'[^"\\$]+')  # characters with no meaning inside double quotes
+_UNQUOTED_PLAIN = re.compile(r"[^'\"\\$]+")  # characters a raw word keeps as they are
+_PLAIN = re.compile(r"[^\s'\"\\$;&|<>(#]+")  # characters with no meaning to the shell, in a word
 _OPENERS = {"if": 1, "for": 1, "while": 1, "until": 1, "case": 1, "select": 1, "fi": -1, "done": -1, "esac": -1}
 _LEADERS = {"then", "else", "do", "elif", "!", "{", "}", "time"}
 _NAME = r"[A-Za-z_]\w*"
+_DOLLAR = re.compile(rf"\$({_NAME}|[0-9@*#?$!-])?")  # $NAME, $1, $@, ...: a plain expansion
 
 
 def read_launch_script(text: str, path: str | pathlib.Path) -> dict | list[str]:
     """A verl script's nested overrides, or a slime script's argument tokens; a script with neither raises, naming
     what was looked for (an empty result would read as the framework's defaults)."""
-    overrides = verl_overrides(text, path)
+    try:
+        overrides = verl_overrides(text, path)
+    except RecursionError:  # quotes and expansions nested thousands deep
+        raise ValueError(f"{path}: quotes or $(...) nested too deeply to read.") from None
     if overrides is not None:
         return overrides
     tokens = launch_script_arguments(text)
@@ -73,7 +82,7 @@ def verl_arguments(text: str, path: str | pathlib.Path = "script") -> list[str] 
             continue
         for index, word in enumerate(words[:-1]):
             if word == "-m" and _expand(words[index + 1], variables, path) == [VERL_COMMAND]:
-                return [argument for raw in words[index + 2:] for argument in _expand(raw, variables, path)]
+                return [str(argument) for raw in words[index + 2:] for argument in _expand(raw, variables, path)]
         if depth == 0:
             _assign(words, variables, path)
     return None
@@ -93,44 +102,57 @@ def _assign(words: list[str], variables: dict[str, str | list[str]], path) -> No
             words = [raw for statement in _statements(value[1:-1], path) for raw in statement]
             variables[name] = [word for raw in words for word in _expand(raw, variables, path)]
         else:
-            variables[name] = "".join(_expand(value, variables, path))
+            variables[name] = _expand_one(value, variables, path)
 
 
 def _statements(text: str, path) -> list[list[str]]:
     """The script's statements as lists of raw words (quotes kept), split at newlines and ``; && || | &``;
-    comments dropped."""
-    statements, words, word, i = [], [], "", 0
+    comments and redirections dropped."""
+    statements: list[list[str]] = []
+    words: list[str] = []
+    parts: list[str] = []  # of the word being read
     redirected = False  # after > or <: the rest of the statement is redirections, not arguments
+    i = 0
     while i < len(text):
         char = text[i]
-        operator_ = next((op for op in _OPERATORS if text.startswith(op, i)), None)
-        if char in "<>" and not word.strip("0123456789&"):
-            word, redirected = "", True
-            i += len(re.match(r"[<>&|]+", text[i:]).group())
-        elif char in " \t\r" or operator_ is not None:
-            if word and not redirected:
-                words.append(word)
-            word = ""
-            if operator_ is not None:
+        plain = _PLAIN.match(text, i)
+        operator_ = None if plain else _OPERATOR.match(text, i)
+        if plain:
+            parts.append(plain.group())
+            i = plain.end()
+        elif char in "<>" and not "".join(parts).strip("0123456789&"):  # 2>&1, > log, < input
+            parts, redirected = [], True
+            i = _REDIRECTION.match(text, i).end()
+        elif char in " \t\r" or operator_:
+            if parts and not redirected:
+                words.append("".join(parts))
+            parts = []
+            if operator_:
                 if words:
                     statements.append(words)
                 words, redirected = [], False
-            i += len(operator_ or char)
-        elif char == "(" and re.fullmatch(rf"{_NAME}=", word):  # an array: NAME=( words... )
+            i = operator_.end() if operator_ else i + 1
+        elif char == "(" and re.fullmatch(rf"{_NAME}=", "".join(parts)):  # an array: NAME=( words... )
             end = _closing_paren(text, i, path)
-            word += text[i:end]
+            parts.append(text[i:end])
             i = end
-        elif char == "#" and not word:
-            i = text.find("\n", i) if "\n" in text[i:] else len(text)
+        elif char == "#" and not parts:
+            i = _line_end(text, i)
         else:
             end = _word_part_end(text, i, path)
-            word += text[i:end]
+            parts.append(text[i:end])
             i = end
-    if word and not redirected:
-        words.append(word)
+    if parts and not redirected:
+        words.append("".join(parts))
     if words:
         statements.append(words)
     return statements
+
+
+def _line_end(text: str, i: int) -> int:
+    """The index of the newline that ends the line holding ``i`` (the text's end on its last line)."""
+    end = text.find("\n", i)
+    return len(text) if end < 0 else end
 
 
 def _closing_paren(text: str, i: int, path) -> int:
@@ -141,7 +163,7 @@ def _closing_paren(text: str, i: int, path) -> int:
             j = _word_part_end(text, j, path)
             continue
         if text[j] == "#" and text[j - 1] in " \t\n(":
-            j = text.find("\n", j) if "\n" in text[j:] else len(text)
+            j = _line_end(text, j)
             continue
         depth += {"(": 1, ")": -1}.get(text[j], 0)
         j += 1
@@ -162,7 +184,7 @@ def _word_part_end(text: str, i: int, path) -> int:
     if char == '"':
         j = i + 1
         while j < len(text) and text[j] != '"':
-            j = _word_part_end(text, j, path) if text[j] in "\\$" else j + 1
+            j = _word_part_end(text, j, path) if text[j] in "\\$" else _QUOTED_PLAIN.match(text, j).end()
         if j >= len(text):
             raise ValueError(f"{path}: a double quote is not closed ({text[i:i + 40]!r}...).")
         return j + 1
@@ -183,64 +205,90 @@ def _word_part_end(text: str, i: int, path) -> int:
     return i + 1
 
 
-def _expand(raw: str, variables: dict[str, str | list[str]], path) -> list[str]:
-    """The words of a raw word after the shell's expansions and quote removal: none for an unquoted empty
-    expansion or ``"$@"``, an array's words for ``"${NAME[@]}"``, else one."""
+def _expand(raw: str, variables: dict[str, str | list[str]], path, split: bool = True) -> list[str]:
+    """The words of a raw word after the shell's expansions, field splitting (``split``: an unquoted expansion
+    holding blanks gives several words, as ``$ACTOR_CONFIG`` does; not in an assignment) and quote removal: none
+    for an unquoted empty expansion or ``"$@"``, an array's words for ``"${NAME[@]}"``."""
     if re.fullmatch(r'"?\$(@|\*|\{[@*][^}]*\})"?', raw):
         return []
     array = re.fullmatch(rf'"?\$\{{({_NAME})\[[@*]\]\}}"?', raw)
     if array and isinstance(variables.get(array.group(1)), list):
         return list(variables[array.group(1)])
-    out, quoted, i = [], False, 0
+    fields: list[list[str]] = [[]]
+    quoted: list[bool] = [False]
+    kept: list[bool] = [False]  # holds text kept as written (_Text)
+
+    def add(text: str, is_quoted: bool = False, splits: bool = False) -> None:
+        splits = splits and split and not isinstance(text, _Text)
+        for k, piece in enumerate(re.split(r"[ \t\n]+", text) if splits else [text]):
+            if k:
+                fields.append([])
+                quoted.append(False)
+                kept.append(False)
+            fields[-1].append(piece)
+            quoted[-1] = quoted[-1] or is_quoted
+            kept[-1] = kept[-1] or isinstance(text, _Text)
+
+    i = 0
     while i < len(raw):
         char = raw[i]
         end = _word_part_end(raw, i, path)
         if char == "'":
-            out.append(raw[i + 1:end - 1])
-            quoted = True
+            add(raw[i + 1:end - 1], is_quoted=True)
         elif char == '"':
             inner, j = raw[i + 1:end - 1], 0
+            add("", is_quoted=True)
             while j < len(inner):
                 if inner[j] == "\\":
                     stop = min(j + 2, len(inner))
                 else:
-                    stop = _dollar_end(inner, j, path) if inner[j] == "$" else j + 1
+                    stop = _dollar_end(inner, j, path) if inner[j] == "$" else _QUOTED_PLAIN.match(inner, j).end()
                 part = inner[j:stop]
                 if part.startswith("\\"):
-                    out.append(part[1:] if part[1:] in ('"', "\\", "$", "`") else part)
+                    add(part[1:] if part[1:] in ('"', "\\", "$", "`") else part)
                 else:
-                    out.append(_dollar(part, variables, path) if part.startswith("$") else part)
+                    add(_dollar(part, variables, path) if part.startswith("$") else part)
                 j = stop
-            quoted = True
         elif char == "\\":
-            out.append(raw[i + 1:end])
+            add(raw[i + 1:end])
         elif char == "$":
             end = _dollar_end(raw, i, path)
-            out.append(_dollar(raw[i:end], variables, path))
+            add(_dollar(raw[i:end], variables, path), splits=True)
         else:
-            out.append(char)
+            end = _UNQUOTED_PLAIN.match(raw, i).end()
+            add(raw[i:end])
         i = end
-    word = "".join(out)
-    return [word] if word or quoted else []
+    words = [_Text("".join(parts)) if is_kept else "".join(parts) for parts, is_kept in zip(fields, kept)]
+    return [word for word, is_quoted in zip(words, quoted) if word or is_quoted]
+
+
+def _expand_one(raw: str, variables: dict[str, str | list[str]], path) -> str:
+    """A raw word expanded without field splitting, as in an assignment (``_Text`` where it keeps text)."""
+    words = _expand(raw, variables, path, split=False)
+    return words[0] if words else ""
 
 
 def _dollar_end(raw: str, i: int, path) -> int:
     if raw.startswith(("$(", "${"), i):
         return _word_part_end(raw, i, path)
-    match = re.match(rf"\$({_NAME}|[0-9@*#?$!-])?", raw[i:])
-    return i + match.end()
+    return _DOLLAR.match(raw, i).end()
+
+
+class _Text(str):
+    """Shell text this reader keeps as written (``$(command)``, arithmetic it cannot do, a variable the script does
+    not set): one word, never split at its blanks."""
 
 
 def _dollar(part: str, variables: dict[str, str | list[str]], path) -> str:
     """One ``$`` expansion: a variable (with its ``${NAME:-default}`` forms), arithmetic, or the text as it is."""
     if part.startswith("$(("):
-        return _arithmetic(part[3:-2], variables, path, part)
+        return _arithmetic(part[3:-2], variables, _Text(part))
     if part.startswith("$("):
-        return part  # a command substitution: not run
+        return _Text(part)  # a command substitution: not run
     name = part[2:-1] if part.startswith("${") else part[1:]
     match = re.fullmatch(rf"({_NAME}|[0-9]+|[@*])(:?[-=+])?(.*)", name, flags=re.S)
     if not match:
-        return part  # $#, ${#NAME}, ${NAME/a/b}, a lone $: as text
+        return _Text(part)  # $#, ${#NAME}, ${NAME/a/b}, a lone $: as text
     name, form, word = match.groups()
     if name.isdigit() or name in "@*":
         value = None if name != "0" else str(path)  # no arguments are passed
@@ -248,13 +296,13 @@ def _dollar(part: str, variables: dict[str, str | list[str]], path) -> str:
         value = variables.get(name)
         value = (value[:1] or [""])[0] if isinstance(value, list) else value  # $ARRAY: its first word
     if form is None:
-        return part if value is None and not (name.isdigit() or name in "@*") else value or ""
+        return _Text(part) if value is None and not (name.isdigit() or name in "@*") else value or ""
     empty = value is None or (form.startswith(":") and value == "")
     if form.endswith("+"):
-        return "" if empty else "".join(_expand(word, variables, path))
+        return "" if empty else _expand_one(word, variables, path)
     if not empty:
         return value
-    default = "".join(_expand(word, variables, path))
+    default = _expand_one(word, variables, path)
     if form.endswith("=") and not (name.isdigit() or name in "@*"):
         variables[name] = default
     return default
@@ -264,9 +312,9 @@ _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.
                ast.Pow: operator.pow, ast.Div: lambda a, b: int(a / b), ast.FloorDiv: lambda a, b: int(a / b)}
 
 
-def _arithmetic(expression: str, variables: dict[str, str | list[str]], path, text: str) -> str:
+def _arithmetic(expression: str, variables: dict[str, str | list[str]], text: str) -> str:
     """``$((...))``: integer + - * / % ** and parentheses over numbers and variables (an unset one is 0, as in the
-    shell); anything else stays as text."""
+    shell), within the shell's 64 bits; anything else stays as text."""
     expression = re.sub(r"\$\{?(" + _NAME + r")\}?", r"\1", expression)
 
     def value(node):
@@ -279,7 +327,13 @@ def _arithmetic(expression: str, variables: dict[str, str | list[str]], path, te
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
         if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-            return _ARITHMETIC[type(node.op)](value(node.left), value(node.right))
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and not 0 <= right < 64:
+                raise ValueError(node)  # 9**9**9 would not end
+            result = _ARITHMETIC[type(node.op)](left, right)
+            if abs(result) >= 1 << 63:
+                raise ValueError(node)
+            return result
         raise ValueError(node)
 
     try:

@@ -30,6 +30,8 @@ SNIPPETS = {
                             '"${ARR[@]}" x.c=3 $@ "$@" "${@:2}"\n',
     "blocks, prefixes and redirections": 'P=1\nif [ "$P" -eq 1 ]; then\n  Q=2\nfi\nR=3 true\n'
                                          "python3 -m verl.trainer.main_ppo x.p=$P x.r=${R:-none} 2>&1 | tee log\n",
+    "field splitting": 'CFG="\n  x.a=1 \\\n  x.b=$((2 * 3))"\nQ="x.c=one two"\n'
+                       'python3 -m verl.trainer.main_ppo $CFG "$Q"\n',
     "hydra prefixes": "python3 -m verl.trainer.main_ppo +x.new=1 ++x.any=2 x.list='[1, 2]' x.s=\"'0.5'\"\n",
 }
 FILES = ["grpo_trainer/run_qwen2-7b.sh", "grpo_trainer/run_qwen3-8b_npu.sh", "ppo_trainer/run_deepseek7b_llm.sh"]
@@ -48,11 +50,21 @@ def bash_arguments(script: str, tmp_path) -> list[str]:
 @pytest.mark.parametrize("source", [*SNIPPETS, *FILES])
 def test_the_command_gets_the_arguments_bash_passes(source, tmp_path):
     """Each form (quoting, continuations, comments, ``$VAR``, ``${VAR:-default}``, ``${VAR:+alt}``,
-    ``$((...))``, arrays, ``$@``, assignments in if blocks or before a command, redirections) and verl's scripts
-    give the arguments bash gives; a variable the script does not set stays as text (``${HOME}`` as written)."""
+    ``$((...))``, arrays, ``$@``, field splitting of an unquoted variable, assignments in if blocks or before a
+    command, redirections) and verl's scripts give the arguments bash gives; a variable the script does not set
+    stays as text (``${HOME}`` as written)."""
     script = SNIPPETS.get(source) or (VERL / source).read_text()
     ours = [argument.replace("${HOME}", "$HOME") for argument in verl_arguments(script)]
     assert ours == bash_arguments(script, tmp_path)
+
+
+def test_what_the_reader_does_not_run_stays_one_word_of_text():
+    """``$(command)`` is not run, arithmetic beyond the shell's 64 bits (or ``9**9**9``, which would not end) and
+    a variable the script does not set stay as written, each one word (never split at its blanks)."""
+    script = ("NOW=$(date +%Y %m)\nBIG=$((9**9**9))\npython3 -m verl.trainer.main_ppo trainer.experiment_name=run_$NOW "
+              "x.p=$((2**70)) x.q=$BIG x.r=${UNSET} x.s=$(( 1 / 0 ))\n")
+    assert verl_arguments(script) == ["trainer.experiment_name=run_$(date +%Y %m)", "x.p=$((2**70))",
+                                      "x.q=$((9**9**9))", "x.r=${UNSET}", "x.s=$(( 1 / 0 ))"]
 
 
 def test_values_are_read_as_hydra_reads_them():

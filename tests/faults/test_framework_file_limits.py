@@ -43,6 +43,13 @@ def test_a_hostile_file_is_one_error_naming_the_file(tmp_path, case):
         corrections.read_file(path)
 
 
+def test_a_launch_script_nested_past_the_parser_is_one_error(tmp_path):
+    path = tmp_path / "run.sh"
+    path.write_text('A="' + '$(echo "' * 5000 + 'x' + '")' * 5000 + '"\n')
+    with pytest.raises(ValueError, match=rf"^{path}: quotes or \$\(\.\.\.\) nested too deeply to read"):
+        corrections.read_file(path)
+
+
 def test_a_huge_launch_script_is_refused_unread(tmp_path):
     path = tmp_path / "run.sh"
     path.write_text("python3 -m verl.trainer.main_ppo \\\n" + "  a.b=1 \\\n" * (MAX_FILE_BYTES // 8))
