@@ -281,3 +281,14 @@ def test_a_variable_the_script_does_not_set_is_named_where_a_number_goes(tmp_pat
     with pytest.raises(ValueError, match=re.escape(f"corrections.from_verl='{path}': actor_rollout_ref.rollout.n='$N': "
                                                    "not a value for rollout.num_samples.")):
         load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(str(path))}"])
+
+
+def test_a_launch_script_given_to_the_other_framework_says_which():
+    verl_script = str(FILES / "verl/examples/grpo_trainer/run_qwen2-7b.sh")
+    slime_script = str(FILES / "slime/run-qwen3-4B.sh")
+    with pytest.raises(ValueError, match=re.escape(f"corrections.from_slime='{verl_script}': not a slime launch "
+                                                   "script; give a YAML file or a verl launch script to its own key")):
+        load_config(None, [f"corrections.from_slime={json.dumps(verl_script)}"])
+    with pytest.raises(ValueError, match=re.escape(f"corrections.from_verl='{slime_script}': a slime launch script; "
+                                                   "use corrections.from_slime.")):
+        load_config(None, [f"corrections.from_verl={json.dumps(slime_script)}"])
