@@ -581,11 +581,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
         _apply(data, *override)
     try:
         return _build(RunConfig, data, "")
-    except ValueError as error:
-        name, path = framework_file
-        raise ValueError(f"{error} (with corrections.from_{name}={path!r}, which sets "
-                         f"{', '.join(framework_config.migrate(name, path).run)}; --set a key to replace its "
-                         "value)") from None
+    except ValueError as error:  # named with the file's key that set each value, or the run config
+        sections = [field.name for field in dataclasses.fields(RunConfig)]
+        raise ValueError(framework_config.clash(str(error), *framework_file, sections)) from None
 
 
 def to_dict(config: RunConfig) -> dict:
