@@ -31,6 +31,7 @@ payload; every process runs the same update on the global mesh and writes checkp
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -106,6 +107,7 @@ class Run:
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
         self._warned_kept = False  # a step kept under half its samples (warned once)
+        self._drops = collections.Counter()  # groups dropped with fewer than 2 scored samples, over the run
 
     @property
     def finished(self) -> bool:
@@ -272,7 +274,8 @@ class Run:
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
             try:
                 payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
-                                                     rollout.logprob_mode, reward_errors=beyond_bound)
+                                                     rollout.logprob_mode, reward_errors=beyond_bound,
+                                                     drops=self._drops)
             except NoUsableRolloutsError as error:
                 drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
                          if "dropped" in name and count}
@@ -314,6 +317,7 @@ class Run:
             metrics.update({
                 "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                 "rollout/samples": samples, "rollout/kept_fraction": kept,
+                "rollout/groups_dropped": self._drops["groups_dropped"],
                 "rollout/completion_tokens_mean": tokens / samples,
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
