@@ -47,6 +47,7 @@ from jax.experimental import multihost_utils
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
 from learner.model.transformer import count_params
+from learner.reporting.run_files import refuse_links
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
@@ -76,6 +77,11 @@ class StepRecord:
     # outside each row's scored window, prompt tokens included, when update.scored_window is set)
     policy_version: int  # the learner's, after the update
     server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
+
+
+# What libraries and the engine process write under run_dir (orbax, tensorstore, the TensorBoard writer, the MLX
+# engine's weights, the server's log), checked for links before the run starts: no link may lead out of run_dir.
+CHECKED_FOR_LINKS = ("checkpoints", "rollout_log", "tensorboard", "engine_weights", "server.log")
 
 
 class ResumeConfigError(ValueError):
@@ -134,6 +140,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
+            refuse_links(self.run_dir, CHECKED_FOR_LINKS)
             framework_config.report(config.corrections, self.run_dir)
         try:
             self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
