@@ -126,8 +126,7 @@ def step_result(result, what: str) -> StepResult:
     if not isinstance(result, StepResult):
         raise EnvironmentFailure(f"{what} returned {type(result).__name__}, not a learner.tasks.StepResult")
     reward = result.reward
-    if (not isinstance(reward, numbers.Real) or isinstance(reward, (bool, np.bool_))
-            or not math.isfinite(float(reward))):
+    if not isinstance(reward, numbers.Real) or isinstance(reward, (bool, np.bool_)) or not _finite(reward):
         raise EnvironmentFailure(f"{what} returned reward={reward!r}: must be a finite number")
     if not isinstance(result.done, (bool, np.bool_)):
         raise EnvironmentFailure(f"{what} returned done={result.done!r}: must be a bool")
@@ -135,6 +134,13 @@ def step_result(result, what: str) -> StepResult:
         raise EnvironmentFailure(f"{what} returned info of type {type(result.info).__name__}: must be a mapping "
                                  "(a dict)")
     return result
+
+
+def _finite(number: numbers.Real) -> bool:
+    try:
+        return math.isfinite(float(number))
+    except OverflowError:  # an int beyond float64
+        return False
 
 
 def segment_ids_of(tokenizer, segment, what: str, field: str, first: bool = False, turn=()) -> np.ndarray:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from learner.rl.environment_calls import EnvironmentCalls, EnvironmentFailure, segment_ids_of, step_result
-from learner.tasks import EnvironmentTask
+from learner.tasks import Environment, EnvironmentTask
 from rollout_client import Engine, LogprobMode, RolloutRequest, Sample, SamplingParams
 from rollout_client.sampling_params import FinishReason
 
@@ -140,6 +140,9 @@ class EpisodeEngine(Engine):
         stop_ids = tuple(dict.fromkeys([*tokenizer.eos_ids, *limits.stop_ids]))
         try:
             environment = calls.call(self.task.environment, timeout_s=limits.step_timeout_s)
+            if not isinstance(environment, Environment):
+                raise EnvironmentFailure(f"{calls.describe(self.task.environment)} returned "
+                                         f"{type(environment).__name__}: it needs reset and step methods")
             what = calls.describe(environment.reset)
             prompt = segment_ids_of(tokenizer, calls.call(environment.reset, request.record,
                                                           timeout_s=limits.step_timeout_s),
