@@ -6,6 +6,7 @@ the training process.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pathlib
@@ -16,6 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from learner.reporting.metrics_writers import read_metrics
+from learner.reporting.run_files import write_atomically
 
 # (panel title, metrics drawn in it); a panel none of whose metrics were logged is left out.
 DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -66,5 +68,7 @@ def plot_learning_curves(
         axes.legend(fontsize="small")
     png_path = pathlib.Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(png_path)
+    image = io.BytesIO()
+    figure.savefig(image, format="png")
+    write_atomically(png_path, image.getvalue())  # never through a link; a reader never sees half a PNG
     return png_path

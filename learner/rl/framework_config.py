@@ -38,6 +38,7 @@ from corrections.frameworks import (  # noqa: F401 (BETAS, GRPO: the tables' tex
     slime_arguments,
     whole,
 )
+from learner.reporting.run_files import write_atomically
 
 FROM_KEYS = {"from_verl": "verl", "from_skyrl": "skyrl", "from_slime": "slime", "from_areal": "areal"}
 
@@ -182,4 +183,4 @@ def report(section, run_dir) -> None:
         return
     table = migrate(*given).table()
     print(table, end="", flush=True)
-    (pathlib.Path(run_dir) / MAPPING_FILE).write_text(table)
+    write_atomically(pathlib.Path(run_dir) / MAPPING_FILE, table)

@@ -28,6 +28,7 @@ from learner.reporting.metrics_writers import FanOutWriter, JsonlWriter, TensorB
 from learner.reporting.plots import DEFAULT_PANELS, plot_learning_curves
 from learner.reporting.progress import ProgressBar, summary_table
 from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
+from learner.reporting.run_files import write_atomically
 from learner.rl import framework_config
 from learner.rl.config import sampling_params
 from rollout_client import LogprobMode, RolloutRequest
@@ -212,7 +213,7 @@ class AgreementHook(Hook):
     def on_end(self, run: Run) -> None:
         record = {"steps": self.steps, "reward_mean": self.rewards, "batch_sha256": self.digest.hexdigest(),
                   "policy_version": run.trainer.policy_version}
-        (run.run_dir / f"process_{run.process_index}.json").write_text(json.dumps(record))
+        write_atomically(run.run_dir / f"process_{run.process_index}.json", json.dumps(record))
 
 
 class SummaryHook(Hook):

@@ -31,6 +31,7 @@ payload; every process runs the same update on the global mesh and writes checkp
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -46,6 +47,7 @@ from jax.experimental import multihost_utils
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
 from learner.model.transformer import count_params
+from learner.reporting.run_files import refuse_links
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
@@ -77,6 +79,11 @@ class StepRecord:
     server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
 
 
+# What libraries and the engine process write under run_dir (orbax, tensorstore, the TensorBoard writer, the MLX
+# engine's weights, the server's log), checked for links before the run starts: no link may lead out of run_dir.
+CHECKED_FOR_LINKS = ("checkpoints", "rollout_log", "tensorboard", "engine_weights", "server.log")
+
+
 class ResumeConfigError(ValueError):
     """A resume would change what the checkpoint was trained for."""
 
@@ -106,6 +113,7 @@ class Run:
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
         self._warned_kept = False  # a step kept under half its samples (warned once)
+        self._drops = collections.Counter()  # groups dropped with fewer than 2 scored samples, over the run
 
     @property
     def finished(self) -> bool:
@@ -132,6 +140,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
+            refuse_links(self.run_dir, CHECKED_FOR_LINKS)
             framework_config.report(config.corrections, self.run_dir)
         try:
             self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
@@ -272,7 +281,8 @@ class Run:
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
             try:
                 payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
-                                                     rollout.logprob_mode, reward_errors=beyond_bound)
+                                                     rollout.logprob_mode, reward_errors=beyond_bound,
+                                                     drops=self._drops)
             except NoUsableRolloutsError as error:
                 drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
                          if "dropped" in name and count}
@@ -314,6 +324,7 @@ class Run:
             metrics.update({
                 "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                 "rollout/samples": samples, "rollout/kept_fraction": kept,
+                "rollout/groups_dropped": self._drops["groups_dropped"],
                 "rollout/completion_tokens_mean": tokens / samples,
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,

@@ -256,7 +256,7 @@ def test_a_failed_reset_gives_an_episode_without_policy_tokens_that_the_buffer_a
     groups = [buffer.get(3), buffer.get(3)]
     assert [len(g) for g in groups] == [2, 2] and engine.requests == []
     assert all(np.isnan(e.reward) for g in groups for e in g)
-    with pytest.raises(RuntimeError, match="could be scored"):
+    with pytest.raises(RuntimeError, match="no group of this rollout batch had 2 scored samples"):
         assemble_payload(groups, [{}, {}], task, PayloadSpec(rows=4, length=16, sampling=False, raw=False), 2,
                          "processed")
 
