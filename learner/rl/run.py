@@ -45,7 +45,6 @@ from jax.experimental import multihost_utils
 
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
-from learner.model.transformer import count_params
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
@@ -151,8 +150,7 @@ class Run:
                              "max_turn_tokens and the task's max_completion_tokens); unset rollout.max_new_tokens")
         self.trainer = Trainer(config, self.task)
         if self.leader:
-            print(f"train state: {count_params(self.trainer.model_config):,} parameters built in "
-                  f"{self.trainer.build_seconds:.1f} s", flush=True)
+            print(self.trainer.describe_state(), flush=True)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
         stop_ids = self.task.tokenizer.eos_ids

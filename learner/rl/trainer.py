@@ -23,7 +23,7 @@ from learner.model.lora import merge_adapters
 from learner.model.param_paths import parameter_names
 from learner.model.precision import resolve_matmul_precision, with_matmul_precision
 from learner.model.sharding import batch_sharding, make_mesh
-from learner.model.transformer import Transformer, model_config
+from learner.model.transformer import Transformer, count_params, model_config
 from learner.rl.batch_assembly import demonstration_batch
 from learner.rl.config import (
     RunConfig,
@@ -58,6 +58,22 @@ def model_context(config: RunConfig) -> int:
 def mean_metrics(metrics) -> dict[str, float]:
     """Per-update metric arrays -> one mean per key, on the host."""
     return {name: float(np.mean(value)) for name, value in jax.device_get(metrics).items()}
+
+
+def describe_train_state(params, model_config, seconds: float) -> str:
+    """The start-up line on a train state whose trained parameters are ``params``: a LoRA run counts its adapters,
+    not its frozen base (``model_config``, with ``lora`` set for such a run).
+
+    >>> import jax
+    >>> describe_train_state({"w": jax.ShapeDtypeStruct((4, 8), "float32")}, model_config("tiny"), 0.42)
+    'train state: 32 parameters built in 0.4 s'
+    """
+    trained = sum(leaf.size for leaf in jax.tree.leaves(params))
+    if model_config.lora is None:
+        return f"train state: {trained:,} parameters built in {seconds:.1f} s"
+    base = dataclasses.replace(model_config, lora=None)
+    return (f"train state: {trained:,} trained parameters (LoRA rank {model_config.lora.rank} adapters; frozen base "
+            f"{count_params(base):,}) built in {seconds:.1f} s")
 
 
 class Trainer:
@@ -130,6 +146,10 @@ class Trainer:
         self.rebuild_fn = jax.jit(with_matmul_precision(self._rebuild, self.matmul_precision),
                                   out_shardings=(batch_sharding(self.mesh), replicated),
                                   compiler_options=self.compiler_options)
+
+    def describe_state(self) -> str:
+        """The start-up line on the train state (`describe_train_state`)."""
+        return describe_train_state(self.state.params, self.train_config, self.build_seconds)
 
     @property
     def policy_version(self) -> int:
