@@ -34,29 +34,29 @@ WARMUP_FIELDS = (("loss", "loss", "{:.3f}"),)  # the warm-up's bar: its cross en
 
 
 class ProgressBar:
-    """``[#####.....] 30/60 reward 0.512 kl(k3) 1.2e-04 ... kept 1.00 ... 1.8 step/s``, updated every step.
+    """``[#####.....] 30/60 reward 0.512 kl(k3) 1.2e-04 ... kept 1.00 ... 1.8 step/s``, updated every step (the
+    rate counts from the first step, which compiles).
 
     On a terminal the bar redraws in place, at most every ``redraw_s``; elsewhere it prints one line at most every
     ``log_every_s`` (and always the first and the last step).
 
     Args:
         total: last step of the run.
-        start: steps already done (a resumed run).
         stream: where to draw (default stderr).
         fields: ``(label, metric key, format)`` of the live fields (`LIVE_FIELDS`, `WARMUP_FIELDS`).
         label: text before the bar (``"warm-up"``).
         clock: seconds, monotonic (tests pass their own).
     """
 
-    def __init__(self, total: int, start: int = 0, stream: TextIO | None = None,
+    def __init__(self, total: int, stream: TextIO | None = None,
                  fields: Sequence[tuple[str, str, str]] = LIVE_FIELDS, label: str = "", width: int = 24,
                  redraw_s: float = 0.1, log_every_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
-        self.total, self.start, self.fields, self.label, self.width = total, start, fields, label, width
+        self.total, self.fields, self.label, self.width = total, fields, label, width
         self.stream = stream or sys.stderr
         self.interactive = self.stream.isatty()
         self.interval = redraw_s if self.interactive else log_every_s
         self.clock = clock
-        self.started = clock()
+        self.first: tuple[int, float] | None = None  # the first step updated, and when: the rate counts from it
         self.drawn: float | None = None  # when the bar was last drawn
         self.open = False  # a terminal line is drawn and not yet ended
 
@@ -64,12 +64,15 @@ class ProgressBar:
         """The bar's text at ``step``."""
         filled = round(self.width * step / self.total)
         fields = [f"{label} {fmt.format(metrics[key])}" for label, key, fmt in self.fields if key in metrics]
-        rate = (step - self.start) / max(self.clock() - self.started, 1e-9)
+        if self.first is not None and step > self.first[0]:  # after the first step, whose time is mostly compiling
+            fields.append(f"{(step - self.first[0]) / max(self.clock() - self.first[1], 1e-9):.2f} step/s")
         return " ".join([*([self.label] if self.label else []), f"[{'#' * filled}{'.' * (self.width - filled)}]",
-                         f"{step}/{self.total}", *fields, f"{rate:.2f} step/s"])
+                         f"{step}/{self.total}", *fields])
 
     def update(self, step: int, metrics: Mapping[str, float]) -> None:
         now = self.clock()
+        if self.first is None:
+            self.first = (step, now)
         if self.drawn is not None and now - self.drawn < self.interval and step != self.total:
             return
         self.drawn = now

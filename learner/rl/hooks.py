@@ -145,7 +145,7 @@ class ProgressHook(Hook):
     step, and after the first step the line saying where the start-up time went."""
 
     def on_start(self, run: Run) -> None:
-        self.bar = ProgressBar(run.config.loop.steps, start=run.start_step)
+        self.bar = ProgressBar(run.config.loop.steps)
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         if record.step == run.start_step + 1:

@@ -36,7 +36,8 @@ def test_in_logs_a_line_at_most_every_5_s_and_always_the_first_and_last_step():
         bar.update(step, MULTI_TURN)
     lines = stream.getvalue().splitlines()
     assert [int(re.search(r"(\d+)/10", line).group(1)) for line in lines] == [1, 4, 7, 10]
-    assert "reward 0.500 turns 1.75 tools 0.50 tool_err 3 " in lines[0]
+    assert lines[0].endswith("1/10 reward 0.500 turns 1.75 tools 0.50 tool_err 3")  # no rate at the first step
+    assert lines[-1].endswith("tool_err 3 0.50 step/s")  # 9 steps in 18 s
 
 
 def test_on_a_terminal_every_step_redraws_at_most_ten_times_a_second():
@@ -48,7 +49,8 @@ def test_on_a_terminal_every_step_redraws_at_most_ten_times_a_second():
     bar.close()
     draws = stream.getvalue().split("\r\033[K")[1:]
     assert [draw.split()[2] for draw in draws] == ["1/4", "3/4", "4/4"]  # 2/4 came 0.05 s after 1/4
-    assert draws[-1] == "warm-up [########################] 4/4 loss 0.250 5.63 step/s\n"
+    assert draws[0] == "warm-up [######..................] 1/4 loss 1.000"  # no rate yet: the first step compiles
+    assert draws[-1] == "warm-up [########################] 4/4 loss 0.250 14.29 step/s\n"  # 3 steps in 0.21 s
 
 
 def test_a_wait_is_announced_at_once_and_reminded_in_logs():
