@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import pathlib
 import re
@@ -503,13 +504,16 @@ def _accepts(annotation, value) -> bool:
 
 
 def _build(cls, data: Mapping[str, Any], prefix: str):
-    """``cls`` from nested plain data; unknown fields and wrong types raise ValueError naming the field."""
+    """``cls`` from nested plain data; unknown fields (with the nearest known one) and wrong types raise ValueError
+    naming the field."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
     fields = {field.name: field for field in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{prefix}{unknown[0]}: unknown field; known: {', '.join(fields)}")
+        nearest = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field; {hint}known: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in data.items():
@@ -554,7 +558,7 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     >>> load_config(None, ["loop.stepz=5"])
     Traceback (most recent call last):
     ...
-    ValueError: loop.stepz: unknown field; known: steps, seed, plot_every, allow_config_change
+    ValueError: loop.stepz: unknown field; did you mean 'steps'? known: steps, seed, plot_every, allow_config_change
     >>> load_config(None, ["rollout.temperature=nan"])
     Traceback (most recent call last):
     ...

@@ -142,12 +142,15 @@ class RolloutLogHook(Hook):
 
 
 class ProgressHook(Hook):
-    """The progress bar (reward, KL, mismatch, clip fraction, staleness, tokens/s)."""
+    """The progress bar (reward, KL, mismatch, clip fraction, staleness, multi-turn use, tokens/s), updated every
+    step, and after the first step the line saying where the start-up time went."""
 
     def on_start(self, run: Run) -> None:
-        self.bar = ProgressBar(run.config.loop.steps, start=run.start_step)
+        self.bar = ProgressBar(run.config.loop.steps)
 
     def on_step(self, run: Run, record: StepRecord) -> None:
+        if record.step == run.start_step + 1:
+            print(run.startup_times.line(), flush=True)
         self.bar.update(record.step, record.metrics)
 
     def on_end(self, run: Run) -> None:

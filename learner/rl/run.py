@@ -38,7 +38,7 @@ import functools
 import pathlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
-from learner.model.transformer import count_params
+from learner.reporting.progress import WARMUP_FIELDS, ProgressBar, StartupTimes, Waiting
 from learner.reporting.run_files import refuse_links
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
@@ -112,6 +112,7 @@ class Run:
         self.engine = self.buffer = None
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
+        self.startup_times = StartupTimes()  # where the start-up went, printed once the first step is done
         self._warned_kept = False  # a step kept under half its samples (warned once)
         self._drops = collections.Counter()  # groups dropped with fewer than 2 scored samples, over the run
 
@@ -158,10 +159,10 @@ class Run:
             raise ValueError(f"rollout.max_new_tokens={config.rollout.max_new_tokens}: task {config.task.name!r} "
                              "is multi-turn; its turns and episodes are bounded by its own limits (task.args "
                              "max_turn_tokens and the task's max_completion_tokens); unset rollout.max_new_tokens")
-        self.trainer = Trainer(config, self.task)
+        with self.startup_times.phase("train state", Waiting("building the train state", enabled=self.leader)):
+            self.trainer = Trainer(config, self.task)
         if self.leader:
-            print(f"train state: {count_params(self.trainer.model_config):,} parameters built in "
-                  f"{self.trainer.build_seconds:.1f} s", flush=True)
+            print(self.trainer.describe_state(), flush=True)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
         stop_ids = self.task.tokenizer.eos_ids
@@ -179,18 +180,21 @@ class Run:
                           "to do", flush=True)
                 return
         else:
-            losses = self.trainer.start_fresh()
+            with self.startup_times.phase("warm-up"), self._warmup_progress() as on_warmup_step:
+                losses = self.trainer.start_fresh(on_warmup_step)
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
-            weights = self._published()
-            engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
-            rollout = config.rollout
-            episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
-            self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic else engine)
-            check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
-                           config.server.address or "the embedded server")
-            self.server_version = self.engine.publish(self.trainer.policy_version, weights)
+            with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
+                weights = self._published()
+                engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
+                rollout = config.rollout
+                episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
+                self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic
+                                                  else engine)
+                check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
+                               config.server.address or "the embedded server")
+                self.server_version = self.engine.publish(self.trainer.policy_version, weights)
             rollout = config.rollout
             self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
                                         max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
@@ -201,6 +205,40 @@ class Run:
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
+
+    @contextlib.contextmanager
+    def _warmup_progress(self) -> Iterator[Callable[[int, float], None] | None]:
+        """The warm-up's announcement (its first step compiles the update step) and progress bar, on process 0."""
+        steps = self.config.warmup.steps
+        if not (self.leader and steps):
+            yield None
+            return
+        compiling = Waiting(f"warm-up: {steps} steps of cross entropy; compiling its update step").start()
+        bar = ProgressBar(steps, fields=WARMUP_FIELDS, label="warm-up")
+
+        def on_step(step: int, loss: float) -> None:
+            compiling.stop()
+            bar.update(step, {"loss": loss})
+
+        try:
+            yield on_step
+        finally:
+            compiling.stop()
+            bar.close()
+
+    def _first(self, phase: str, what: str, first: bool):
+        """The first step's ``phase``, announced (process 0) and timed; nothing on later steps."""
+        if not first:
+            return contextlib.nullcontext()
+        return self.startup_times.phase(phase, Waiting(what, enabled=self.leader))
+
+    def _engine_wait(self) -> str:
+        """What starting the engine waits for, in words."""
+        server = self.config.server
+        if server.address is not None and server.engine != "mlx":
+            return f"connecting to the {server.engine} engine at {server.address} and publishing the weights"
+        return (f"starting the {server.engine} engine (log: {self.run_dir / 'server.log'}) and publishing the "
+                "weights")
 
     def _restore(self) -> int:
         """Restores the latest checkpoint; refuses a changed task, corrections, group size or model, before any
@@ -275,8 +313,11 @@ class Run:
     def _step(self, step: int) -> StepRecord:
         started = time.monotonic()
         trainer, rollout = self.trainer, self.config.rollout
+        first = step == self.start_step + 1  # announced and timed: rollouts sampled by programs still compiling
         if self.leader:
-            groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
+            with self._first("first rollouts", "waiting for the first rollouts (the engine compiles its sampling "
+                             "programs on first use)", first):
+                groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
             try:
@@ -295,7 +336,8 @@ class Run:
         payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
-        metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
+        with self._first("first update", "compiling the RL update step", first):
+            metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
         limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
         if skipped >= limit or (step == self.config.loop.steps and skipped >= step - self.start_step):
             nonfinite = sorted(name for name, value in metrics.items() if not np.isfinite(value))

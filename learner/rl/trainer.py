@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from learner.model.lora import merge_adapters
 from learner.model.param_paths import parameter_names
 from learner.model.precision import resolve_matmul_precision, with_matmul_precision
 from learner.model.sharding import batch_sharding, make_mesh
-from learner.model.transformer import Transformer, model_config
+from learner.model.transformer import Transformer, count_params, model_config
 from learner.rl.batch_assembly import demonstration_batch
 from learner.rl.config import (
     RunConfig,
@@ -58,6 +59,22 @@ def model_context(config: RunConfig) -> int:
 def mean_metrics(metrics) -> dict[str, float]:
     """Per-update metric arrays -> one mean per key, on the host."""
     return {name: float(np.mean(value)) for name, value in jax.device_get(metrics).items()}
+
+
+def describe_train_state(params, model_config, seconds: float) -> str:
+    """The start-up line on a train state whose trained parameters are ``params``: a LoRA run counts its adapters,
+    not its frozen base (``model_config``, with ``lora`` set for such a run).
+
+    >>> import jax
+    >>> describe_train_state({"w": jax.ShapeDtypeStruct((4, 8), "float32")}, model_config("tiny"), 0.42)
+    'train state: 32 parameters built in 0.4 s'
+    """
+    trained = sum(leaf.size for leaf in jax.tree.leaves(params))
+    if model_config.lora is None:
+        return f"train state: {trained:,} parameters built in {seconds:.1f} s"
+    base = dataclasses.replace(model_config, lora=None)
+    return (f"train state: {trained:,} trained parameters (LoRA rank {model_config.lora.rank} adapters; frozen base "
+            f"{count_params(base):,}) built in {seconds:.1f} s")
 
 
 class Trainer:
@@ -131,6 +148,10 @@ class Trainer:
                                   out_shardings=(batch_sharding(self.mesh), replicated),
                                   compiler_options=self.compiler_options)
 
+    def describe_state(self) -> str:
+        """The start-up line on the train state (`describe_train_state`)."""
+        return describe_train_state(self.state.params, self.train_config, self.build_seconds)
+
     @property
     def policy_version(self) -> int:
         return int(self.state.policy_version)
@@ -203,14 +224,14 @@ class Trainer:
             self.state = restored.state
         return restored.step, restored.metadata
 
-    def start_fresh(self) -> list[float]:
+    def start_fresh(self, on_warmup_step: Callable[[int, float], None] | None = None) -> list[float]:
         """A new run's initial policy: the HF checkpoint's weights (if configured), then the warm-up.
 
         Freezes the reference policy (the starting point of RL) when the KL term needs it. Returns the warm-up's
-        losses.
+        losses; ``on_warmup_step(step, loss)`` sees each (a progress bar).
         """
         self.load_hf_weights()
-        losses = self.warm_up()
+        losses = self.warm_up(on_warmup_step)
         if self.uses_reference:
             self.reference = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p),
                                      out_shardings=self.shardings.params)(self.state.params)
@@ -233,8 +254,9 @@ class Trainer:
             self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params),
                                             policy_version=self.state.policy_version + 1)
 
-    def warm_up(self) -> list[float]:
-        """Supervised warm-up: cross entropy on noisy demonstrations through the update step; returns the losses.
+    def warm_up(self, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+        """Supervised warm-up: cross entropy on noisy demonstrations through the update step; returns the losses
+        (``on_step(step, loss)`` sees each as it comes).
 
         It runs on its own optimizer (constant learning rate, corrections objective ``cross_entropy``); the RL
         optimizer state starts fresh afterwards. Each call advances the policy version by one, as an RL update.
@@ -254,11 +276,13 @@ class Trainer:
                                 matmul_precision=self.matmul_precision)
         rng = np.random.default_rng((self.config.task.seed, 1))
         losses = []
-        for _ in range(warmup.steps):
+        for step in range(1, warmup.steps + 1):
             batch = demonstration_batch(self.task, rng, warmup.batch_size, warmup.noise, self.length,
                                         sft_config.row_multiple(self.data_parallel))
             state, metrics, _ = update(state, self.device_batch(batch), None, self.frozen)
             losses.append(mean_metrics({"loss": metrics["actor/pg_loss"]})["loss"])
+            if on_step is not None:
+                on_step(step, losses[-1])
         self.state = jax.jit(lambda s: s.replace(opt_state=self.optimizer.init(s.params)),
                              out_shardings=self.shardings)(state)
         return losses

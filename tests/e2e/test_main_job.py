@@ -36,10 +36,15 @@ def train_env() -> dict:
 
 
 def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> str:
+    return run_training_output(run_dir, *overrides, timeout_s=timeout_s)[0]
+
+
+def run_training_output(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> tuple[str, str]:
+    """stdout and stderr of a run that must succeed."""
     result = subprocess.run(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(), capture_output=True,
                             text=True, timeout=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout
+    return result.stdout, result.stderr
 
 
 def dataset_prompts(run_dir: pathlib.Path, *overrides: str) -> list[list[tuple[int, ...]]]:
@@ -93,9 +98,24 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
 
 def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    stdout = run_training(run_dir, "loop.steps=4", "checkpoints.every=2")
+    stdout, stderr = run_training_output(run_dir, "loop.steps=4", "checkpoints.every=2")
     check_run(run_dir, 4, "loop.steps=4")
     assert re.search(r"^train state: [\d,]+ parameters built in \d+\.\d s$", stdout, re.MULTILINE), stdout[:2000]
+    # Never silent: each wait of the start-up is announced before it starts, in order, then where the time went.
+    announced = ["building the train state ...", "warm-up: 2 steps of cross entropy; compiling its update step ...",
+                 f"starting the tether engine (log: {run_dir / 'server.log'}) and publishing the weights ...",
+                 "waiting for the first rollouts (the engine compiles its sampling programs on first use) ...",
+                 "compiling the RL update step ..."]
+    lines = stdout.splitlines()
+    assert all(line in lines for line in announced), stdout[:3000]
+    assert [lines.index(line) for line in announced] == sorted(lines.index(line) for line in announced)
+    assert re.search(r"^start-up: [\d.]+ s to the end of the first step: train state [\d.]+ s, warm-up [\d.]+ s, "
+                     r"engine start [\d.]+ s, first rollouts [\d.]+ s, first update [\d.]+ s, other -?[\d.]+ s$",
+                     stdout, re.MULTILINE), stdout[:3000]
+    # The warm-up's bar and the RL bar (a line per step at most every 5 s off a terminal: the first and last at least)
+    assert re.search(r"^warm-up \[#+\] 2/2 loss \d+\.\d{3} [\d.]+ step/s$", stderr, re.MULTILINE), stderr[-3000:]
+    assert re.search(r"^\[#+\.*\] 1/4 reward ", stderr, re.MULTILINE), stderr[-3000:]
+    assert re.search(r"^\[#+\] 4/4 reward ", stderr, re.MULTILINE), stderr[-3000:]
     assert any(line.startswith("| policy version learner / server") and "| 6 / 6 " in line
                for line in stdout.splitlines())
     agreement = json.loads((run_dir / "process_0.json").read_text())

@@ -235,3 +235,24 @@ def test_objectives_and_corrections_run_unchanged_on_a_fresh_lora_model(correcti
     for name in expected:
         if name != "actor/grad_norm":  # the gradients are of other parameters
             np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_start_up_line_counts_the_trained_adapters_not_the_base():
+    """``rank x (in + out)`` per projection of the seven default targets in each layer, counted by hand from the
+    model's widths; the base's own count follows as the frozen part (a run without LoRA prints the base's count:
+    tests/e2e/test_main_job.py)."""
+    from learner.model.transformer import count_params
+    from learner.rl.trainer import describe_train_state
+
+    base = model_config("tiny")
+    model = nnx.eval_shape(lambda: Transformer(model_config("tiny", lora=LoraConfig(rank=4)), rngs=nnx.Rngs(0)))
+    d, f, q, kv = base.hidden_size, base.intermediate_size, base.num_heads * base.head_dim, \
+        base.num_kv_heads * base.head_dim
+    widths = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]  # q k v o gate up down: (in, out)
+    adapters = base.num_layers * sum(4 * (n_in + n_out) for n_in, n_out in widths)
+    line = describe_train_state(nnx.state(model, LoRAParam), model.config, 1.25)
+    assert line == (f"train state: {adapters:,} trained parameters (LoRA rank 4 adapters; frozen base "
+                    f"{count_params(base):,}) built in 1.2 s"), line
+    plain = nnx.eval_shape(lambda: Transformer(base, rngs=nnx.Rngs(0)))
+    assert describe_train_state(nnx.state(plain, nnx.Param), base, 1.25) == (
+        f"train state: {count_params(base):,} parameters built in 1.2 s")
