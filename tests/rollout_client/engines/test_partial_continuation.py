@@ -51,15 +51,22 @@ def max_new_tokens(request) -> int:
     return getattr(params, "max_new_tokens" if "max_new_tokens" in params.DESCRIPTOR.fields_by_name else "max_tokens")
 
 
+def running(servers, engine, request: RolloutRequest):
+    """Publishes version 1 (offset 0) and submits ``request``; returns its future once the engine streamed the first
+    HOLD_AFTER tokens of a sample and holds it (the sample is running)."""
+    engine.publish(1, {"offset": np.array(0)})
+    servers.engine.hold_after = HOLD_AFTER
+    future = engine.submit(request)
+    assert servers.engine.holding.wait(timeout=30)
+    return future
+
+
 def test_interrupted_sample_continues_from_its_tokens_under_the_new_version_protocol_conformance(backend,
                                                                                                 partial_engine):
     servers, _, pause_path = backend
     engine = partial_engine
-    engine.publish(1, {"offset": np.array(0)})
-    servers.engine.hold_after = HOLD_AFTER
     request = RolloutRequest(PROMPT, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=()))
-    future = engine.submit(request)
-    assert servers.engine.holding.wait(timeout=30)  # the first tokens streamed, the sample is running
+    future = running(servers, engine, request)
     servers.engine.hold_after = None
     engine.publish(2, {"offset": np.array(3)})  # pause ABORT -> load -> resume; the sample is continued
     (sample,) = future.result(timeout=30)
@@ -88,10 +95,8 @@ def test_sample_interrupted_before_its_first_token_is_drawn_by_the_new_version_p
     aborts the request (SGLang: one request with n = 2; vLLM: the same), has no token of the old version."""
     servers, _, _ = backend
     engine = partial_engine
-    engine.publish(1, {"offset": np.array(0)})
-    servers.engine.hold_after = HOLD_AFTER
-    future = engine.submit(RolloutRequest(PROMPT, SamplingParams(max_new_tokens=8, stop_token_ids=()), num_samples=2))
-    assert servers.engine.holding.wait(timeout=30)
+    future = running(servers, engine, RolloutRequest(PROMPT, SamplingParams(max_new_tokens=8, stop_token_ids=()),
+                                                     num_samples=2))
     servers.engine.hold_after = None
     engine.publish(2, {"offset": np.array(1)})
     first, second = future.result(timeout=30)
@@ -103,11 +108,8 @@ def test_sample_interrupted_before_its_first_token_is_drawn_by_the_new_version_p
 def test_a_sample_aborted_by_the_client_is_not_continued_protocol_conformance(backend, partial_engine):
     servers, _, _ = backend
     engine = partial_engine
-    engine.publish(1, {"offset": np.array(0)})
-    servers.engine.hold_after = HOLD_AFTER
     request = RolloutRequest(PROMPT, SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=()))
-    future = engine.submit(request)
-    assert servers.engine.holding.wait(timeout=30)
+    future = running(servers, engine, request)
     assert engine.client.abort([request.request_id]) == [request.request_id]
     (sample,) = future.result(timeout=30)
     assert sample.finish_reason == FinishReason.ABORT and len(sample.completion_token_ids) == HOLD_AFTER
