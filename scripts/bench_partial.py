@@ -3,9 +3,10 @@
 Runs ``configs/partial_rollouts.toml`` (a task with a long tail of completion lengths) twice at the same time, as
 ``python -m learner.train`` subprocesses, with ``rollout.partial = true`` and ``false``: both see the same machine
 load (on a shared machine it changes over minutes). ``--repeats N`` does it N times. Prints, per run, the samples
-trained per second of the RL loop (its steps' wall time: warm-up and start-up excluded), the reward of the first
-and last 20 steps, ``rollout/partial_fraction`` (mean), ``rollout/versions_per_sample_max`` (max), the per-token
-staleness (mean), the samples dropped as stale, and whether every metric was finite.
+trained per second of the RL loop (over its steps' wall time, warm-up and start-up excluded; and the median of the
+steps' own rates, which a compile inside one step does not move), the reward of the first and last 20 steps,
+``rollout/partial_fraction`` (mean), ``rollout/versions_per_sample_max`` (max), the per-token staleness (mean), the
+samples dropped as stale, and whether every metric was finite.
 
     python scripts/bench_partial.py [--steps 80] [--repeats 1] [--out DIR] [--set KEY=VALUE ...]
 """
@@ -35,9 +36,12 @@ def summary(records: list[dict]) -> dict[str, float]:
     def series(key):
         return np.array([r[key] for r in records if key in r], np.float64)
 
-    samples, seconds = series("rollout/samples").sum(), series("perf/step_s").sum()
+    samples, step_s = series("rollout/samples"), series("perf/step_s")
+    seconds = step_s.sum()
     finite = all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
-    return {"steps": len(records), "samples": samples, "loop_s": seconds, "samples_per_s": samples / seconds,
+    return {"steps": len(records), "samples": samples.sum(), "loop_s": seconds,
+            "samples_per_s": samples.sum() / seconds,
+            "median_samples_per_s": np.median(samples / step_s),
             "reward_first": series("reward/mean")[:LAST].mean(), "reward_last": series("reward/mean")[-LAST:].mean(),
             "partial_fraction": series("rollout/partial_fraction").mean() if series("rollout/partial_fraction").size
             else 0.0,
@@ -63,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for both runs")
     args = parser.parse_args(argv)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="bench-partial-"))
-    columns = ("samples_per_s", "reward_first", "reward_last", "partial_fraction", "versions_max", "staleness_mean",
-               "stale_dropped", "loop_s", "all_finite")
+    columns = ("samples_per_s", "median_samples_per_s", "reward_first", "reward_last", "partial_fraction",
+               "versions_max", "staleness_mean", "stale_dropped", "loop_s", "all_finite")
     print(f"{'run':>16}" + "".join(f"{name:>17}" for name in columns), flush=True)
     for repeat in range(args.repeats):
         runs = {partial: (out / f"partial={str(partial).lower()}-{repeat}") for partial in (True, False)}
