@@ -56,6 +56,13 @@ class PauseMode(enum.IntEnum):
     KEEP = pb.PAUSE_MODE_KEEP
 
 
+class KvCache(enum.IntEnum):
+    """What a KEEP pause does with its kept requests' KV cache when new weights load (partial rollouts)."""
+
+    RECOMPUTE = pb.KV_CACHE_RECOMPUTE  # rebuilt under the new weights: the next tokens are drawn exactly by them.
+    KEEP = pb.KV_CACHE_KEEP  # the old weights' keys and values stay: cheaper, the next tokens' policy approximate.
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters; Tether's server applies temperature, top-k, top-p, min-p in this order (other engines:

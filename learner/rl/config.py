@@ -33,7 +33,7 @@ from learner.model.precision import MATMUL_PRECISIONS
 from learner.rl import framework_config
 from learner.update.optimizer import OptimizerConfig
 from learner.update.step import UpdateConfig
-from rollout_client import ClientConfig, SamplingParams, ValidationConfig
+from rollout_client import ClientConfig, KvCache, PauseMode, SamplingParams, ValidationConfig
 
 
 def _bounded(default, low=None, high=None, *, strict_low=False, choices=None):
@@ -116,6 +116,14 @@ class RolloutSection:
     # Wait for the in-flight rollouts before publishing new weights, so that (after the first max_staleness steps)
     # every sample is exactly max_staleness versions old, however fast the server is: reproducible lag for studies.
     fixed_staleness: bool = False
+    # Partial rollouts: a publish neither waits for nor drops the requests being generated; they run on under the
+    # new weights, each token stamped with (and corrected against) the version that drew it. False: a publish waits
+    # for them (Pause WAIT), so every sample is drawn by one version. Needs max_staleness >= 1.
+    partial: bool = False
+    # With partial: the KV cache of a request's prefix is "recompute"d under the new weights (exact: its next tokens
+    # are drawn by the new policy) or "keep"s the old weights' keys and values (cheaper; the next tokens' policy is
+    # neither version's, approximate). The embedded server's; SGLang and vLLM continue from the tokens (recompute).
+    partial_kv: str = _bounded("recompute", choices=("recompute", "keep"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +267,7 @@ class RunConfig:
         for address in engine_addresses(self) or ["127.0.0.1:0"]:
             client_config(self, address, auth_token=None)
         memory_fractions(self)
+        publish_pause(self)
 
 
 # --- Library configs, each built from the sections by one function ----------------------------------------------
@@ -376,6 +385,31 @@ def sampling_params(config: RunConfig, max_new_tokens: int | None, stop_token_id
     return _library("rollout", SamplingParams, temperature=rollout.temperature, top_k=rollout.top_k,
                     top_p=rollout.top_p, min_p=rollout.min_p, max_new_tokens=max_new_tokens,
                     stop_token_ids=tuple(stop_token_ids))
+
+
+def publish_pause(config: RunConfig) -> tuple[PauseMode, KvCache]:
+    """How a publish pauses the engine, and what it does with the kept requests' KV cache: with rollouts in flight
+    (``rollout.max_staleness >= 1``), WAIT without ``rollout.partial`` (one version per sample) and KEEP with it
+    (``rollout.partial_kv``); KEEP when nothing is in flight (synchronous: nothing to wait for).
+
+    >>> publish_pause(load_config(None, ["rollout.partial=true", "rollout.partial_kv='keep'"]))
+    (<PauseMode.KEEP: 3>, <KvCache.KEEP: 2>)
+    >>> publish_pause(load_config(None, ["rollout.partial=true", "rollout.max_staleness=0"]))
+    Traceback (most recent call last):
+    ...
+    ValueError: rollout.partial=true with rollout.max_staleness=0: no rollout is running when the weights are
+    published (synchronous); set rollout.max_staleness >= 1 or rollout.partial=false
+    """
+    rollout = config.rollout
+    if rollout.partial and rollout.max_staleness == 0:
+        raise ValueError("rollout.partial=true with rollout.max_staleness=0: no rollout is running when the weights "
+                         "are published (synchronous); set rollout.max_staleness >= 1 or rollout.partial=false")
+    if rollout.partial and rollout.fixed_staleness:
+        raise ValueError("rollout.partial=true with rollout.fixed_staleness=true: the in-flight rollouts finish "
+                         "before each publish, so none runs across one; set one of them to false")
+    kv_cache = KvCache.KEEP if rollout.partial_kv == "keep" else KvCache.RECOMPUTE
+    waits = rollout.max_staleness > 0 and not rollout.partial
+    return (PauseMode.WAIT if waits else PauseMode.KEEP), kv_cache
 
 
 def engine_addresses(config: RunConfig) -> list[str]:

@@ -27,7 +27,7 @@ import numpy as np
 from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 from learner.checkpoints.peft_export import write_peft_adapter
 from learner.checkpoints.safetensors_io import config_to_hf
-from learner.rl.config import RunConfig, client_config, engine_addresses
+from learner.rl.config import RunConfig, client_config, engine_addresses, publish_pause
 from learner.rl.devices import engine_environment
 from rollout_client import (
     Engine,
@@ -39,7 +39,6 @@ from rollout_client import (
     Member,
     MlxEngine,
     ModelIdentity,
-    PauseMode,
     PoolConfig,
     SGLangEngine,
     TetherEngine,
@@ -84,7 +83,8 @@ def requirements(config: RunConfig) -> EngineRequirements:
             "min_p": rollout.min_p > 0}
     return EngineRequirements(logprob_mode=LogprobMode[rollout.logprob_mode.upper()],
                               sampler_steps=tuple(step for step, on in used.items() if on),
-                              pause_mode=PauseMode.KEEP, max_staleness=rollout.max_staleness)
+                              pause_mode=publish_pause(config)[0],
+                              max_staleness=rollout.max_staleness, partial=rollout.partial)
 
 
 def sampler_order(config: RunConfig) -> SamplerOrder:
@@ -153,7 +153,8 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
         try:
             for address in addresses:
                 members.append(Member(address, TetherEngine(client_config(config, address, auth_token=token,
-                                                                          vocab_size=vocab_size))))
+                                                                          vocab_size=vocab_size),
+                                                            None, *publish_pause(config))))
         except BaseException:
             for member in members:
                 member.engine.close()
@@ -166,7 +167,7 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
                                 run_dir / "server.log", config.server.start_timeout_s,
                                 env={AUTH_TOKEN_ENV: token, **engine_environment(config)})
         return TetherEngine(client_config(config, process.address, auth_token=token, vocab_size=vocab_size),
-                            process=process)
+                            process, *publish_pause(config))
 
     engine = launch()
     return [Member(engine.process.address, engine, relaunch=launch)]
@@ -216,7 +217,7 @@ def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> En
     engine = backend(client, server.control_url, writer, server.weights_dir,
                      logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
                      keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
-                     auth_token=token, **adapters)
+                     auth_token=token, partial=config.rollout.partial, **adapters)
     try:
         check_capabilities(server.engine, engine.capabilities, requirements(config))
         info = engine.client.model_info

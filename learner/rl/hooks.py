@@ -134,7 +134,8 @@ class RolloutLogHook(Hook):
         self.log.append(LoggedBatch(step=record.step, tokens=batch.tokens[rows], loss_mask=batch.loss_mask[rows],
                                     rollout_logprobs=batch.rollout_logprobs[rows],
                                     proximal_logprobs=record.proximal_logprobs, rewards=record.rewards,
-                                    advantages=batch.advantages[rows], policy_version=batch.policy_version[rows]))
+                                    advantages=batch.advantages[rows], policy_version=batch.policy_version[rows],
+                                    learner_version=record.policy_version - 1))  # before this step's update
 
     def close(self) -> None:
         if hasattr(self, "log"):

@@ -10,8 +10,11 @@ reference policy, policy version, data position) or a fresh start (Hugging Face 
 supervised warm-up); then, on process 0, the inference engine (launched, or reached at
 ``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
 max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
-finish before each publish, so every sample is exactly ``max_staleness`` versions old). Everything it opens is
-closed on every exit path, in reverse order, by one ``ExitStack``; the checkpoint save in flight is completed.
+finish before each publish, so every sample is exactly ``max_staleness`` versions old). A publish waits for the
+requests the engine is generating (one policy version per sample) unless ``rollout.partial``: then they run on
+under the new weights, each token stamped with the version that drew it (partial rollouts;
+``rollout/partial_fraction``). Everything it opens is closed on every exit path, in reverse order, by one
+``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
@@ -48,6 +51,7 @@ from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
 from learner.reporting.progress import WARMUP_FIELDS, ProgressBar, StartupTimes, Waiting
 from learner.reporting.run_files import refuse_links
+from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
@@ -372,6 +376,7 @@ class Run:
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
                 "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
+                **version_metrics(payload.batch.policy_version[:samples], payload.batch.loss_mask[:samples]),
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)

@@ -2,7 +2,8 @@
 
 A `Generator` advances a batch of sequences; everything else (queueing, batching
 of concurrent requests, stop and length rules, pause / resume, policy-version
-stamping, streaming) is the `Scheduler`'s. The model engine, the benchmark's
+stamping, streaming) is the `Scheduler`'s, which asks the generator to rebuild
+kept sequences' caches after a weight update (`Generator.recompute_cache`). The model engine, the benchmark's
 precomputed stream and the tests' scripted engines all implement this interface.
 """
 
@@ -115,6 +116,12 @@ class Generator(abc.ABC):
           (float32) in the sequence's logprob mode. The scheduler truncates at stop
           tokens and length limits, so a generator may overshoot.
         """
+
+    def recompute_cache(self) -> None:  # noqa: B027
+        """Rebuilds every active sequence's cached state (its KV cache) from its tokens under the current weights,
+        so that a sequence kept across a weight update decodes on exactly as a fresh request with the same tokens
+        would (partial rollouts). Called after `load_weights`, before the next `step`. Nothing by default: right for
+        an engine that caches nothing computed by the weights."""
 
     @property
     @abc.abstractmethod

@@ -13,7 +13,7 @@ import numpy as np
 
 from rollout_client.packed_arrays import LOGPROB_DTYPE, TOKEN_ID_DTYPE, pack
 from rollout_client.protocol import pb, pb_grpc
-from rollout_client.sampling_params import PauseMode
+from rollout_client.sampling_params import KvCache, PauseMode
 from rollout_client.server.generator import (
     PreconditionError,
     SequenceOutput,
@@ -122,8 +122,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if request.mode not in (pb.PAUSE_MODE_ABORT, pb.PAUSE_MODE_WAIT, pb.PAUSE_MODE_KEEP):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"mode: must be ABORT, WAIT or KEEP, got {pb.PauseMode.Name(request.mode)}")
+        if request.kv_cache not in (pb.KV_CACHE_UNSPECIFIED, pb.KV_CACHE_RECOMPUTE, pb.KV_CACHE_KEEP):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kv_cache: must be RECOMPUTE or KEEP (or unset: RECOMPUTE), got {request.kv_cache}")
+        kv_cache = KvCache.KEEP if request.kv_cache == pb.KV_CACHE_KEEP else KvCache.RECOMPUTE
         try:
-            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), self._pause_wait_timeout_s)
+            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), self._pause_wait_timeout_s,
+                                    kv_cache)
         except TimeoutError as error:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         return pb.PauseGenerationResponse(policy_version=self._scheduler.policy_version)

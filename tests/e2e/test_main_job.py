@@ -76,6 +76,8 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
         assert record["rollout/samples"] == 16
         assert record["buffer/stale_dropped"] == 0
         assert 0.0 <= record["rollout_corr/staleness_mean"] <= 1.0
+        if "rollout.partial=true" not in overrides:  # a publish waits for the samples in flight: one version each
+            assert (record["rollout/partial_fraction"], record["rollout/versions_per_sample_max"]) == (0.0, 1.0)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "learning_curves.png").stat().st_size > 10_000
 
@@ -90,6 +92,7 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
         versions = batch.policy_version[batch.loss_mask > 0]
         trained_version = WARMUP_STEPS + batch.step - 1  # the learner's version when it trained this batch
         assert versions.max() <= trained_version and versions.min() >= trained_version - 1
+        assert batch.learner_version.tolist() == [trained_version] * len(batch.rewards)
         assert set(np.unique(batch.rewards)) <= {0.0, 1.0}
         np.testing.assert_allclose(batch.rewards.mean(), record["reward/mean"], rtol=1e-6)
         assert logged_prompts(batch) == sorted(set(expected_prompts[batch.step - 1]))
