@@ -226,6 +226,10 @@ class LoopSection:
     plot_every: int = _positive(10)  # RL steps between refreshes of the learning-curve PNG.
     # Resume even if the task, corrections, group size or model differ from the checkpoint's config.
     allow_config_change: bool = False
+    # Reproducible runs: the same config gives the same metrics on the same machine, whatever its load (timings
+    # aside). Rollouts wait before each publish (as rollout.fixed_staleness), every request is drawn with a seed
+    # derived from loop.seed, and the embedded server decodes batch-invariantly (docs/library.md).
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,7 @@ class EngineRequirements:
     sampler_steps: tuple[str, ...] = ()  # the SAMPLER_STEPS the run's sampler uses (rollout.temperature, top_k, ...)
     pause_mode: PauseMode = PauseMode.KEEP  # how the loop pauses to publish
     max_staleness: int = 0  # rollout.max_staleness: > 0 keeps requests running across an update
+    seeded: bool = False  # loop.deterministic: the same seed must give the same samples
 
 
 class EngineCapabilityError(ValueError):
@@ -127,6 +128,9 @@ def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs
             WeightTransport.RESTART):
         missing.append(f"pause mode {needs.pause_mode.name}: it pauses only with "
                        f"{', '.join(sorted(mode.name for mode in capabilities.pause_modes)) or 'nothing'}")
+    if needs.seeded and not capabilities.honours_seed:
+        missing.append("loop.deterministic=true: a reproducible run draws every sample from a seed; this engine does "
+                       "not honour one (use server.engine='tether', or set loop.deterministic=false)")
     if missing:
         raise EngineCapabilityError(f"engine {engine_name!r} cannot honour this run:\n"
                                     + "\n".join(f"- {item}" for item in missing))
