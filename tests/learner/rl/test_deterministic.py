@@ -4,6 +4,7 @@ runs that give the same metrics."""
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -64,6 +65,32 @@ def test_deterministic_runs_need_an_engine_that_honours_seeds_and_ask_the_embedd
     trainer = type("Trainer", (), {"length": 64})
     assert "--batch-invariant" in reference_server_args(config, trainer, (2,))
     assert "--batch-invariant" not in reference_server_args(load_config(None), trainer, (2,))
+
+
+def test_evaluation_requests_are_seeded_per_step_prompt_and_mode_when_deterministic(tmp_path):
+    from learner.rl import EvalHook
+    from learner.tasks import load_task
+    from tests.learner.rl.test_hooks import _AnsweringEngine, _run
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"q": f"{a}+1=", "a": str(a + 1)}) + "\n"
+                                                  for a in range(4)))
+    task = load_task("dataset", {"path": str(tmp_path / "train.jsonl"), "prompt_column": "q", "answer_column": "a",
+                                 "tokenizer": "char", "rewards": ["exact_match"], "max_completion_tokens": 2,
+                                 "validation": {"path": str(tmp_path / "train.jsonl"), "every": 1}})
+    seeds = {}
+    for deterministic in (True, False):
+        engine = _AnsweringEngine(task.tokenizer, lambda prompt, request: ["1"] * request.num_samples)
+        run = _run(tmp_path, steps=2)
+        run.config = load_config(None, ["loop.steps=2", "loop.seed=3",
+                                        f"loop.deterministic={str(deterministic).lower()}"])
+        run.task, run.engine, run.trainer, run.step = task, engine, types.SimpleNamespace(max_new_tokens=2), 2
+        hook = EvalHook()
+        hook.on_start(run)
+        hook.evaluate(run)
+        seeds[deterministic] = [request.sampling.seed for request in engine.requests]
+    # 4 prompts x (sampled, greedy): (loop.seed, step, prompt, mode), a stream apart from training's (batch, place)
+    assert seeds[True] == [derived_seed(3, 2, index, mode) for mode in (0, 1) for index in range(4)]
+    assert seeds[False] == [None] * 8
 
 
 # Timings (perf/*) and the client's retries (a Generate that missed its deadline on a busy machine, resent with the
