@@ -98,7 +98,7 @@ def test_evaluation_requests_are_seeded_per_step_prompt_and_mode_when_determinis
 MACHINE_METRICS = ("perf/", "generate/retries")
 
 
-@pytest.mark.slow  # two whole runs (warm-up, compiles, engine process): 518 s at load ~17 on 2 cores
+@pytest.mark.slow  # two whole runs (warm-up, compiles, engine process): 85 s at load ~4, 518 s at ~17
 def test_two_deterministic_runs_give_the_same_metrics_one_of_them_on_a_busy_cpu(tmp_path):
     """Exact equality is right here: the same program, on the same machine, with the same inputs."""
     runs = []
