@@ -235,6 +235,10 @@ class LoopSection:
     plot_every: int = _positive(10)  # RL steps between refreshes of the learning-curve PNG.
     # Resume even if the task, corrections, group size or model differ from the checkpoint's config.
     allow_config_change: bool = False
+    # Reproducible runs: the same config gives the same metrics on the same machine, whatever its load (timings
+    # aside). Rollouts wait before each publish (as rollout.fixed_staleness), every request is drawn with a seed
+    # derived from loop.seed, and the embedded server decodes batch-invariantly (docs/library.md).
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +411,9 @@ def publish_pause(config: RunConfig) -> tuple[PauseMode, KvCache]:
     if rollout.partial and rollout.fixed_staleness:
         raise ValueError("rollout.partial=true with rollout.fixed_staleness=true: the in-flight rollouts finish "
                          "before each publish, so none runs across one; set one of them to false")
+    if rollout.partial and config.loop.deterministic:
+        raise ValueError("rollout.partial=true with loop.deterministic=true: a deterministic run finishes its "
+                         "in-flight rollouts before each publish, so none runs across one; set one of them to false")
     kv_cache = KvCache.KEEP if rollout.partial_kv == "keep" else KvCache.RECOMPUTE
     waits = rollout.max_staleness > 0 and not rollout.partial
     return (PauseMode.WAIT if waits else PauseMode.KEEP), kv_cache

@@ -84,7 +84,8 @@ def requirements(config: RunConfig) -> EngineRequirements:
     return EngineRequirements(logprob_mode=LogprobMode[rollout.logprob_mode.upper()],
                               sampler_steps=tuple(step for step, on in used.items() if on),
                               pause_mode=publish_pause(config)[0],
-                              max_staleness=rollout.max_staleness, partial=rollout.partial)
+                              max_staleness=rollout.max_staleness, partial=rollout.partial,
+                              seeded=config.loop.deterministic)
 
 
 def sampler_order(config: RunConfig) -> SamplerOrder:
@@ -101,7 +102,8 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
     return [*model, "--param-dtype", config.model.param_dtype, "--dtype", config.server.dtype,
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
-            "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision]
+            "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision,
+            *(["--batch-invariant"] if config.loop.deterministic else [])]
 
 
 def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]

@@ -34,7 +34,7 @@ import numpy as np
 from learner.rl.environment_calls import EnvironmentCalls, EnvironmentFailure, segment_ids_of, step_result
 from learner.tasks import Environment, EnvironmentTask
 from rollout_client import Engine, LogprobMode, RolloutRequest, Sample, SamplingParams
-from rollout_client.sampling_params import FinishReason
+from rollout_client.sampling_params import FinishReason, derived_seed
 
 ENDINGS = ("done", "max_turns", "max_tokens", "env_error", "lost")  # why an episode ended (Episode.ended_by)
 
@@ -60,6 +60,16 @@ class Episode(Sample):
     tool_errors: int = 0  # steps whose info said "tool_error"
     ended_by: str = "done"  # one of ENDINGS
     observations_cut: int = 0  # observations cut to the task's max_observation_tokens
+
+
+def turn_seed(seed: int | None, episode: int, turn: int) -> int | None:
+    """The sampling seed of one turn of a seeded group: each turn is its own one-sample request (sample index 0), so
+    a shared seed would give every episode of the group the same draws. None: unseeded (the client draws one).
+
+    >>> turn_seed(None, 0, 0), turn_seed(7, 0, 1) == turn_seed(7, 0, 1) != turn_seed(7, 1, 0)
+    (None, True)
+    """
+    return None if seed is None else derived_seed(seed, episode, turn)
 
 
 def stop_string_end(tokenizer, ids, stop_strings: Sequence[str]) -> int:
@@ -159,7 +169,8 @@ class EpisodeEngine(Engine):
         while True:
             room = budget - len(ids)
             sampling = dataclasses.replace(request.sampling, max_new_tokens=min(limits.max_turn_tokens, room),
-                                           stop_token_ids=stop_ids, stop_strings=limits.stop_strings)
+                                           stop_token_ids=stop_ids, stop_strings=limits.stop_strings,
+                                           seed=turn_seed(request.sampling.seed, index, turns))
             turn_prompt = np.concatenate([prompt, np.asarray(ids, np.int32)]).astype(np.int32)
             samples = self.engine.submit(RolloutRequest(
                 turn_prompt, sampling=sampling, num_samples=1, logprob_mode=request.logprob_mode,

@@ -31,7 +31,8 @@ from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.reporting.run_files import write_atomically
 from learner.rl import framework_config
 from learner.rl.config import sampling_params
-from rollout_client import LogprobMode, RolloutRequest
+from rollout_client import LogprobMode, RolloutRequest, SamplingParams
+from rollout_client.sampling_params import derived_seed
 
 if TYPE_CHECKING:
     from learner.rl.run import Run, StepRecord
@@ -81,6 +82,8 @@ class EvalHook(Hook):
                       "eval/greedy": (dataclasses.replace(sampling, temperature=1.0, top_k=1, top_p=1.0, min_p=0.0),
                                       1)}
         self.logprob_mode = LogprobMode[run.config.rollout.logprob_mode.upper()]
+        # loop.deterministic: each request seeded by (loop.seed, step, prompt, mode), apart from training's seeds
+        self.seed = run.config.loop.seed if run.config.loop.deterministic else None
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         if self.every and (record.step % self.every == 0 or record.step == run.config.loop.steps):
@@ -89,10 +92,11 @@ class EvalHook(Hook):
     def evaluate(self, run: Run) -> dict[str, float]:
         """Samples every validation prompt in each mode (all requests in flight at once) and scores them."""
         records = run.task.validation_records()
-        futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32), sampling,
+        futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32),
+                                                             self._seeded(sampling, run, index, mode),
                                                              num_samples=n, logprob_mode=self.logprob_mode))
-                            for r in records]
-                   for prefix, (sampling, n) in self.modes.items()}
+                            for index, r in enumerate(records)]
+                   for mode, (prefix, (sampling, n)) in enumerate(self.modes.items())}
         metrics, dropped = {}, 0
         for prefix, pending in futures.items():
             n = self.modes[prefix][1]
@@ -103,6 +107,13 @@ class EvalHook(Hook):
                 completions += [by_index.get(i, np.zeros(0, np.int32)) for i in range(n)]
             metrics |= run.task.validation_metrics(records, completions, n, prefix=prefix)
         return metrics | {"eval/dropped_samples": float(dropped)}
+
+
+    def _seeded(self, sampling: SamplingParams, run: Run, index: int, mode: int) -> SamplingParams:
+        """``sampling`` with the seed of prompt ``index`` in mode ``mode`` at this step (unchanged if unseeded)."""
+        if self.seed is None:
+            return sampling
+        return dataclasses.replace(sampling, seed=derived_seed(self.seed, run.step, index, mode))
 
 
 class MetricsHook(Hook):

@@ -10,11 +10,12 @@ reference policy, policy version, data position) or a fresh start (Hugging Face 
 supervised warm-up); then, on process 0, the inference engine (launched, or reached at
 ``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
 max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
-finish before each publish, so every sample is exactly ``max_staleness`` versions old). A publish waits for the
-requests the engine is generating (one policy version per sample) unless ``rollout.partial``: then they run on
-under the new weights, each token stamped with the version that drew it (partial rollouts;
-``rollout/partial_fraction``). Everything it opens is closed on every exit path, in reverse order, by one
-``ExitStack``; the checkpoint save in flight is completed.
+finish before each publish, so every sample is exactly ``max_staleness`` versions old; ``loop.deterministic``: the
+same, with every request seeded and the embedded server batch-invariant, so that a rerun's metrics are equal:
+docs/library.md). A publish waits for the requests the engine is generating (one policy version per sample) unless
+``rollout.partial``: then they run on under the new weights, each token stamped with the version that drew it
+(partial rollouts; ``rollout/partial_fraction``). Everything it opens is closed on every exit path, in reverse
+order, by one ``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
@@ -173,7 +174,8 @@ class Run:
         self.stream = PromptStream(self.task.prompts(), config.rollout.prompts_per_step, config.task.seed,
                                    sampling_params(config, self.trainer.max_new_tokens, stop_ids),
                                    config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()],
-                                   episodes=self.episodic)
+                                   episodes=self.episodic,
+                                   sampling_seed=config.loop.seed if config.loop.deterministic else None)
         self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config),
                                        scored_window=self.trainer.update_config.scored_window)
         if self.checkpointer.latest_step() is not None:
@@ -355,7 +357,7 @@ class Run:
         rewards = payload.rewards[:samples]
         server_version = None
         if self.leader:
-            if rollout.fixed_staleness:
+            if rollout.fixed_staleness or self.config.loop.deterministic:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
             kept = samples / (rollout.prompts_per_step * rollout.num_samples)

@@ -33,6 +33,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     parser.add_argument("--decode-steps-per-call", type=int, default=8,
                         help="decode steps fused into one jitted call")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="decode every cache row at every step, so that a sample's tokens and logprobs do not "
+                             "depend on the other requests in the batch (reproducible runs; slower when few run)")
     parser.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
                         help="precision of every matmul; auto: highest for float32 compute, else default")
 
@@ -53,7 +56,8 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     generator = ModelGenerator(model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                max_seq_len=args.max_seq_len, decode_steps_per_call=args.decode_steps_per_call,
                                eos_token_ids=tuple(args.eos_ids or ()),
-                               matmul_precision=resolve_matmul_precision(args.matmul_precision, args.dtype))
+                               matmul_precision=resolve_matmul_precision(args.matmul_precision, args.dtype),
+                               batch_invariant=args.batch_invariant)
     if args.weights:
         weights_format = (pb.WEIGHTS_FORMAT_SAFETENSORS if pathlib.Path(args.weights).suffix == ".safetensors"
                           else pb.WEIGHTS_FORMAT_ORBAX)

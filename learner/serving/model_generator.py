@@ -13,14 +13,15 @@ log2(max_batch_size) + 1 decode programs. (A gather/scatter of scattered rows
 instead costs a pass over the whole cache on XLA:CPU.) The
 token at position x of sample i is drawn with key
 ``fold_in(fold_in(key(seed), i), x)``, so it does not depend on which other
-sequences share the batch. Weights are received in the learner's parameter dtype
-and cast to the serving dtype. A sequence kept across a weight update (partial
-rollouts) keeps its cached keys and values, or has them rebuilt under the new
-weights by `recompute_cache`: one batched prefill of every active row's tokens
-(each row's token history is kept on the host for it), after which its next tokens
-are drawn exactly as a fresh request with the same tokens would draw them.
-Besides safetensors files, UpdateWeights(path) reads the learner's orbax
-checkpoints (`read_orbax`).
+sequences share the batch. Its logits may: a decode of 32 rows can round differently from one of 8 (measured on
+XLA:CPU, ~1e-6 in the logprobs), so ``batch_invariant`` decodes every row at every step (one decode program):
+then a sample's tokens and logprobs are the same whatever shares the batch (reproducible runs,
+``loop.deterministic``), at the cost of computing idle rows. Weights are received in the learner's parameter dtype
+and cast to the serving dtype. A sequence kept across a weight update (partial rollouts) keeps its cached keys and
+values, or has them rebuilt under the new weights by `recompute_cache`: one batched prefill of every active row's
+tokens (each row's token history is kept on the host for it), after which its next tokens are drawn exactly as a
+fresh request with the same tokens would draw them. Besides safetensors files, UpdateWeights(path) reads the
+learner's orbax checkpoints (`read_orbax`).
 """
 
 import dataclasses
@@ -62,11 +63,14 @@ class ModelGenerator(Generator):
       eos_token_ids: default stop tokens; empty: a request without stop tokens runs to
         max_new_tokens.
       matmul_precision: precision of the prefill's and the decode's dots (`learner.model.precision`).
+      batch_invariant: decode all ``max_batch_size`` rows at every step, so that no sample's numbers depend on the
+        other sequences in the batch (see the module docstring).
     """
 
     def __init__(self, model: Transformer, dtype: str = "float32", max_batch_size: int = 16,
                  max_seq_len: int | None = None, decode_steps_per_call: int = 8,
-                 eos_token_ids: tuple[int, ...] = (), matmul_precision: str = "default"):
+                 eos_token_ids: tuple[int, ...] = (), matmul_precision: str = "default",
+                 batch_invariant: bool = False):
         config = model.config
         self._learner_dtype = np.dtype(config.param_dtype)
         served = model if dtype == config.param_dtype else cast_model(model, dtype)
@@ -76,6 +80,7 @@ class ModelGenerator(Generator):
                           for name, leaf in zip(self._names, jax.tree.leaves(self._params))}
         self._dtype = dtype
         self._steps = decode_steps_per_call
+        self._batch_invariant = batch_invariant
         max_len = min(max_seq_len or config.max_seq_len, config.max_seq_len)
         self._info = GeneratorInfo(
             vocab_size=config.vocab_size,
@@ -162,7 +167,7 @@ class ModelGenerator(Generator):
                 self._top_p, self._min_p, self._processed)
 
     def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        rows = decode_rows(self._active)
+        rows = self._info.max_batch_size if self._batch_invariant else decode_rows(self._active)
         self._cache, self._valid, row_tokens, row_logprobs = self._decode(
             self._params, self._cache, self._valid, *(array[:rows] for array in self._row_arrays()))
         tokens = np.zeros((self._info.max_batch_size, self._steps), np.int32)

@@ -93,6 +93,7 @@ class EngineRequirements:
     pause_mode: PauseMode = PauseMode.KEEP  # how the loop pauses to publish
     max_staleness: int = 0  # rollout.max_staleness: > 0 keeps requests in flight while the learner trains
     partial: bool = False  # rollout.partial: requests in flight run on across a publish, under the new weights
+    seeded: bool = False  # loop.deterministic: the same seed must give the same samples
 
 
 class EngineCapabilityError(ValueError):
@@ -144,6 +145,9 @@ def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs
             WeightTransport.RESTART):
         missing.append(f"pause mode {needs.pause_mode.name}: it pauses only with "
                        f"{', '.join(sorted(mode.name for mode in capabilities.pause_modes)) or 'nothing'}")
+    if needs.seeded and not capabilities.honours_seed:
+        missing.append("loop.deterministic=true: a reproducible run draws every sample from a seed; this engine does "
+                       "not honour one (use server.engine='tether', or set loop.deterministic=false)")
     if missing:
         raise EngineCapabilityError(f"engine {engine_name!r} cannot honour this run:\n"
                                     + "\n".join(f"- {item}" for item in missing))
