@@ -20,6 +20,9 @@ def _random_batch(rng: np.random.Generator, rows: int, columns: int) -> TrainBat
 
 
 def test_a_stream_of_varied_batches_compiles_a_handful_of_programs():
+    # The compiled programs of every jitted function share one LRU cache per process (8192 entries): after many tests
+    # in this worker it would evict this test's programs mid-count. Start it empty.
+    jax.clear_caches()
     @jax.jit
     def weighted_sum(batch):
         return jnp.sum(batch.loss_mask * batch.advantages * jnp.exp(batch.rollout_logprobs))

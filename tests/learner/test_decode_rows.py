@@ -4,6 +4,7 @@
 import functools
 import threading
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -98,6 +99,9 @@ def test_outputs_equal_the_full_batch_decode(model, monkeypatch):
 
 def test_decode_programs_stay_few(model):
     """Every active count from 1 to 8 compiles one decode program per power of two: 1, 2, 4, 8."""
+    # The compiled programs of every jitted function share one LRU cache per process (8192 entries): after many tests
+    # in this worker it would evict this test's programs mid-count. Start it empty.
+    jax.clear_caches()
     generator = make_generator(model, max_batch_size=8)
     for index in range(8):
         generator.add(index, spec(index, 64))
