@@ -145,13 +145,17 @@ def table(results: dict) -> str:
         lines += ["| case | attention | tokens/s | model TFLOP/s | MFU (spec peak) | bf16 product TFLOP/s (of it) | "
                   "peak GiB | first call s |", "|---|---|---|---|---|---|---|---|"]
         for row in rows:
+            if "error" in row:
+                lines.append(f"| {row['case']} | failed: {row['error']} | | | | | | |")
+                continue
             spec = (f"**{row['mfu']:.1%}** of {row['spec_tflops']:.0f}" if row["mfu"] is not None
                     else f"n/a (no spec peak for {row['device_kind']!r})")
             lines.append(f"| {row['case']} | {row['attention']} | {row['tokens_per_s']:,.0f} ({row['median_s']:.3f} s)"
                          f" | {row['model_tflops']:.1f} | {spec} | {row['product_tflops']:.1f} "
                          f"({row['product_size']}^3; {row['of_product']:.1%}) | {gib(row['peak_bytes'])} | "
                          f"{row['first_call_s']:.1f} |")
-        lines.append(f"\nModel FLOPs: PaLM's, a proximal pass counted where it runs; {rows[0]['device_kind']}.")
+        kinds = sorted({row["device_kind"] for row in rows if "device_kind" in row})
+        lines.append(f"\nModel FLOPs: PaLM's, a proximal pass counted where it runs; device: {', '.join(kinds)}.")
     return "\n".join(lines)
 
 
@@ -182,19 +186,33 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.variants and not args.mfu:
         parser.error("--variants needs --mfu (the model they run)")
+    args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     if args.compare:
         results["compare"] = compare(args, worker_env(memory_fraction=args.memory_fraction))
-    if args.mfu:
-        results["mfu"] = mfu(args, worker_env(memory_fraction=args.mfu_memory_fraction))
-    if args.variants:
-        results["variants"] = [mfu(args, worker_env(memory_fraction=args.mfu_memory_fraction), **variant)
-                               for variant in args.variants]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
-    text = table(results)
-    (args.out / "bench_gpu.md").write_text(text + "\n")
-    print(text, flush=True)
+        write(results, args.out)
+    mfu_env = worker_env(memory_fraction=args.mfu_memory_fraction)
+    for index, knobs in enumerate([{}] + args.variants if args.mfu else []):
+        # one failing worker (out of memory, a kernel refused) leaves the others' rows; every row is written at once
+        try:
+            row = mfu(args, mfu_env, **knobs)
+        except (RuntimeError, OSError) as error:
+            row = {"case": tether_case(args.mfu, args, **knobs).label, "error": f"{type(error).__name__}: {error}"}
+        if index == 0:
+            results["mfu"] = row
+        else:
+            results.setdefault("variants", []).append(row)
+        write(results, args.out)
+    print(table(results), flush=True)
+    failed = [row["case"] for row in [results.get("mfu", {})] + results.get("variants", []) if "error" in row]
+    if failed:
+        sys.exit(f"error: these workers failed (their output is above): {failed}")
+
+
+def write(results: dict, out: pathlib.Path) -> None:
+    """``bench_gpu.json`` and the Markdown table ``bench_gpu.md`` of the results so far."""
+    (out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+    (out / "bench_gpu.md").write_text(table(results) + "\n")
 
 
 if __name__ == "__main__":
