@@ -45,4 +45,4 @@ def remat_call(remat: str, call: Callable[[nnx.Module, jax.Array], jax.Array]) -
         True
     """
     policy = _POLICIES[remat]
-    return call if policy is None else nnx.remat(call, policy=policy)
+    return call if policy is None else nnx.remat(call, policy=policy, graph_updates=False)

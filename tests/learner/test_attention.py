@@ -122,7 +122,8 @@ def test_unknown_attention_or_remat_choices_name_the_field(field, value):
 
 @functools.cache
 def _loss_and_grads(remat):
-    """Loss and gradients of a tiny model under ``remat``, its last block at a window; the program's scratch bytes."""
+    """Loss and gradients of a tiny model under ``remat``, its last block at a window, run under `jax.lax.map` over
+    two micro-batches of rows as the update's proximal pass runs it; the program's scratch bytes."""
     config = model_config("tiny", remat=remat)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, 128, (4, 32)), jnp.int32)
@@ -132,7 +133,12 @@ def _loss_and_grads(remat):
     weights = jax.random.normal(jax.random.key(2), (4, 8, config.hidden_size))
 
     def loss(params):
-        return jnp.sum(nnx.merge(graphdef, params)(tokens, positions, mask, output_window=window) * weights)
+        def micro_batch(rows):
+            hidden = nnx.merge(graphdef, params)(*(x[rows] for x in (tokens, positions, mask)),
+                                                 output_window=(window[0][rows], window[1]))
+            return jnp.sum(hidden * weights[rows])
+
+        return jnp.sum(jax.lax.map(micro_batch, jnp.arange(4).reshape(2, 2)))
 
     program = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
     return program(params), program.memory_analysis().temp_size_in_bytes
