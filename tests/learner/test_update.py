@@ -166,7 +166,7 @@ def test_on_policy_update_takes_the_proximal_logprobs_from_its_training_pass(mon
     assert none is None  # given proximal logprobs are not handed back
 
     recomputes = []
-    monkeypatch.setattr("learner.update.recompute_logprobs", lambda *args: recomputes.append(args))
+    monkeypatch.setattr("learner.update.step.recompute_logprobs", lambda *args: recomputes.append(args))
     step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config)
     got_state, got_metrics, got_proximal = jax.jit(step, compiler_options=FAST_COMPILE)(state, batch)
     assert recomputes == []
