@@ -28,7 +28,7 @@ def test_a_nan_producing_server_stops_the_run_and_leaves_a_finite_checkpoint(tmp
     finally:
         server.stop()
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "error: step 1: every group of this rollout batch was dropped (stale or invalid samples)" in result.stderr
+    assert "error: step 1: every sample of this rollout batch was dropped (stale or invalid samples)" in result.stderr
     assert "'samples/dropped/non_finite_logprobs'" in result.stderr
     assert "Traceback" not in result.stderr
 
