@@ -73,6 +73,10 @@ class ModelSection:
     name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
     hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
     param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
+    # Dtype of the activations and matmuls of every learner pass (training, proximal, reference, sampler replay):
+    # "bfloat16" is mixed precision (parameters, gradients and optimizer state stay in param_dtype; norms,
+    # softmax, logits and logprobs stay float32); "float32" is exact.
+    compute_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))
     # Precision of every matmul of the learner's passes and the embedded server (learner.model.precision): "highest",
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
@@ -599,7 +603,8 @@ def from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollout.logprob_mode")
-RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU run may resume on a GPU.
+# Numerics, not the model: a CPU run may resume on a GPU, in another compute dtype.
+RESUME_FREE_KEYS = ("model.matmul_precision", "model.compute_dtype")
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:

@@ -22,6 +22,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 
 from learner.reporting.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
@@ -30,7 +31,8 @@ from learner.reporting.progress import ProgressBar, summary_table
 from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.rl import framework_config
 from learner.rl.config import sampling_params
-from rollout_client import LogprobMode, RolloutRequest
+from rollout_client import EnginesDownError, LogprobMode, RolloutError, RolloutRequest
+from rollout_client.engines.pool import describe_error
 
 if TYPE_CHECKING:
     from learner.rl.run import Run, StepRecord
@@ -55,6 +57,11 @@ class Hook:
 
     def close(self) -> None:
         """Releases files and threads; called on every exit path."""
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation's requests failed after the client's retries and the engine pool's resends; the message names
+    the step and the first failure."""
 
 
 class EvalHook(Hook):
@@ -83,10 +90,18 @@ class EvalHook(Hook):
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         if self.every and (record.step % self.every == 0 or record.step == run.config.loop.steps):
-            record.metrics.update(self.evaluate(run))
+            try:
+                record.metrics.update(self.evaluate(run))
+            except EnginesDownError:
+                raise  # its own line names the engine's log
+            except (RolloutError, grpc.RpcError) as error:
+                raise EvaluationError(f"step {record.step}: evaluation failed: {describe_error(error)} (retried "
+                                      "as training requests are; see server.generate_deadline_s and "
+                                      "task.args.validation.max_prompts)") from error
 
     def evaluate(self, run: Run) -> dict[str, float]:
-        """Samples every validation prompt in each mode (all requests in flight at once) and scores them."""
+        """Samples every validation prompt in each mode (all requests in flight at once, through the run's engine:
+        the client's retries and the pool's resends, as training requests) and scores them."""
         records = run.task.validation_records()
         futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32), sampling,
                                                              num_samples=n, logprob_mode=self.logprob_mode))

@@ -46,10 +46,11 @@ from jax.experimental import multihost_utils
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
 from learner.model.transformer import count_params
+from learner.reporting.compiles import compile_stats, count_compiles
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity, publishes_adapters, sampler_order
+from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
@@ -106,6 +107,13 @@ class Run:
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
         self._warned_kept = False  # a step kept under half its samples (warned once)
+        count_compiles()  # compile/* in every step's metrics
+        # Where the start-up went, in the first step's metrics: startup/<phase>_s (task, probes, train_state,
+        # restore or warmup, engine: launch, compile and ready, publish, hooks: the first checkpoint), startup/total_s
+        # and this process's programs built by then (startup/compiled_programs, startup/compile_s,
+        # startup/compile_cache_hits: loaded from the persistent cache).
+        self.startup: dict[str, float] = {}
+        self._phase_started = 0.0
 
     @property
     def finished(self) -> bool:
@@ -129,6 +137,8 @@ class Run:
 
     def _set_up(self, stack: contextlib.ExitStack) -> None:
         config = self.config
+        started = self._phase_started = time.monotonic()
+        phase = self._startup_phase
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
@@ -138,9 +148,11 @@ class Run:
                                   model_context=model_context(config))
         except ValueError as error:  # load_task's errors name the task.* key at fault
             raise ConfigError(str(error)) from None
+        phase("task")
         if self.leader:  # before the train state and the warm-up, which a bad reward or engine would waste
             probe_rewards(self.task)
             probe_engines(config)
+        phase("probes")
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
@@ -150,6 +162,7 @@ class Run:
                              "is multi-turn; its turns and episodes are bounded by its own limits (task.args "
                              "max_turn_tokens and the task's max_completion_tokens); unset rollout.max_new_tokens")
         self.trainer = Trainer(config, self.task)
+        phase("train_state")
         if self.leader:
             print(f"train state: {count_params(self.trainer.model_config):,} parameters built in "
                   f"{self.trainer.build_seconds:.1f} s", flush=True)
@@ -164,6 +177,7 @@ class Run:
                                        scored_window=self.trainer.update_config.scored_window)
         if self.checkpointer.latest_step() is not None:
             self.start_step = self.step = self._restore()
+            phase("restore")
             if self.finished:
                 if self.leader:
                     print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
@@ -171,17 +185,20 @@ class Run:
                 return
         else:
             losses = self.trainer.start_fresh()
+            phase("warmup")
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
             weights = self._published()
             engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
+            phase("engine")
             rollout = config.rollout
             episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
             self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic else engine)
             check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                            config.server.address or "the embedded server")
             self.server_version = self.engine.publish(self.trainer.policy_version, weights)
+            phase("publish")
             rollout = config.rollout
             self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
                                         max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
@@ -192,6 +209,18 @@ class Run:
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
+        phase("hooks")  # the first checkpoint's save among them
+        compiles = compile_stats()
+        self.startup |= {"startup/total_s": time.monotonic() - started,
+                         "startup/compiled_programs": compiles["compile/programs"],
+                         "startup/compile_s": compiles["compile/seconds"],
+                         "startup/compile_cache_hits": compiles["compile/cache_hits"]}
+
+    def _startup_phase(self, name: str) -> None:
+        """Records ``startup/<name>_s``: the seconds since the previous phase ended (`startup`)."""
+        now = time.monotonic()
+        self.startup[f"startup/{name}_s"] = now - self._phase_started
+        self._phase_started = now
 
     def _restore(self) -> int:
         """Restores the latest checkpoint; refuses a changed task, corrections, group size or model, before any
@@ -229,8 +258,11 @@ class Run:
 
     def _published(self) -> dict:
         """What a publish sends (a collective gather): the LoRA adapters alone where the engine serves them
-        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base)."""
-        return self.trainer.host_adapters() if publishes_adapters(self.config) else self.trainer.host_weights()
+        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype the
+        engine takes (`learner.rl.engines.publish_dtype`)."""
+        if publishes_adapters(self.config):
+            return self.trainer.host_adapters()
+        return self.trainer.host_weights(publish_dtype(self.config))
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -319,6 +351,7 @@ class Run:
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
                 "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
+                **compile_stats(), **(self.startup if step == self.start_step + 1 else {}),
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)

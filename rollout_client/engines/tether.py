@@ -18,6 +18,7 @@ from rollout_client.engines.base import (
 )
 from rollout_client.request_guards import PromptLimits, check_request
 from rollout_client.sampling_params import LogprobMode, PauseMode
+from rollout_client.shared_weights import SharedWeightsFile
 from rollout_client.sync_client import RolloutClient
 
 ROLLOUT_V1_CAPABILITIES = EngineCapabilities(
@@ -38,13 +39,17 @@ class TetherEngine(Engine):
       config: how to reach it.
       process: the engine process this run launched (e.g. `rollout_client.EngineProcess`), stopped on `close`;
         None for an external server.
+      shared_weights: for a server on this host that reads weights from the file's directory (its
+        ``--weights-dir``): publishes write the weights there and have the server load them
+        (`rollout_client.shared_weights`), instead of streaming them; closed on `close`. None: streamed.
     """
 
     name = "tether"
     capabilities = ROLLOUT_V1_CAPABILITIES
 
-    def __init__(self, config: ClientConfig, process=None):
+    def __init__(self, config: ClientConfig, process=None, shared_weights: SharedWeightsFile | None = None):
         self.process = process
+        self.shared_weights = shared_weights
         self.config = config
         try:
             self.client = RolloutClient(config)
@@ -68,7 +73,8 @@ class TetherEngine(Engine):
         return self.client.submit(request)
 
     def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
-        """Pause -> stream -> resume; a server already at ``policy_version`` is left alone.
+        """Pause -> load (through shared memory, or streamed) -> resume; a server already at ``policy_version`` is
+        left alone.
 
         Raises:
           RuntimeError: the server serves a newer version than ``policy_version``, or an external server serves
@@ -84,6 +90,8 @@ class TetherEngine(Engine):
                                    "weights cannot be replaced (versions must increase): set warmup.steps > 0 or "
                                    "model.hf_path, or serve the learner's initial weights")
             return served  # our launched server from the same seed, or a version we pushed
+        if self.shared_weights is not None:
+            return self.client.publish_weights(policy_version, path=self.shared_weights.write(weights))
         return self.client.publish_weights(policy_version, weights=weights)
 
     def metrics(self) -> dict[str, float]:
@@ -95,3 +103,5 @@ class TetherEngine(Engine):
         finally:
             if self.process is not None:
                 self.process.stop()
+            if self.shared_weights is not None:
+                self.shared_weights.close()
