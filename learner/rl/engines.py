@@ -108,7 +108,7 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
     ``model.hf_path``'s config.json, else the named synthetic config; it takes weights in `publish_dtype`."""
     model = ["--hf-path", config.model.hf_path] if config.model.hf_path else ["--model-config", config.model.name]
     return [*model, "--param-dtype", config.model.param_dtype, "--dtype", config.server.dtype,
-            "--weights-dtype", publish_dtype(config),
+            "--weights-dtype", publish_dtype(config), "--precompile",
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
             "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision]

@@ -350,7 +350,11 @@ class Run:
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
-                "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
+                "perf/samples_per_s": samples / step_s,
+                # NeMo-RL's throughput: prompt and generated tokens per second per device (learner and server)
+                "perf/all_tokens_per_s_per_device": float(payload.batch.attention_mask[:samples].sum()) / step_s
+                / (jax.device_count() + (self.config.server.device is not None)),
+                **self.buffer.metrics(), **self.engine.metrics(),
                 **compile_stats(), **(self.startup if step == self.start_step + 1 else {}),
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})

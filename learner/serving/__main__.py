@@ -38,6 +38,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     parser.add_argument("--decode-steps-per-call", type=int, default=8,
                         help="decode steps fused into one jitted call")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every prefill and decode program before serving (what a run's embedded server "
+                             "does), so that no request waits on a compile; else each compiles at its first use")
     parser.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
                         help="precision of every matmul; auto: highest for float32 compute, else default")
 
@@ -60,9 +63,6 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
                                eos_token_ids=tuple(args.eos_ids or ()),
                                matmul_precision=resolve_matmul_precision(args.matmul_precision, args.dtype),
                                weights_dtype=args.weights_dtype)
-    started = time.perf_counter()
-    programs = generator.compile_all()  # before the server serves: no request waits on a compile
-    print(f"compiled {programs} prefill and decode programs in {time.perf_counter() - started:.1f} s", flush=True)
     if args.weights:
         weights_format = (pb.WEIGHTS_FORMAT_SAFETENSORS if pathlib.Path(args.weights).suffix == ".safetensors"
                           else pb.WEIGHTS_FORMAT_ORBAX)
@@ -71,11 +71,22 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     return generator
 
 
+def served_engine(args: argparse.Namespace) -> ModelGenerator:
+    """`model_engine`, its programs compiled first with ``--precompile`` (before the server serves: no request waits
+    on a compile)."""
+    generator = model_engine(args)
+    if args.precompile:
+        started = time.perf_counter()
+        programs = generator.compile_all()
+        print(f"compiled {programs} prefill and decode programs in {time.perf_counter() - started:.1f} s", flush=True)
+    return generator
+
+
 def main(argv: list[str] | None = None) -> None:
     enable_compilation_cache()  # the learner's (it passes JAX_COMPILATION_CACHE_DIR on): a rerun loads the programs
     parser = server_parser("python -m learner.serving", __doc__)
     add_model_arguments(parser)
-    run(parser, {"model": model_engine}, argv)
+    run(parser, {"model": served_engine}, argv)
 
 
 if __name__ == "__main__":
