@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -89,12 +90,12 @@ def recipe_command(files: dict, run_dir: pathlib.Path, args) -> list[str]:
 def summarize(run_dir: pathlib.Path) -> dict:
     """Per step: the phases and throughput; step 1's start-up record; the compile counts."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [{key.split("/", 1)[1]: record.get(key) for key in
+    steps = [{key: record.get(key, math.nan) for key in
               (*PHASES, "perf/all_tokens_per_s_per_device", "perf/tokens_per_s", "compile/programs",
                "server/compiled_programs")} | {"step": record["step"]} for record in records]
     steady = steps[1:] or steps
     return {"steps": steps,
-            "steady_median": {key: statistics.median(step[key] for step in steady) for key in
+            "steady_median": {key: statistics.median(step[f"perf/{key}"] for step in steady) for key in
                               ("step_s", "rollout_wait_s", "update_s", "publish_s", "all_tokens_per_s_per_device")},
             "startup": {key: value for key, value in records[0].items() if key.startswith("startup/")},
             "eval": {key: value for key, value in records[-1].items() if key.startswith("eval/")}}
@@ -109,7 +110,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_recipe"))
     parser.add_argument("--set", action="append", default=[], help="more run overrides (key=value)")
+    parser.add_argument("--summarize", type=pathlib.Path, metavar="RUN_DIR",
+                        help="only print the per-step summary of an existing run directory (any config)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        return report(summarize(args.summarize))
     args.out.mkdir(parents=True, exist_ok=True)
     files = write_inputs(args.out, args.shape, max_seq_len=2048)
     run_dir = args.out / "run"
@@ -120,12 +125,20 @@ def main(argv=None) -> dict:
         sys.exit(f"the recipe run failed (exit {result.returncode}); its server log: {run_dir / 'server.log'}")
     summary = summarize(run_dir) | {"shape": args.shape, "config": dataclasses.asdict(shape_config(args.shape, 2048))}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return report(summary)
+
+
+def report(summary: dict) -> dict:
+    """Prints `summarize`'s figures: one line per step, the steady medians, the start-up phases."""
     for step in summary["steps"]:
         print("step {step}: {step_s:.2f} s = rollout wait {rollout_wait_s:.2f} + update {update_s:.2f} + publish "
-              "{publish_s:.2f}; {all_tokens_per_s_per_device:,.0f} tokens/s/device (prompt + generated); programs "
-              "learner {compile/programs} server {server/compiled_programs}".format(**{
-                  key.split("/", 1)[-1] if key.startswith("perf/") else key: value for key, value in step.items()}),
-              flush=True)
+              "{publish_s:.3f}; {all_tokens_per_s_per_device:,.0f} tokens/s/device (prompt + generated); programs "
+              "built: learner {programs}, server {compiled_programs}".format(**{
+                  key.split("/", 1)[-1]: value for key, value in step.items()}), flush=True)
+    steady = summary["steady_median"]
+    print("steady (median after step 1): {step_s:.3f} s/step ({steps_per_s:.2f} steps/s) = rollout wait "
+          "{rollout_wait_s:.3f} + update {update_s:.3f} + publish {publish_s:.3f}; {all_tokens_per_s_per_device:,.0f} "
+          "tokens/s/device".format(**steady, steps_per_s=1 / steady["step_s"]), flush=True)
     print("start-up:", ", ".join(f"{key.removeprefix('startup/')} {value:.1f}"
                                  for key, value in summary["startup"].items()), flush=True)
     return summary

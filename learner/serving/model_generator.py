@@ -111,9 +111,9 @@ class ModelGenerator(Generator):
 
     def prefill_lengths(self) -> list[int]:
         """The padded prompt lengths a prefill runs at (`_prefill_length` of every prompt length)."""
-        return sorted({_prefill_length(length, self._info.max_seq_len) for length in
-                       [1, *(1 << k for k in range(self._info.max_seq_len.bit_length() + 1))]
-                       if length < self._info.max_seq_len})
+        longest = self._info.max_seq_len - 1  # a prompt leaves room for one new token
+        firsts = [1, *((1 << k) + 1 for k in range(longest.bit_length()))]  # the shortest prompt of each length
+        return sorted({_prefill_length(length, self._info.max_seq_len) for length in firsts if length <= longest})
 
     def decode_row_counts(self) -> list[int]:
         """The row counts a decode step runs at (`decode_rows` of every set of active rows)."""
