@@ -133,7 +133,9 @@ class ServerSection:
     max_batch_size: int = _positive(64)  # embedded server's KV-cache rows; mlx: its --completion-batch-size.
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
-    start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
+    # How long to wait for the embedded server to start: it compiles every prefill and decode program before it
+    # serves (~10 on the default config: minutes on a loaded 2-core CPU without the compilation cache).
+    start_timeout_s: float = _positive(600.0)
     control_url: str | None = None  # http://host:port of the engine's HTTP control API (sglang, vllm).
     control_timeout_s: float = _positive(600.0)  # one control call (pause, load weights, resume).
     weights_dir: str | None = None  # HF checkpoints for mlx, sglang, vllm; None: run_dir/engine_weights.

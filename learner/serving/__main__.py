@@ -76,6 +76,8 @@ def served_engine(args: argparse.Namespace) -> ModelGenerator:
     on a compile)."""
     generator = model_engine(args)
     if args.precompile:
+        print(f"compiling {len(generator.prefill_lengths()) + len(generator.decode_row_counts()) + 1} prefill and "
+              "decode programs", flush=True)
         started = time.perf_counter()
         programs = generator.compile_all()
         print(f"compiled {programs} prefill and decode programs in {time.perf_counter() - started:.1f} s", flush=True)
