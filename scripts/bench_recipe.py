@@ -77,7 +77,8 @@ def recipe_command(files: dict, run_dir: pathlib.Path, args) -> list[str]:
     sets = {"model.hf_path": files["model"], "task.args.path": files["train"],
             "task.args.validation.path": files["test"], "task.args.validation.max_prompts": args.prompts,
             "rollout.prompts_per_step": args.prompts, "rollout.num_samples": args.samples,
-            "rollout.max_new_tokens": args.new_tokens, "loop.steps": args.steps, "checkpoints.every": 1000}
+            "rollout.max_new_tokens": args.new_tokens, "loop.steps": args.steps, "checkpoints.every": 1000,
+            "optimizer.warmup_steps": 0}  # the recipe's 10 need more updates than a few steps make
     command = [sys.executable, "-m", "learner.train", "--config", str(REPO_ROOT / "configs" / "gsm8k_qwen2.5.toml"),
                "--run-dir", str(run_dir)]
     for key, value in sets.items():
