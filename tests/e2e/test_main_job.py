@@ -35,7 +35,9 @@ def train_env() -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
 
 
-def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> str:
+# A safety net, not a speed check: on the shared 2-core machine at load ~20 a 4-step run took 334 s (its server compiles
+# every program before it serves: 135 s of it).
+def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 600) -> str:
     result = subprocess.run(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(), capture_output=True,
                             text=True, timeout=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
