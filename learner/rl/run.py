@@ -31,6 +31,7 @@ payload; every process runs the same update on the global mesh and writes checkp
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -175,7 +176,8 @@ class Run:
                                    episodes=self.episodic)
         self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config),
                                        scored_window=self.trainer.update_config.scored_window)
-        if self.checkpointer.latest_step() is not None:
+        fresh = self.checkpointer.latest_step() is None
+        if not fresh:
             self.start_step = self.step = self._restore()
             phase("restore")
             if self.finished:
@@ -183,15 +185,21 @@ class Run:
                     print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
                           "to do", flush=True)
                 return
-        else:
+        launching = None
+        if fresh and self.leader and config.server.engine == "tether" and not config.server.address:
+            # The embedded server compiles its programs while the learner loads weights and warms up; it starts on
+            # the seed's weights, and the publish below gives it the learner's.
+            launching = _EngineStart(stack, config, self.trainer, stop_ids, self.run_dir, {})
+        if fresh:
             losses = self.trainer.start_fresh()
             phase("warmup")
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
             weights = self._published()
-            engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
-            phase("engine")
+            engine = launching.take() if launching else build_engine(config, self.trainer, stop_ids, self.run_dir,
+                                                                       weights)
+            phase("engine")  # with a warm-up: the wait for the server after it
             rollout = config.rollout
             episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
             self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic else engine)
@@ -369,6 +377,30 @@ class Run:
         for record in self.steps():
             last = record.metrics
         return last
+
+
+class _EngineStart:
+    """`build_engine` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
+    thread that started it: `rollout_client.engines.child`); the engine is closed then unless `take` handed it
+    over (to be closed before, as ``stack`` unwinds)."""
+
+    def __init__(self, stack: contextlib.ExitStack, *args):
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
+        self._future = self._executor.submit(build_engine, *args)
+        self._taken = False
+        stack.callback(self._close)
+
+    def take(self):
+        """The engine (waits for it); raises what `build_engine` raised."""
+        self._taken = True
+        return self._future.result()
+
+    def _close(self) -> None:
+        try:
+            if not self._taken and self._future.exception() is None:
+                self._future.result().close()
+        finally:
+            self._executor.shutdown(wait=False)
 
 
 def broadcast(tree, is_source: bool):
