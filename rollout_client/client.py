@@ -27,6 +27,8 @@ from rollout_client.sampling_params import KvCache, LogprobMode, PauseMode, Samp
 from rollout_client.validation import Expected, ValidationConfig, ValidationCounters, find_problem
 from rollout_client.weight_chunks import split_weights
 
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # besides DEADLINE_EXCEEDED (`max_attempts`)
+
 
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
@@ -40,8 +42,10 @@ class ClientConfig:
     deadline_base_s: float = 30.0  # Generate deadline = base + per_token * max_new_tokens.
     deadline_per_token_s: float = 0.05
     control_deadline_s: float = 120.0  # Pause, resume, info, abort, weight updates.
-    max_attempts: int = 5  # Generate attempts on UNAVAILABLE or DEADLINE_EXCEEDED (a retry asks only for the
-    # samples still missing, with the request's seed, so they are the same draws).
+    # Generate attempts on UNAVAILABLE, CANCELLED (ended by the server or the transport, e.g. a server shutting
+    # down: this client's own cancels end its task instead) or DEADLINE_EXCEEDED; a retry asks only for the samples
+    # still missing, with the request's seed, so they are the same draws.
+    max_attempts: int = 5
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     validation: ValidationConfig = ValidationConfig()
@@ -186,7 +190,7 @@ class AsyncRolloutClient:
                 await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
             except grpc.aio.AioRpcError as error:
                 deadline = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                if not deadline and error.code() != grpc.StatusCode.UNAVAILABLE:
+                if not deadline and error.code() not in _RETRIED:
                     raise
                 failures = 0 if len(results) > received_before else failures + 1
                 if deadline and failures >= self.config.max_attempts:
@@ -322,16 +326,16 @@ class AsyncRolloutClient:
             else:
                 await self.update_weights_from_path(policy_version, path, weights_format)
         finally:
-            await self.resume()
-        info = await self.server_info()
-        if info.policy_version != policy_version:
+            served = await self.resume()  # the reply carries the version serving from now on
+        if served != policy_version:
             raise errors.RolloutError(
-                f"publish_weights: server reports policy version {info.policy_version}, expected {policy_version}")
-        return info.policy_version
+                f"publish_weights: server reports policy version {served}, expected {policy_version}")
+        return served
 
     def metrics(self) -> dict[str, int]:
-        """Validation counters and the retry count."""
-        return {**self.counters.as_dict(), "generate/retries": self.retries}
+        """Validation counters, the retry count and the server's programs built (as of the last server info)."""
+        compiled = {"server/compiled_programs": self._info.compiled_programs} if self._info is not None else {}
+        return {**self.counters.as_dict(), "generate/retries": self.retries, **compiled}
 
     async def close(self) -> None:
         await self._channel.close()

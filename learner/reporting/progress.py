@@ -178,12 +178,30 @@ class StartupTimes:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
+    def _phases(self) -> tuple[float, dict[str, float]]:
+        """The seconds since the start, and each phase's seconds with ``other`` (the rest) last."""
+        total = self.clock() - self.started
+        return total, {**self.seconds, "other": total - sum(self.seconds.values())}
+
     def line(self) -> str:
         """``start-up: <total> s to the end of the first step: <phase> <s>, ..., other <s>``."""
-        total = self.clock() - self.started
-        other = total - sum(self.seconds.values())
-        parts = [f"{name} {seconds:.1f} s" for name, seconds in [*self.seconds.items(), ("other", other)]]
+        total, phases = self._phases()
+        parts = [f"{name} {seconds:.1f} s" for name, seconds in phases.items()]
         return f"start-up: {total:.1f} s to the end of the first step: {', '.join(parts)}"
+
+    def metrics(self) -> dict[str, float]:
+        """The same as metrics: ``startup/<phase>_s`` (``train state`` -> ``train_state``, ``warm-up`` -> ``warmup``),
+        ``startup/other_s`` and ``startup/total_s``, which the phases add up to.
+
+        >>> times = StartupTimes(clock=iter([0.0, 1.0, 2.5, 4.0]).__next__)
+        >>> with times.phase("warm-up"):
+        ...     pass
+        >>> times.metrics()
+        {'startup/warmup_s': 1.5, 'startup/other_s': 2.5, 'startup/total_s': 4.0}
+        """
+        total, phases = self._phases()
+        names = {name: name.replace("-", "").replace(" ", "_") for name in phases}
+        return {**{f"startup/{names[name]}_s": seconds for name, seconds in phases.items()}, "startup/total_s": total}
 
 
 def summary_table(rows: Sequence[tuple[str, str]]) -> str:

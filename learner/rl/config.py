@@ -74,6 +74,10 @@ class ModelSection:
     name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
     hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
     param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
+    # Dtype of the activations and matmuls of every learner pass (training, proximal, reference, sampler replay):
+    # "bfloat16" is mixed precision (parameters, gradients and optimizer state stay in param_dtype; norms,
+    # softmax, logits and logprobs stay float32); "float32" is exact.
+    compute_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))
     # Precision of every matmul of the learner's passes and the embedded server (learner.model.precision): "highest",
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
@@ -138,7 +142,9 @@ class ServerSection:
     max_batch_size: int = _positive(64)  # embedded server's KV-cache rows; mlx: its --completion-batch-size.
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
-    start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
+    # How long to wait for the embedded server to start: it compiles every prefill and decode program before it
+    # serves (~10 on the default config: minutes on a loaded 2-core CPU without the compilation cache).
+    start_timeout_s: float = _positive(600.0)
     control_url: str | None = None  # http://host:port of the engine's HTTP control API (sglang, vllm).
     control_timeout_s: float = _positive(600.0)  # one control call (pause, load weights, resume).
     weights_dir: str | None = None  # HF checkpoints for mlx, sglang, vllm; None: run_dir/engine_weights.
@@ -642,7 +648,8 @@ def from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollout.logprob_mode")
-RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU run may resume on a GPU.
+# Numerics, not the model: a CPU run may resume on a GPU, in another compute dtype.
+RESUME_FREE_KEYS = ("model.matmul_precision", "model.compute_dtype")
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:

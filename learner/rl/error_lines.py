@@ -10,6 +10,7 @@ import sys
 from learner.reporting.disk_full import disk_full_cause
 from learner.reporting.run_files import UnsafeRunDirError
 from learner.rl.batch_assembly import NoUsableRolloutsError
+from learner.rl.hooks import EvaluationError
 from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError, ResumeConfigError
 from learner.rl.run_lock import RunDirLockedError
@@ -18,7 +19,8 @@ from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDown
 # Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
 # with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError, UnsafeRunDirError,
-                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError)
+                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError,
+                                                EvaluationError)
 
 
 @contextlib.contextmanager

@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 
 from learner.reporting.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
@@ -31,7 +33,8 @@ from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.reporting.run_files import write_atomically
 from learner.rl import framework_config
 from learner.rl.config import sampling_params
-from rollout_client import LogprobMode, RolloutRequest, SamplingParams
+from rollout_client import EnginesDownError, LogprobMode, RolloutError, RolloutRequest, SamplingParams
+from rollout_client.engines.pool import describe_error
 from rollout_client.sampling_params import derived_seed
 
 if TYPE_CHECKING:
@@ -57,6 +60,11 @@ class Hook:
 
     def close(self) -> None:
         """Releases files and threads; called on every exit path."""
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation's requests failed after the client's retries and the engine pool's resends; the message names
+    the step and the first failure."""
 
 
 class EvalHook(Hook):
@@ -87,10 +95,18 @@ class EvalHook(Hook):
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         if self.every and (record.step % self.every == 0 or record.step == run.config.loop.steps):
-            record.metrics.update(self.evaluate(run))
+            try:
+                record.metrics.update(self.evaluate(run))
+            except EnginesDownError:
+                raise  # its own line names the engine's log
+            except (RolloutError, grpc.RpcError) as error:
+                raise EvaluationError(f"step {record.step}: evaluation failed: {describe_error(error)} (retried "
+                                      "as training requests are; see server.generate_deadline_s and "
+                                      "task.args.validation.max_prompts)") from error
 
     def evaluate(self, run: Run) -> dict[str, float]:
-        """Samples every validation prompt in each mode (all requests in flight at once) and scores them."""
+        """Samples every validation prompt in each mode (all requests in flight at once, through the run's engine:
+        the client's retries and the pool's resends, as training requests) and scores them."""
         records = run.task.validation_records()
         futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32),
                                                              self._seeded(sampling, run, index, mode),
@@ -175,19 +191,33 @@ class ProgressHook(Hook):
 
 
 class PlotHook(Hook):
-    """The learning-curve PNG, every ``every`` steps and at the end (with a validation panel when evaluated)."""
+    """The learning-curve PNG, every ``every`` steps and at the end (with a validation panel when evaluated).
+
+    A refresh is drawn on a thread, so the loop does not wait for it (on the 2-core CPU under load one took ~12 s,
+    37% of the main job's time); a refresh due while the last one still draws is skipped. The end's is waited for.
+    """
 
     def __init__(self, every: int, num_samples: int):
         self.every = every
         self.panels = DEFAULT_PANELS + (
             ("validation", ("eval/reward_mean", "eval/greedy/pass@1", "eval/pass@1", f"eval/pass@{num_samples}")),)
+        self._drawing: threading.Thread | None = None
 
     def on_step(self, run: Run, record: StepRecord) -> None:
-        if record.step % self.every == 0:
-            self.on_end(run)
+        if record.step % self.every == 0 and not (self._drawing and self._drawing.is_alive()):
+            self._drawing = threading.Thread(target=self._draw, args=(run.run_dir,), name="plot", daemon=True)
+            self._drawing.start()
 
     def on_end(self, run: Run) -> None:
-        plot_learning_curves(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE, self.panels)
+        self.close()
+        self._draw(run.run_dir)
+
+    def close(self) -> None:
+        if self._drawing is not None:
+            self._drawing.join()
+
+    def _draw(self, run_dir) -> None:
+        plot_learning_curves(run_dir / METRICS_FILE, run_dir / PLOT_FILE, self.panels)
 
 
 class CheckpointHook(Hook):

@@ -36,6 +36,7 @@ payload; every process runs the same update on the global mesh and writes checkp
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -50,13 +51,14 @@ from jax.experimental import multihost_utils
 
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
+from learner.reporting.compiles import compile_stats, count_compiles
 from learner.reporting.progress import WARMUP_FIELDS, ProgressBar, StartupTimes, Waiting
 from learner.reporting.run_files import refuse_links
 from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity, publishes_adapters, sampler_order
+from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
@@ -120,6 +122,11 @@ class Run:
         self.startup_times = StartupTimes()  # where the start-up went, printed once the first step is done
         self._warned_kept = False  # a step kept under half its samples (warned once)
         self._drops = collections.Counter()  # groups dropped with fewer than 2 scored samples, over the run
+        count_compiles()  # compile/* in every step's metrics
+        # This process's programs built by the end of the set-up, in the first step's metrics beside
+        # `startup_times`'s phases: startup/compiled_programs, startup/compile_s, startup/compile_cache_hits (loaded
+        # from the persistent cache).
+        self._startup_compiles: dict[str, float] = {}
 
     @property
     def finished(self) -> bool:
@@ -178,14 +185,21 @@ class Run:
                                    sampling_seed=config.loop.seed if config.loop.deterministic else None)
         self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config),
                                        scored_window=self.trainer.update_config.scored_window)
-        if self.checkpointer.latest_step() is not None:
-            self.start_step = self.step = self._restore()
+        fresh = self.checkpointer.latest_step() is None
+        if not fresh:
+            with self.startup_times.phase("restore"):
+                self.start_step = self.step = self._restore()
             if self.finished:
                 if self.leader:
                     print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
                           "to do", flush=True)
                 return
-        else:
+        launching = None
+        if fresh and self.leader and config.server.engine == "tether" and not config.server.address:
+            # The embedded server compiles its programs while the learner loads weights and warms up; it starts on
+            # the seed's weights, and the publish below gives it the learner's.
+            launching = _EngineStart(stack, config, self.trainer, stop_ids, self.run_dir, {})
+        if fresh:
             with self.startup_times.phase("warm-up"), self._warmup_progress() as on_warmup_step:
                 losses = self.trainer.start_fresh(on_warmup_step)
             if self.leader and losses:
@@ -193,7 +207,8 @@ class Run:
         if self.leader:
             with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
                 weights = self._published()
-                engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
+                engine = launching.take() if launching else build_engine(config, self.trainer, stop_ids, self.run_dir,
+                                                                           weights)
                 rollout = config.rollout
                 episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
                 self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic
@@ -211,6 +226,10 @@ class Run:
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
+        compiles = compile_stats()
+        self._startup_compiles = {"startup/compiled_programs": compiles["compile/programs"],
+                                  "startup/compile_s": compiles["compile/seconds"],
+                                  "startup/compile_cache_hits": compiles["compile/cache_hits"]}
 
     @contextlib.contextmanager
     def _warmup_progress(self) -> Iterator[Callable[[int, float], None] | None]:
@@ -282,8 +301,11 @@ class Run:
 
     def _published(self) -> dict:
         """What a publish sends (a collective gather): the LoRA adapters alone where the engine serves them
-        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base)."""
-        return self.trainer.host_adapters() if publishes_adapters(self.config) else self.trainer.host_weights()
+        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype the
+        engine takes (`learner.rl.engines.publish_dtype`)."""
+        if publishes_adapters(self.config):
+            return self.trainer.host_adapters()
+        return self.trainer.host_weights(publish_dtype(self.config))
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -377,8 +399,13 @@ class Run:
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
-                "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
+                "perf/samples_per_s": samples / step_s,
+                # NeMo-RL's throughput: prompt and generated tokens per second per device (learner and server)
+                "perf/all_tokens_per_s_per_device": float(payload.batch.attention_mask[:samples].sum()) / step_s
+                / (jax.device_count() + (self.config.server.device is not None)),
+                **self.buffer.metrics(), **self.engine.metrics(),
                 **version_metrics(payload.batch.policy_version[:samples], payload.batch.loss_mask[:samples]),
+                **compile_stats(), **(self.startup_times.metrics() | self._startup_compiles if first else {}),
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)
@@ -392,6 +419,30 @@ class Run:
         for record in self.steps():
             last = record.metrics
         return last
+
+
+class _EngineStart:
+    """`build_engine` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
+    thread that started it: `rollout_client.engines.child`); the engine is closed then unless `take` handed it
+    over (to be closed before, as ``stack`` unwinds)."""
+
+    def __init__(self, stack: contextlib.ExitStack, *args):
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
+        self._future = self._executor.submit(build_engine, *args)
+        self._taken = False
+        stack.callback(self._close)
+
+    def take(self):
+        """The engine (waits for it); raises what `build_engine` raised."""
+        self._taken = True
+        return self._future.result()
+
+    def _close(self) -> None:
+        try:
+            if not self._taken and self._future.exception() is None:
+                self._future.result().close()
+        finally:
+            self._executor.shutdown(wait=False)
 
 
 def broadcast(tree, is_source: bool):

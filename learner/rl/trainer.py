@@ -56,6 +56,15 @@ def model_context(config: RunConfig) -> int:
     return model_config(config.model.name).max_seq_len
 
 
+def learner_model_config(config: RunConfig, length: int):
+    """The policy's `ModelConfig`: ``model.hf_path``'s config.json (cut to ``length`` positions) or the named
+    config, with parameters in ``model.param_dtype`` and every pass computing in ``model.compute_dtype``."""
+    dtypes = {"param_dtype": config.model.param_dtype, "dtype": config.model.compute_dtype}
+    if config.model.hf_path:
+        return model_config_from_checkpoint(config.model.hf_path, max_seq_len=length, **dtypes)
+    return model_config(config.model.name, **dtypes)
+
+
 def mean_metrics(metrics) -> dict[str, float]:
     """Per-update metric arrays -> one mean per key, on the host."""
     return {name: float(np.mean(value)) for name, value in jax.device_get(metrics).items()}
@@ -101,11 +110,7 @@ class Trainer:
                              f"max_completion_tokens) exceed the model's context of {context} positions: lower "
                              "task.args.max_prompt_tokens or rollout.max_new_tokens")
         self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
-        if config.model.hf_path:
-            self.model_config = model_config_from_checkpoint(config.model.hf_path, max_seq_len=self.length,
-                                                             param_dtype=config.model.param_dtype)
-        else:
-            self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
+        self.model_config = learner_model_config(config, self.length)
         try:
             self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
         except ValueError as error:
@@ -287,20 +292,37 @@ class Trainer:
                              out_shardings=self.shardings)(state)
         return losses
 
-    def host_weights(self) -> dict[str, np.ndarray]:
-        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process; with LoRA the
-        base's, the adapters merged into their kernels (`learner.model.lora.merge_adapters`)."""
-        weights = self._gather(self.state.params)
+    def host_weights(self, dtype: str | None = None) -> dict[str, np.ndarray]:
+        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process (`host_arrays`:
+        cast to ``dtype`` on the device first); with LoRA the base's, the adapters merged into their kernels
+        (`learner.model.lora.merge_adapters`)."""
         if self.lora is None:
-            return weights
-        return merge_adapters(self._gather(self.frozen) | weights, self.lora.scale)
+            return host_arrays(self.state.params, dtype)
+        merged = merge_adapters(host_arrays(self.frozen) | host_arrays(self.state.params), self.lora.scale)
+        return merged if dtype is None else {name: array.astype(dtype) for name, array in merged.items()}
 
     def host_adapters(self) -> dict[str, np.ndarray]:
         """The LoRA adapters as ``{path: array}``, gathered from every process (empty without LoRA)."""
-        return {} if self.lora is None else self._gather(self.state.params)
+        return {} if self.lora is None else host_arrays(self.state.params)
 
-    @staticmethod
-    def _gather(params) -> dict[str, np.ndarray]:
-        params = multihost_utils.process_allgather(params, tiled=True)
-        names, _ = parameter_names(params)
-        return {name: np.asarray(leaf) for name, leaf in zip(names, jax.tree.leaves(params))}
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _cast(tree, dtype: str):
+    return jax.tree.map(lambda leaf: leaf.astype(dtype), tree)
+
+
+def host_arrays(params, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """``params`` as host ``{parameter path: array}`` (`learner.model.param_paths`), gathered from every process.
+
+    ``dtype`` (e.g. the engine's serving dtype): cast on the device first, in one jitted program, so the host copy
+    moves no more bytes than the engine keeps. One process: every copy is started before the first is awaited
+    (`jax.device_get`), so they overlap.
+    """
+    if dtype is not None and any(leaf.dtype != dtype for leaf in jax.tree.leaves(params)):
+        params = _cast(params, dtype)
+    if jax.process_count() == 1:
+        leaves = jax.device_get(jax.tree.leaves(params))
+    else:
+        leaves = jax.tree.leaves(multihost_utils.process_allgather(params, tiled=True))
+    names, _ = parameter_names(params)
+    return {name: np.asarray(leaf) for name, leaf in zip(names, leaves)}

@@ -16,17 +16,20 @@ token at position x of sample i is drawn with key
 sequences share the batch. Its logits may: a decode of 32 rows can round differently from one of 8 (measured on
 XLA:CPU, ~1e-6 in the logprobs), so ``batch_invariant`` decodes every row at every step (one decode program):
 then a sample's tokens and logprobs are the same whatever shares the batch (reproducible runs,
-``loop.deterministic``), at the cost of computing idle rows. Weights are received in the learner's parameter dtype
-and cast to the serving dtype. A sequence kept across a weight update (partial rollouts) keeps its cached keys and
+``loop.deterministic``), at the cost of computing idle rows. Weights are received in ``weights_dtype`` (the learner's
+parameter dtype, or the serving dtype when the learner casts them on its device before publishing) and copied to the
+device in the serving dtype. A sequence kept across a weight update (partial rollouts) keeps its cached keys and
 values, or has them rebuilt under the new weights by `recompute_cache`: one batched prefill of every active row's
 tokens (each row's token history is kept on the host for it), after which its next tokens are drawn exactly as a
 fresh request with the same tokens would draw them. Besides safetensors files, UpdateWeights(path) reads the
 learner's orbax checkpoints (`read_orbax`).
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import os
 from collections.abc import Mapping
 
 import jax
@@ -37,6 +40,7 @@ from flax import nnx
 from learner.model.param_paths import parameter_names
 from learner.model.precision import with_matmul_precision
 from learner.model.transformer import Transformer, cast_model
+from learner.reporting.compiles import compile_stats, count_compiles
 from learner.serving.orbax_weights import read_orbax
 from learner.serving.sampling import sample_token
 from rollout_client.protocol import pb
@@ -65,18 +69,19 @@ class ModelGenerator(Generator):
       matmul_precision: precision of the prefill's and the decode's dots (`learner.model.precision`).
       batch_invariant: decode all ``max_batch_size`` rows at every step, so that no sample's numbers depend on the
         other sequences in the batch (see the module docstring).
+      weights_dtype: the dtype of the weights `load_weights` accepts; None: the model's parameter dtype.
     """
 
     def __init__(self, model: Transformer, dtype: str = "float32", max_batch_size: int = 16,
                  max_seq_len: int | None = None, decode_steps_per_call: int = 8,
                  eos_token_ids: tuple[int, ...] = (), matmul_precision: str = "default",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, weights_dtype: str | None = None):
         config = model.config
-        self._learner_dtype = np.dtype(config.param_dtype)
+        self._weights_dtype = np.dtype(weights_dtype or config.param_dtype)
         served = model if dtype == config.param_dtype else cast_model(model, dtype)
         self._graphdef, self._params = nnx.split(served)
         self._names, self._treedef = parameter_names(self._params)
-        self._expected = {name: (leaf.shape, self._learner_dtype)
+        self._expected = {name: (leaf.shape, self._weights_dtype)
                           for name, leaf in zip(self._names, jax.tree.leaves(self._params))}
         self._dtype = dtype
         self._steps = decode_steps_per_call
@@ -112,10 +117,49 @@ class ModelGenerator(Generator):
         self._move_row = jax.jit(_move_row, donate_argnums=(0, 1))
         self._refill = jax.jit(with_matmul_precision(functools.partial(_refill, self._graphdef), matmul_precision),
                                donate_argnums=(1, 2))
+        self._compiled = {}  # ("prefill", length) / ("decode", rows) / ("move",) -> program (`compile_all`)
+        count_compiles()
+
+    def prefill_lengths(self) -> list[int]:
+        """The padded prompt lengths a prefill runs at (`prefill_bucket` of every prompt length)."""
+        longest = self._info.max_seq_len - 1  # a prompt leaves room for one new token
+        firsts = [1, *((1 << k) + 1 for k in range(longest.bit_length()))]  # the shortest prompt of each length
+        return sorted({prefill_bucket(length, self._info.max_seq_len) for length in firsts if length <= longest})
+
+    def decode_row_counts(self) -> list[int]:
+        """The row counts a decode step runs at (`decode_rows` of every set of active rows; all rows when
+        ``batch_invariant``)."""
+        rows = self._info.max_batch_size
+        if self._batch_invariant:
+            return [rows]
+        return sorted({min(1 << k, rows) for k in range(rows.bit_length() + 1)})
+
+    def compile_all(self) -> int:
+        """Compiles every program a request can need (each prefill length, each decode row count, the row move),
+        several at a time, so that none compiles while requests wait (the server calls this before it serves);
+        returns how many. Without it, each compiles on first use; `recompute_cache` (partial rollouts only) still
+        does."""
+        firsts = (self._keys[0], self._temperature[0], self._top_k[0], self._top_p[0], self._min_p[0],
+                  self._processed[0])
+        lowered = {("prefill", length): self._prefill.lower(self._params, self._cache, self._valid, 0,
+                                                            np.zeros((1, length), np.int32), 1, *firsts)
+                   for length in self.prefill_lengths()}
+        lowered |= {("decode", rows): self._decode.lower(self._params, self._cache, self._valid,
+                                                         *(array[:rows] for array in self._row_arrays()))
+                    for rows in self.decode_row_counts()}
+        lowered[("move",)] = self._move_row.lower(self._cache, self._valid, 0, 0)
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            self._compiled = dict(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
+        return len(self._compiled)
 
     @property
     def info(self) -> GeneratorInfo:
         return self._info
+
+    @property
+    def compiled_programs(self) -> int:
+        """This process's programs built so far (`learner.reporting.compiles`)."""
+        return int(compile_stats()["compile/programs"])
 
     @property
     def weight_spec(self) -> WeightSpec:
@@ -139,7 +183,8 @@ class ModelGenerator(Generator):
         bucket = prefill_bucket(prompt_len, self._info.max_seq_len)
         prompt = np.zeros((1, bucket), np.int32)
         prompt[0, :prompt_len] = spec.prompt_token_ids
-        self._cache, self._valid, token, logprob = self._prefill(
+        prefill = self._compiled.get(("prefill", bucket), self._prefill)
+        self._cache, self._valid, token, logprob = prefill(
             self._params, self._cache, self._valid, slot, prompt, prompt_len, self._keys[slot],
             self._temperature[slot], self._top_k[slot], self._top_p[slot], self._min_p[slot], self._processed[slot])
         token, logprob = np.asarray(token), np.asarray(logprob)
@@ -154,7 +199,8 @@ class ModelGenerator(Generator):
         self._active[slot] = False
         last = int(np.flatnonzero(self._active)[-1]) if self._active.any() else -1
         if last > slot:  # keep the live rows lowest: the highest one moves into the freed row
-            self._cache, self._valid = self._move_row(self._cache, self._valid, last, slot)
+            move_row = self._compiled.get(("move",), self._move_row)
+            self._cache, self._valid = move_row(self._cache, self._valid, last, slot)
             for array in (*self._row_arrays(), self._history):
                 array[slot] = array[last]
             self._active[last] = False
@@ -168,7 +214,8 @@ class ModelGenerator(Generator):
 
     def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         rows = self._info.max_batch_size if self._batch_invariant else decode_rows(self._active)
-        self._cache, self._valid, row_tokens, row_logprobs = self._decode(
+        decode = self._compiled.get(("decode", rows), self._decode)
+        self._cache, self._valid, row_tokens, row_logprobs = decode(
             self._params, self._cache, self._valid, *(array[:rows] for array in self._row_arrays()))
         tokens = np.zeros((self._info.max_batch_size, self._steps), np.int32)
         logprobs = np.zeros((self._info.max_batch_size, self._steps), np.float32)
@@ -205,7 +252,11 @@ class ModelGenerator(Generator):
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         check_weights_match(self._expected, weights)
-        leaves = [jnp.asarray(weights[name], self._dtype) for name in self._names]
+        # A copy whatever the backend (may_alias=False: a CPU device would alias host memory): the arrays may be
+        # views of a file that the learner rewrites once this call returns (`weights_io.read_safetensors`).
+        leaves = [jax.device_put(weights[name], may_alias=False) for name in self._names]
+        if self._weights_dtype != self._dtype:
+            leaves = [leaf.astype(self._dtype) for leaf in leaves]
         self._params = jax.tree_util.tree_unflatten(self._treedef, leaves)
 
 

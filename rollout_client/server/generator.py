@@ -129,13 +129,19 @@ class Generator(abc.ABC):
         """Name -> (shape, dtype) of the weights `load_weights` accepts; StreamWeights takes no more bytes."""
 
     @property
+    def compiled_programs(self) -> int:
+        """Programs the engine has built so far (reported by GetServerInfo); 0: it does not count."""
+        return 0
+
+    @property
     def weight_readers(self) -> WeightReaders:
         """The on-disk formats ``UpdateWeights(path)`` accepts for this engine, and how each is read."""
         return {pb.WEIGHTS_FORMAT_SAFETENSORS: read_safetensors}
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Replaces the weights, all or nothing.
+        """Replaces the weights, all or nothing. The arrays may be views of a file that the client rewrites once
+        this returns (`rollout_client.server.weights_io.read_safetensors`): copy what you keep.
 
         Raises:
           ValueError: naming the first tensor whose name, shape or dtype is wrong;

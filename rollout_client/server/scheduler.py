@@ -81,6 +81,11 @@ class Scheduler:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def compiled_programs(self) -> int:
+        """The generator's count of programs built (`Generator.compiled_programs`)."""
+        return self._generator.compiled_programs
+
     def submit(self, spec: SequenceSpec, sink: OutputSink, chunk_tokens: int = 0) -> int:
         """Queues a sequence; returns its id. Outputs go to `sink`."""
         sequence = _Sequence(

@@ -25,7 +25,7 @@ from rollout_client.server.generator import (
 from rollout_client.server.request_resolution import resolve_request
 from rollout_client.server.scheduler import Scheduler
 from rollout_client.server.weights_io import PathsDisabledError, WeightReaders, load_weights
-from rollout_client.weight_chunks import assemble_weights
+from rollout_client.weight_chunks import WeightsAssembler
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -116,6 +116,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             dtype=self._info.dtype,
             max_seq_len=self._info.max_seq_len,
             paused=self._scheduler.paused,
+            compiled_programs=self._scheduler.compiled_programs,
         )
 
     async def PauseGeneration(self, request, context) -> pb.PauseGenerationResponse:
@@ -150,12 +151,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await context.abort(refusal.code, refusal.details)
 
     async def StreamWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
-        async def receive():
-            chunks = await self._receive_chunks(request_iterator)
-            return await asyncio.to_thread(assemble_weights, chunks)
-
         try:
-            return await self._update(receive)
+            return await self._update(functools.partial(self._receive_weights, request_iterator))
         except _Refusal as refusal:
             # The rest of the stream is read and dropped: a client still sending when the call ends sees an INTERNAL
             # error from gRPC instead of the reason.
@@ -163,22 +160,24 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 pass
             await context.abort(refusal.code, refusal.details)
 
-    async def _receive_chunks(self, request_iterator) -> list[pb.WeightsChunk]:
-        """The stream's chunks, checked one by one: a bad version is refused at the header, before any tensor is
-        read, a tensor the engine does not have at its first chunk, and the stream as soon as it sends more bytes
-        than the engine's weights hold."""
-        chunks, received = [], 0
+    async def _receive_weights(self, request_iterator) -> tuple[int, dict[str, np.ndarray]]:
+        """The streamed ``(policy_version, weights)``, assembled as the chunks arrive (`WeightsAssembler`) and
+        checked one by one: a bad version is refused at the header, before any tensor is read, a tensor the engine
+        does not have at its first chunk, and the stream as soon as it sends more bytes than the engine's weights
+        hold."""
+        assembler, received, first = WeightsAssembler(), 0, True
         async for chunk in request_iterator:
-            if chunk.HasField("header") and not chunks:
+            if chunk.HasField("header") and first:
                 self._scheduler.check_version(chunk.header.policy_version)
+            first = False
             if chunk.HasField("tensor"):
                 check_tensor_layout(self._weight_spec, chunk.tensor.name, chunk.tensor.shape,
                                     _dtype(chunk.tensor.dtype))
             received += len(chunk.tensor.data)
             if received > self._weight_bytes:
                 raise ValueError(f"tensor.data: more than the {self._weight_bytes} bytes of this engine's weights")
-            chunks.append(chunk)
-        return chunks
+            assembler.add(chunk)
+        return assembler.result()
 
     async def _update(self, get_weights) -> pb.UpdateWeightsResponse:
         """Loads the ``(policy_version, weights)`` that `get_weights` returns; one update at a time, while paused.

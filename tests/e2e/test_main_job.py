@@ -35,11 +35,13 @@ def train_env() -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
 
 
-def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> str:
+# A safety net, not a speed check: on the shared 2-core machine at load ~20 a 4-step run took 334 s (its server compiles
+# every program before it serves: 135 s of it).
+def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 600) -> str:
     return run_training_output(run_dir, *overrides, timeout_s=timeout_s)[0]
 
 
-def run_training_output(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> tuple[str, str]:
+def run_training_output(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 600) -> tuple[str, str]:
     """stdout and stderr of a run that must succeed."""
     result = subprocess.run(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(), capture_output=True,
                             text=True, timeout=timeout_s)
@@ -121,6 +123,16 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     assert re.search(r"^\[#+\] 4/4 reward ", stderr, re.MULTILINE), stderr[-3000:]
     assert any(line.startswith("| policy version learner / server") and "| 6 / 6 " in line
                for line in stdout.splitlines())
+    # Where the start-up went: its phases add up to its total, in step 1's metrics.
+    records = read_metrics(run_dir / "metrics.jsonl")
+    phases = [value for key, value in records[0].items() if key.startswith("startup/") and key.endswith("_s")
+              and key not in ("startup/total_s", "startup/compile_s")]  # the phases and "other"
+    assert {"startup/engine_start_s", "startup/warmup_s", "startup/first_update_s"} <= set(records[0])
+    assert abs(sum(phases) - records[0]["startup/total_s"]) < 1e-3 * records[0]["startup/total_s"] + 1e-3
+    assert records[0]["startup/compiled_programs"] > 0 and "startup/total_s" not in records[1]
+    # Every program is built by the end of step 2: the server's before it served, the learner's in steps 1-2.
+    for key in ("compile/programs", "server/compiled_programs"):
+        assert records[1][key] > 0 and [r[key] for r in records[1:]] == [records[1][key]] * 3, key
     agreement = json.loads((run_dir / "process_0.json").read_text())
     assert agreement["steps"] == [1, 2, 3, 4] and agreement["policy_version"] == 6
 

@@ -165,7 +165,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("policy_version", "vocab_size", "eos_token_ids", "model_config_hash", "dtype", "max_seq_len", "paused")
+    __slots__ = ("policy_version", "vocab_size", "eos_token_ids", "model_config_hash", "dtype", "max_seq_len", "paused", "compiled_programs")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class ServerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -180,7 +181,8 @@ class ServerInfo(_message.Message):
     dtype: str
     max_seq_len: int
     paused: bool
-    def __init__(self, policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_config_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+    compiled_programs: int
+    def __init__(self, policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_config_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., paused: _Optional[bool] = ..., compiled_programs: _Optional[int] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
     __slots__ = ("mode", "kv_cache")
