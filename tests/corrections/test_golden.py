@@ -581,6 +581,7 @@ def _per_sequence(cfg):
 
 
 @pytest.mark.parametrize("name", sorted(n for n in corrections.PRESETS if _per_sequence(corrections.preset(n))))
+@pytest.mark.slow  # 64 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_row_stats_of_parts_give_the_whole_batch_metrics(data, name):
     """Three uneven row blocks (as a learner's micro-batches), their row statistics concatenated: the metrics of
     the whole batch (float64 reference), maxima and moments included."""

@@ -5,7 +5,6 @@ import os
 import pathlib
 
 import nbformat
-import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO_ROOT / "notebooks" / "quickstart.ipynb"
@@ -18,9 +17,9 @@ def test_the_committed_notebook_has_no_outputs():
     assert code and all(cell.outputs == [] and cell.execution_count is None for cell in code)
 
 
-# 240 s on the shared 2-core machine under load (a kernel, the warm-up and RL compiles, the engine's start): slow.
-# Its programs are the main job test's (same shapes), so a warm compilation cache makes it much cheaper.
-@pytest.mark.slow
+# In the default run, as issue 39 asks (CI executes the notebook): 240 s on the shared 2-core machine under load ~20
+# (a kernel, the warm-up and RL compiles, the engine's start). Its programs are the main job test's (same shapes),
+# so the test run's shared compilation cache makes it cheaper.
 def test_the_notebook_runs_the_loop_step_by_step(monkeypatch):
     """Every cell runs without error in a fresh kernel started in notebooks/ (the kernel inherits the test run's
     compilation cache and CPU platform, and imports this checkout): four RL steps, the hook's record, the plot."""

@@ -12,6 +12,7 @@ STEPS = 8
 OVERRIDES = (f"loop.steps={STEPS}", "checkpoints.every=2")
 
 
+@pytest.mark.slow  # 46 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off(tmp_path):
     kill_mid_run_then_rerun(tmp_path / "run", OVERRIDES)
 

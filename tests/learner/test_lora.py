@@ -183,6 +183,7 @@ def update_on_2x2x2():
     return _lora_update(make_mesh(2, 2, 2), KL)
 
 
+@pytest.mark.slow  # 21 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_lora_update_trains_adapters_against_the_base_as_reference(update_on_2x2x2):
     """One jitted update on a (2, 2, 2) mesh: the base is unchanged, the adapters move, and ``actor/kl_loss`` is the
     float64 token mean of ``lp - ref`` where ``ref`` are the logprobs of a model built without LoRA."""
@@ -213,6 +214,7 @@ def test_lora_update_is_the_same_on_every_mesh(update_on_2x2x2):
     CorrectionConfig(importance=ImportanceWeights("token", high=2.0, batch_normalize=True), kl_coef=0.1,
                      kl_estimator="k3", entropy_coef=0.01),
 ], ids=["bypass_sequence_is", "decoupled_token_is_normalized_kl_entropy"])
+@pytest.mark.slow  # 29 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_objectives_and_corrections_run_unchanged_on_a_fresh_lora_model(corrections):
     """b = 0: a LoRA update sees the base's logprobs, so every metric of its first update (loss, weights, masks, KL,
     entropy) equals that of a full fine-tuning update of the same base, whatever the corrections. One device: the

@@ -142,6 +142,7 @@ def test_minibatch_scan_equals_the_same_updates_one_by_one():
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 4])
+@pytest.mark.slow  # 23 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_on_policy_update_takes_the_proximal_logprobs_from_its_training_pass(monkeypatch, num_microbatches):
     """One epoch of one mini-batch (shuffled, 1 or 4 micro-batches): no separate proximal pass is traced, and the
     update equals the same update given the separately recomputed proximal logprobs (two compiled programs compute
@@ -344,6 +345,7 @@ def _by_hand(sampling):
     return jax.device_get(metrics), jax.device_get(nnx.to_pure_dict(grads))
 
 
+@pytest.mark.slow  # 21 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_update_replays_the_sampling_params_in_every_logprob_pass(replayed):
     """Proximal, reference and current logprobs all replayed: loss, corrections metrics and gradient by hand."""
     grads, loss = _grads_and_loss(replayed)

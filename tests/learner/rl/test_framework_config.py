@@ -140,6 +140,7 @@ def test_bad_mapped_value_names_the_file_and_the_fix(tmp_path):
         load_config(None, [f"corrections.from_verl={json.dumps(path)}", "corrections.from_areal='x.yaml'"])
 
 
+@pytest.mark.slow  # 24 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_run_from_a_verl_launch_script(tmp_path):
     """A user's verl launch script (GRPO, 4 prompts x 4 samples, 2-token responses, 2 mini-batches, learning rate
     5e-4 in a shell variable, KL loss 0.02, clip-higher 0.28; the rest verl's defaults) trains in a real subprocess
