@@ -3,7 +3,7 @@
 Importance weights, rejection masks, policy objectives, reductions, advantages, diagnostics, presets, and
 ``compute``, the pipeline that composes them. No model, no sharding. ``from_verl``, ``from_skyrl``,
 ``from_slime`` and ``from_areal`` (and ``config_from_dict``) read those frameworks' own config blocks, and
-``read_file`` their config files (a YAML file with its Hydra composition, a slime launch script).
+``read_file`` their config files (a YAML file with its Hydra composition, a verl or slime launch script).
 """
 
 from corrections._advantages import broadcast_to_tokens

@@ -16,18 +16,36 @@ def _groups(rewards, group_size: int) -> jax.Array:
     return rewards.reshape(-1, group_size)
 
 
-def grpo_advantages(rewards, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> jax.Array:
+def grpo_advantages(rewards, group_size: int, normalize_std: bool = True, eps: float = 1e-6,
+                    scored=None) -> jax.Array:
     """GRPO: ``(r - group mean) / (group std + eps)``; std is unbiased (ddof=1) as torch.std in verl and SkyRL.
     A group of one sample gets advantage 0. ``normalize_std=False`` is Dr. GRPO.
+
+    ``scored`` (bool [B], optional): the samples that have a reward. The mean and std of a group are over its scored
+    samples alone, as verl computes them over the samples left after a filter (its groups are the samples sharing a
+    uid); an unscored sample (its reward ignored, NaN allowed) gets advantage 0, and so does a group with one scored
+    sample.
 
     >>> import numpy as np
     >>> np.asarray(grpo_advantages([1.0, 0.0, 1.0, 1.0], group_size=2), float).round(4).tolist()
     [0.7071, -0.7071, 0.0, 0.0]
+    >>> rewards, scored = [1.0, 0.0, float("nan"), 1.0, 0.0, 2.0], [True, True, False, True, False, False]
+    >>> np.asarray(grpo_advantages(rewards, group_size=3, scored=scored), float).round(4).tolist()
+    [0.7071, -0.7071, 0.0, 0.0, 0.0, 0.0]
     """
     groups = _groups(rewards, group_size)
-    centered = groups - groups.mean(axis=1, keepdims=True)
-    if normalize_std and group_size > 1:
-        centered = centered / (groups.std(axis=1, ddof=1, keepdims=True) + eps)
+    if scored is None:
+        centered = groups - groups.mean(axis=1, keepdims=True)
+        if normalize_std and group_size > 1:
+            centered = centered / (groups.std(axis=1, ddof=1, keepdims=True) + eps)
+        return centered.reshape(-1)
+    scored = jnp.asarray(scored, bool).reshape(groups.shape)
+    groups = jnp.where(scored, groups, 0.0)
+    count = scored.sum(axis=1, keepdims=True)
+    centered = jnp.where(scored, groups - groups.sum(axis=1, keepdims=True) / jnp.maximum(count, 1), 0.0)
+    if normalize_std:
+        std = jnp.sqrt((centered**2).sum(axis=1, keepdims=True) / jnp.maximum(count - 1, 1))
+        centered = centered / (std + eps)
     return centered.reshape(-1)
 
 

@@ -9,11 +9,11 @@ load the result. Nothing in the run directory is modified.
 
 A LoRA run (``model.lora.rank > 0``; its checkpoints hold the adapters, not the base) is exported as a PEFT adapter
 (`learner.checkpoints.peft_export`: ``adapter_config.json`` + ``adapter_model.safetensors``, its
-``base_model_name_or_path``
-the run's ``model.hf_path``), or with ``--merged`` as the Hugging Face checkpoint of the base with the adapters merged
-into it (the base read from ``model.hf_path``, or rebuilt from ``model.name`` and ``loop.seed``). A run of several
-adapters on one base (``model.lora.adapters``) is exported as one PEFT adapter directory per adapter,
-``OUT_DIR/<name>/``, each in the single-adapter layout (``--adapter NAME``: that one alone); ``--merged`` then needs
+``base_model_name_or_path`` the run's ``model.hf_path`` as an absolute path, or ``--base-model NAME_OR_PATH``), or
+with ``--merged`` as the Hugging Face checkpoint of the base with the adapters merged into it (the base read from
+``model.hf_path``, or rebuilt from ``model.name`` and ``loop.seed``). A run of several adapters on one base
+(``model.lora.adapters``) is exported as one PEFT adapter directory per adapter, ``OUT_DIR/<name>/``, each in the
+single-adapter layout (``--adapter NAME``: that one alone); ``--merged`` then needs
 ``--adapter NAME``, the adapter to merge.
 
 Example::
@@ -109,7 +109,8 @@ def _base_weights(config: ModelConfig, hf_path: str | None, seed: int) -> dict[s
 
 def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
                dtype: str = "float32", eos_token_ids: Sequence[int] | None = None,
-               overwrite: bool = False, merged: bool = False, adapter: str | None = None) -> pathlib.Path:
+               overwrite: bool = False, merged: bool = False, adapter: str | None = None,
+               base_model: str | None = None) -> pathlib.Path:
     """Writes checkpoint ``step`` (default: the newest verified) of the run in ``run_dir`` to ``out_dir``.
 
     Args:
@@ -122,6 +123,8 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
         merged: a LoRA run's adapters merged into its base as a Hugging Face checkpoint, instead of a PEFT adapter.
         adapter: with several adapters (``model.lora.adapters``), the one to export (required with ``merged``);
             None: every one, each to ``out_dir/<name>/``. A single adapter's run accepts its own name only.
+        base_model: a PEFT adapter's ``base_model_name_or_path`` (a Hub name, or a path); None: the run's
+            ``model.hf_path``, as an absolute path.
 
     Returns:
         ``out_dir``.
@@ -156,11 +159,11 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
                       if name in chosen}
         if not merged:
             if not lora.stacked:
-                return write_peft_adapter(out_dir, params, lora, config, base_model_name_or_path=hf_path,
-                                          overwrite=overwrite)
+                return write_peft_adapter(out_dir, params, lora, config,
+                                          base_model_name_or_path=base_model or hf_path, overwrite=overwrite)
             for name in chosen:
                 write_peft_adapter(pathlib.Path(out_dir) / name, params[name], lora, config,
-                                   base_model_name_or_path=hf_path, overwrite=overwrite)
+                                   base_model_name_or_path=base_model or hf_path, overwrite=overwrite)
             return pathlib.Path(out_dir)
         seed = (run_config.get("loop") or {}).get("seed", 0)
         adapters = params[chosen[0]] if lora.stacked else params
@@ -197,11 +200,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     parser.add_argument("--merged", action="store_true",
                         help="LoRA runs: write the base with the adapters merged (default: a PEFT adapter)")
+    parser.add_argument("--base-model", metavar="NAME_OR_PATH",
+                        help="LoRA runs: the PEFT adapter's base_model_name_or_path, a Hub name or a path "
+                             "(default: the run's model.hf_path, as an absolute path)")
     parser.add_argument("--adapter", help="LoRA runs of several adapters (model.lora.adapters): the one to export "
                                           "(required with --merged; default: every one, to OUT_DIR/<name>/)")
     args = parser.parse_args(argv)
     out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, eos_token_ids=args.eos_ids,
-                     overwrite=args.overwrite, merged=args.merged, adapter=args.adapter)
+                     overwrite=args.overwrite, merged=args.merged, adapter=args.adapter,
+                     base_model=args.base_model)
     print(f"wrote {out}")
 
 

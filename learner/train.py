@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import pathlib
 import sys
 
 import jax
 
 from learner.distributed import initialize, process_index_before_backends
+from learner.reporting.compiles import count_compiles, enable_compilation_cache
 from learner.reporting.disk_full import DiskFullLogFilter
 from learner.rl import Run, RunConfig, load_config
 from learner.rl.devices import configure_learner
@@ -49,13 +49,6 @@ def parse_args(argv=None) -> tuple[pathlib.Path | None, list[str]]:
     return args.config, overrides
 
 
-def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache, in ``JAX_COMPILATION_CACHE_DIR`` or else ``~/.cache/tether/jax``."""
-    if jax.config.jax_compilation_cache_dir is None:  # set from JAX_COMPILATION_CACHE_DIR when that is set
-        cache_home = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
-        jax.config.update("jax_compilation_cache_dir", str(cache_home / "tether" / "jax"))
-
-
 def setup_jax(config: RunConfig) -> None:
     """CPU device count, CPU collectives and the distributed system: before any other JAX call."""
     if config.mesh.cpu_devices:
@@ -73,6 +66,7 @@ def main(argv=None) -> None:
         config = load_config(config_path, overrides)
         check_paths_and_names(config)
     enable_compilation_cache()
+    count_compiles()
     logging.getLogger("absl").addFilter(DiskFullLogFilter())  # orbax's threads: reported once, below
     sys.unraisablehook = drop_closed_loop_callbacks
     setup_jax(config)

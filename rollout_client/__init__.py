@@ -25,6 +25,7 @@ from rollout_client.engines.base import EngineCapabilities
 from rollout_client.engines.base import EngineCapabilityError
 from rollout_client.engines.base import EngineInfo
 from rollout_client.engines.base import EngineRequirements
+from rollout_client.engines.base import PartialRollouts
 from rollout_client.engines.base import VersionReporting
 from rollout_client.engines.base import WeightTransport
 from rollout_client.engines.base import check_capabilities
@@ -50,6 +51,7 @@ from rollout_client.request_guards import PromptLimits
 from rollout_client.request_guards import RequestRefusedError
 from rollout_client.request_guards import check_model_identity
 from rollout_client.sampling_params import FinishReason
+from rollout_client.sampling_params import KvCache
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.sampling_params import PauseMode
 from rollout_client.sampling_params import SamplingParams
@@ -77,11 +79,13 @@ __all__ = [
     "FinishReason",
     "HttpControl",
     "InvalidRolloutError",
+    "KvCache",
     "LogprobMode",
     "Member",
     "MlxEngine",
     "ModelIdentity",
     "ModelMismatchError",
+    "PartialRollouts",
     "PauseMode",
     "PoolConfig",
     "PromptLimits",

@@ -23,9 +23,11 @@ from rollout_client import errors
 from rollout_client.packed_arrays import TOKEN_ID_DTYPE, pack
 from rollout_client.protocol import CLIENT_OPTIONS, SERVICE_NAME, bearer, pb, pb_grpc
 from rollout_client.samples import Sample, StreamAssembler, build_sample
-from rollout_client.sampling_params import LogprobMode, PauseMode, SamplingParams
+from rollout_client.sampling_params import KvCache, LogprobMode, PauseMode, SamplingParams
 from rollout_client.validation import Expected, ValidationConfig, ValidationCounters, find_problem
 from rollout_client.weight_chunks import split_weights
+
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # besides DEADLINE_EXCEEDED (`max_attempts`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +42,10 @@ class ClientConfig:
     deadline_base_s: float = 30.0  # Generate deadline = base + per_token * max_new_tokens.
     deadline_per_token_s: float = 0.05
     control_deadline_s: float = 120.0  # Pause, resume, info, abort, weight updates.
-    max_attempts: int = 5  # Generate attempts on UNAVAILABLE or DEADLINE_EXCEEDED (a retry asks only for the
-    # samples still missing, with the request's seed, so they are the same draws).
+    # Generate attempts on UNAVAILABLE, CANCELLED (ended by the server or the transport, e.g. a server shutting
+    # down: this client's own cancels end its task instead) or DEADLINE_EXCEEDED; a retry asks only for the samples
+    # still missing, with the request's seed, so they are the same draws.
+    max_attempts: int = 5
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     validation: ValidationConfig = ValidationConfig()
@@ -149,9 +153,10 @@ class AsyncRolloutClient:
         self._info = await self._control(self._stub.GetServerInfo, pb.GetServerInfoRequest())
         return self._info
 
-    def generate_deadline_s(self, request: RolloutRequest) -> float:
-        """Deadline of one Generate attempt, sized from max_new_tokens."""
-        max_new_tokens = request.sampling.max_new_tokens or (self._info.max_seq_len if self._info else 4096)
+    def generate_deadline_s(self, request: RolloutRequest | None) -> float:
+        """Deadline of one Generate attempt, sized from max_new_tokens (None: the server's whole context)."""
+        max_new_tokens = (request and request.sampling.max_new_tokens) or (
+            self._info.max_seq_len if self._info else 4096)
         return self.config.deadline_base_s + self.config.deadline_per_token_s * max_new_tokens
 
     async def generate(self, request: RolloutRequest) -> list[Sample]:
@@ -185,7 +190,7 @@ class AsyncRolloutClient:
                 await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
             except grpc.aio.AioRpcError as error:
                 deadline = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                if not deadline and error.code() != grpc.StatusCode.UNAVAILABLE:
+                if not deadline and error.code() not in _RETRIED:
                     raise
                 failures = 0 if len(results) > received_before else failures + 1
                 if deadline and failures >= self.config.max_attempts:
@@ -251,14 +256,22 @@ class AsyncRolloutClient:
             results[response.sample_index] = build_sample(
                 raw, request.request_id, response.sample_index, prompt, request.logprob_mode)
 
-    async def pause(self, mode: PauseMode = PauseMode.KEEP) -> int:
-        """Pauses generation; returns the server's policy version.
+    async def pause(self, mode: PauseMode = PauseMode.KEEP, kv_cache: KvCache = KvCache.RECOMPUTE) -> int:
+        """Pauses generation; returns the server's policy version. ``kv_cache``: what a weight update while paused
+        does with the cache of the requests KEEP keeps (partial rollouts).
 
-        With ABORT, the samples it ends are returned (finish reason ABORT) instead of dropped as `aborted`.
+        With ABORT, the samples it ends are returned (finish reason ABORT) instead of dropped as `aborted`. WAIT
+        waits as long as a generation of the server's whole context may take (`generate_deadline_s`).
         """
         if mode == PauseMode.ABORT:  # Counted before the call: the aborted samples may arrive before its reply.
             self._abort_pauses += 1
-        reply = await self._control(self._stub.PauseGeneration, pb.PauseGenerationRequest(mode=int(mode)))
+        deadline_s = self.config.control_deadline_s
+        if mode == PauseMode.WAIT:
+            if self._info is None:
+                await self.server_info()
+            deadline_s += self.generate_deadline_s(None)
+        reply = await self._control(self._stub.PauseGeneration,
+                                    pb.PauseGenerationRequest(mode=int(mode), kv_cache=int(kv_cache)), deadline_s)
         return reply.policy_version
 
     async def resume(self) -> int:
@@ -294,8 +307,10 @@ class AsyncRolloutClient:
 
     async def publish_weights(self, policy_version: int, *, weights: Mapping[str, np.ndarray] | None = None,
                               path: str | None = None, weights_format: int = pb.WEIGHTS_FORMAT_SAFETENSORS,
-                              pause_mode: PauseMode = PauseMode.KEEP) -> int:
-        """Pause -> update (streamed `weights`, or `path` on the server) -> resume, then confirm.
+                              pause_mode: PauseMode = PauseMode.KEEP, kv_cache: KvCache = KvCache.RECOMPUTE
+                              ) -> int:
+        """Pause (``pause_mode``, ``kv_cache``: see `pause`) -> update (streamed `weights`, or `path` on the
+        server) -> resume, then confirm.
 
         The server resumes even when the update fails (it keeps its old weights).
 
@@ -304,30 +319,31 @@ class AsyncRolloutClient:
         """
         if (weights is None) == (path is None):
             raise ValueError("publish_weights: pass exactly one of weights or path")
-        await self.pause(pause_mode)
+        await self.pause(pause_mode, kv_cache)
         try:
             if weights is not None:
                 await self.stream_weights(policy_version, weights)
             else:
                 await self.update_weights_from_path(policy_version, path, weights_format)
         finally:
-            await self.resume()
-        info = await self.server_info()
-        if info.policy_version != policy_version:
+            served = await self.resume()  # the reply carries the version serving from now on
+        if served != policy_version:
             raise errors.RolloutError(
-                f"publish_weights: server reports policy version {info.policy_version}, expected {policy_version}")
-        return info.policy_version
+                f"publish_weights: server reports policy version {served}, expected {policy_version}")
+        return served
 
     def metrics(self) -> dict[str, int]:
-        """Validation counters and the retry count."""
-        return {**self.counters.as_dict(), "generate/retries": self.retries}
+        """Validation counters, the retry count and the server's programs built (as of the last server info)."""
+        compiled = {"server/compiled_programs": self._info.compiled_programs} if self._info is not None else {}
+        return {**self.counters.as_dict(), "generate/retries": self.retries, **compiled}
 
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _control(self, method, request):
+    async def _control(self, method, request, deadline_s: float | None = None):
         try:
-            return await method(request, timeout=self.config.control_deadline_s, metadata=self._metadata)
+            return await method(request, timeout=deadline_s or self.config.control_deadline_s,
+                                metadata=self._metadata)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise errors.RolloutDeadlineError(f"{type(request).__name__}: {error.details()}") from error

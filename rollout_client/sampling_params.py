@@ -8,6 +8,8 @@ import dataclasses
 import enum
 import math
 
+import numpy as np
+
 from rollout_client.protocol import pb
 
 
@@ -54,6 +56,13 @@ class PauseMode(enum.IntEnum):
     ABORT = pb.PAUSE_MODE_ABORT
     WAIT = pb.PAUSE_MODE_WAIT
     KEEP = pb.PAUSE_MODE_KEEP
+
+
+class KvCache(enum.IntEnum):
+    """What a KEEP pause does with its kept requests' KV cache when new weights load (partial rollouts)."""
+
+    RECOMPUTE = pb.KV_CACHE_RECOMPUTE  # rebuilt under the new weights: the next tokens are drawn exactly by them.
+    KEEP = pb.KV_CACHE_KEEP  # the old weights' keys and values stay: cheaper, the next tokens' policy approximate.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,3 +137,13 @@ class SamplingParams:
         }
         stop = tuple(message.stop_token_ids.token_ids) if message.HasField("stop_token_ids") else None
         return cls(stop_token_ids=stop, stop_strings=tuple(message.stop_strings), **values)
+
+
+def derived_seed(seed: int, *path: int) -> int:
+    """A 63-bit sampling seed for one part of a seeded whole (request ``path`` of a run, turn ``path`` of an
+    episode): the same inputs give the same seed, other paths independent ones (`numpy.random.SeedSequence`).
+
+    >>> derived_seed(0, 1, 2) == derived_seed(0, 1, 2) != derived_seed(0, 2, 1)
+    True
+    """
+    return int(np.random.SeedSequence([seed, *path]).generate_state(1, np.uint64)[0] >> np.uint64(1))

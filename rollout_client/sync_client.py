@@ -15,7 +15,7 @@ import numpy as np
 from rollout_client.client import AsyncRolloutClient, ClientConfig, RolloutRequest
 from rollout_client.protocol import pb
 from rollout_client.samples import Sample
-from rollout_client.sampling_params import PauseMode
+from rollout_client.sampling_params import KvCache, PauseMode
 
 
 class RolloutClient:
@@ -55,8 +55,8 @@ class RolloutClient:
         self.info = self._run(self._client.server_info())
         return self.info
 
-    def pause(self, mode: PauseMode = PauseMode.KEEP) -> int:
-        return self._run(self._client.pause(mode))
+    def pause(self, mode: PauseMode = PauseMode.KEEP, kv_cache: KvCache = KvCache.RECOMPUTE) -> int:
+        return self._run(self._client.pause(mode, kv_cache))
 
     def resume(self) -> int:
         return self._run(self._client.resume())
@@ -70,10 +70,11 @@ class RolloutClient:
 
     def publish_weights(self, policy_version: int, *, weights: Mapping[str, np.ndarray] | None = None,
                         path: str | None = None, weights_format: int = pb.WEIGHTS_FORMAT_SAFETENSORS,
-                        pause_mode: PauseMode = PauseMode.KEEP) -> int:
+                        pause_mode: PauseMode = PauseMode.KEEP, kv_cache: KvCache = KvCache.RECOMPUTE) -> int:
         """See `AsyncRolloutClient.publish_weights`."""
         return self._run(self._client.publish_weights(
-            policy_version, weights=weights, path=path, weights_format=weights_format, pause_mode=pause_mode))
+            policy_version, weights=weights, path=path, weights_format=weights_format, pause_mode=pause_mode,
+            kv_cache=kv_cache))
 
     def metrics(self) -> dict[str, int]:
         return self._client.metrics()

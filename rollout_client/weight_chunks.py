@@ -1,7 +1,10 @@
 """Streaming weights as WeightsChunk messages, and assembling them back.
 
 Shared by the client (which splits) and the server (which assembles), so the two
-ends agree on the byte layout: C order, little-endian, dtype named by numpy.
+ends agree on the byte layout: C order, little-endian, dtype named by numpy. Each
+byte is copied once on each side: into its chunk message (slices of the array's own
+memory, never a whole-tensor copy first) and out of it into the tensor preallocated
+at its first chunk (`WeightsAssembler`, fed as the chunks arrive).
 """
 
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,11 +23,66 @@ def split_weights(weights: Mapping[str, np.ndarray], policy_version: int,
     yield pb.WeightsChunk(header=pb.WeightsHeader(policy_version=policy_version, num_tensors=len(weights)))
     for name, array in weights.items():
         array = np.asarray(array)
-        data = array.astype(array.dtype.newbyteorder("<"), order="C", copy=False).tobytes()
-        for offset in range(0, max(len(data), 1), chunk_bytes):
+        data = np.ascontiguousarray(array, array.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
+        for offset in range(0, max(data.size, 1), chunk_bytes):
             yield pb.WeightsChunk(tensor=pb.TensorChunk(
                 name=name, dtype=array.dtype.name, shape=array.shape, offset=offset,
-                data=data[offset:offset + chunk_bytes]))
+                data=data[offset:offset + chunk_bytes].tobytes()))
+
+
+class WeightsAssembler:
+    """Inverse of `split_weights`, one chunk at a time: `add` each chunk as it arrives, then `result`.
+
+    Raises (from `add` and `result`):
+      ValueError: naming the field of the first malformed chunk.
+    """
+
+    def __init__(self):
+        self._header: pb.WeightsHeader | None = None
+        self._tensors: dict[str, np.ndarray] = {}  # preallocated at the first chunk
+        self._filled: dict[str, int] = {}  # bytes received per tensor
+
+    def add(self, chunk: pb.WeightsChunk) -> None:
+        if self._header is None:
+            if not chunk.HasField("header"):
+                raise ValueError("header: the first WeightsChunk must be a header")
+            self._header = chunk.header
+            return
+        if not chunk.HasField("tensor"):
+            raise ValueError("header: only the first WeightsChunk may be a header")
+        piece = chunk.tensor
+        try:
+            dtype = np.dtype(piece.dtype)
+        except TypeError:
+            raise ValueError(f"tensor.dtype: unknown dtype {piece.dtype!r} for {piece.name!r}") from None
+        tensor = self._tensors.get(piece.name)
+        if tensor is None:
+            tensor = self._tensors[piece.name] = np.empty(tuple(piece.shape), dtype.newbyteorder("<"))
+            self._filled[piece.name] = 0
+        elif (tensor.dtype, tensor.shape) != (dtype.newbyteorder("<"), tuple(piece.shape)):
+            raise ValueError(f"tensor.shape: {piece.name!r} changed dtype or shape between chunks")
+        filled = self._filled[piece.name]
+        if piece.offset != filled:
+            raise ValueError(f"tensor.offset: {piece.name!r} expected {filled}, got {piece.offset}")
+        if filled + len(piece.data) > tensor.nbytes:
+            raise ValueError(f"tensor.data: {piece.name!r} has more than the {tensor.nbytes} bytes its shape and "
+                             "dtype need")
+        tensor.reshape(-1).view(np.uint8)[filled:filled + len(piece.data)] = np.frombuffer(piece.data, np.uint8)
+        self._filled[piece.name] = filled + len(piece.data)
+
+    def result(self) -> tuple[int, dict[str, np.ndarray]]:
+        """``(policy_version, weights)`` once every chunk was added."""
+        if self._header is None:
+            raise ValueError("header: the first WeightsChunk must be a header")
+        if len(self._tensors) != self._header.num_tensors:
+            raise ValueError(f"header.num_tensors: {self._header.num_tensors} announced, {len(self._tensors)} sent")
+        for name, tensor in self._tensors.items():
+            if self._filled[name] != tensor.nbytes:
+                raise ValueError(f"tensor.data: {name!r} has {self._filled[name]} bytes, shape and dtype need "
+                                 f"{tensor.nbytes}")
+        weights = {name: tensor.astype(tensor.dtype.newbyteorder("="), copy=False)
+                   for name, tensor in self._tensors.items()}
+        return self._header.policy_version, weights
 
 
 def assemble_weights(chunks: Iterable[pb.WeightsChunk]) -> tuple[int, dict[str, np.ndarray]]:
@@ -37,33 +95,7 @@ def assemble_weights(chunks: Iterable[pb.WeightsChunk]) -> tuple[int, dict[str, 
     >>> version, weights["w"].tolist()
     (7, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])
     """
-    iterator = iter(chunks)
-    first = next(iterator, None)
-    if first is None or not first.HasField("header"):
-        raise ValueError("header: the first WeightsChunk must be a header")
-    buffers: dict[str, bytearray] = {}
-    layouts: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-    for chunk in iterator:
-        if not chunk.HasField("tensor"):
-            raise ValueError("header: only the first WeightsChunk may be a header")
-        piece = chunk.tensor
-        try:
-            layout = (np.dtype(piece.dtype), tuple(piece.shape))
-        except TypeError:
-            raise ValueError(f"tensor.dtype: unknown dtype {piece.dtype!r} for {piece.name!r}") from None
-        buffer = buffers.setdefault(piece.name, bytearray())
-        if layouts.setdefault(piece.name, layout) != layout:
-            raise ValueError(f"tensor.shape: {piece.name!r} changed dtype or shape between chunks")
-        if piece.offset != len(buffer):
-            raise ValueError(f"tensor.offset: {piece.name!r} expected {len(buffer)}, got {piece.offset}")
-        buffer += piece.data
-    if len(buffers) != first.header.num_tensors:
-        raise ValueError(f"header.num_tensors: {first.header.num_tensors} announced, {len(buffers)} sent")
-    weights = {}
-    for name, buffer in buffers.items():
-        dtype, shape = layouts[name]
-        expected = int(np.prod(shape)) * dtype.itemsize
-        if len(buffer) != expected:
-            raise ValueError(f"tensor.data: {name!r} has {len(buffer)} bytes, shape and dtype need {expected}")
-        weights[name] = np.frombuffer(buffer, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
-    return first.header.policy_version, weights
+    assembler = WeightsAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.result()

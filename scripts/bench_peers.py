@@ -67,14 +67,27 @@ class Case:
     minibatches: int = 1
     scored_window: bool = True  # Tether's logprobs over the completion only (tunix computes every position)
     dtype: str = "float32"  # compute dtype (parameters stay float32)
+    # Tether's kernel choices (issue 38's studies; the tunix worker ignores them): ModelConfig.attention and .remat,
+    # make_update_fn's donate, UpdateConfig.logprob_chunk_size and .fuse_proximal.
+    attention: str = "auto"
+    remat: str = "none"
+    donate: str = "state"
+    logprob_chunk_size: int = 512
+    fuse_proximal: bool = True
 
     @property
     def label(self) -> str:
         loop = f", {self.epochs}x{self.minibatches}" if self.epochs * self.minibatches > 1 else ""
         window = "" if self.scored_window else ", Tether window off"
         compute = "" if self.dtype == "float32" else f", {self.dtype} compute"
+        knobs = "".join(f", {name} {getattr(self, name)}" for name in KNOB_DEFAULTS
+                        if getattr(self, name) != KNOB_DEFAULTS[name])
         return (f"{self.model} {self.rows}x{self.length}{loop}, recompute {'on' if self.recompute else 'off'}{window}"
-                f"{compute}")
+                f"{compute}{knobs}")
+
+
+KNOB_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Case)
+                 if field.name in ("attention", "remat", "donate", "logprob_chunk_size", "fuse_proximal")}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -106,8 +119,9 @@ def cost_totals(compiled_programs) -> dict:
 
 
 def serve(build) -> None:
-    """Worker loop: build (``build()`` returns the update, the parameter count, the cost analysis and the arrays it
-    made, which are waited for), time the first call, then answer lines on stdin: ``time N`` (N calls), ``first`` (one
+    """Worker loop: build (``build()`` returns the update, a dict of facts for the ready reply (``params``: the
+    parameter count), the cost analysis and the arrays it made, which are waited for), time the first call (the
+    ready reply also names the ``device_kind``), then answer lines on stdin: ``time N`` (N calls), ``first`` (one
     call after `jax.clear_caches`: trace and compile again), ``cost``, ``memory`` (the device's peak bytes in use,
     None where the backend does not say), ``peak N`` (TFLOP/s of an N x N bfloat16 matmul, best of 10) and
     ``quit``."""
@@ -121,9 +135,9 @@ def serve(build) -> None:
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    run, params, cost, built = build()
+    run, facts, cost, built = build()
     jax.block_until_ready(built)  # parameter and optimizer init is dispatched asynchronously: not the first call's
-    _reply({"first_call_s": timed_calls(1)[0], "params": params})
+    _reply({"first_call_s": timed_calls(1)[0], "device_kind": jax.devices()[0].device_kind, **facts})
     for line in sys.stdin:
         command = line.split()
         if command[0] == "time":
@@ -170,24 +184,26 @@ def tether_worker(case: Case) -> None:
     import numpy as np
 
     import corrections
+    from learner.model.attention import attention_kernel
     from learner.model.sharding import make_mesh
     from learner.model.transformer import count_params, model_config
     from learner.update.batch import TrainBatch
     from learner.update.optimizer import OptimizerConfig, make_optimizer
-    from learner.update.step import UpdateConfig, make_update_fn
+    from learner.update.step import UpdateConfig, make_update_fn, proximal_from_training_pass
     from learner.update.train_state import create_sharded_train_state
 
     def build():
-        config = model_config(case.model, dtype=case.dtype)
+        config = model_config(case.model, dtype=case.dtype, attention=case.attention, remat=case.remat)
         mesh = make_mesh(data=-1)
         optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=LEARNING_RATE, total_steps=TOTAL_STEPS,
                                                    max_grad_norm=MAX_GRAD_NORM))
         preset = "decoupled_token_is" if case.recompute else "bypass_ppo_clip"
         update_config = UpdateConfig(corrections=corrections.preset(preset), num_minibatches=case.minibatches,
                                      ppo_epochs=case.epochs,
-                                     scored_window=completion_length(case.length) if case.scored_window else None)
+                                     scored_window=completion_length(case.length) if case.scored_window else None,
+                                     logprob_chunk_size=case.logprob_chunk_size, fuse_proximal=case.fuse_proximal)
         graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
-        update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings)
+        update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings, donate=case.donate)
         data = synthetic_rollouts(config.vocab_size, case.rows, case.length)
         shape = data["tokens"].shape
         trained = np.arange(case.length) >= data["prompt_len"]
@@ -199,17 +215,21 @@ def tether_worker(case: Case) -> None:
                            attention_mask=np.ones(shape, bool), loss_mask=loss_mask,
                            advantages=np.broadcast_to(data["advantages"][:, None], shape).astype(np.float32),
                            rollout_logprobs=rollout, policy_version=np.zeros(shape, np.int32))
-        batch = jax.device_put(batch)
+        host_batch, batch = batch, jax.device_put(batch)
         holder = {"state": state}
 
-        def run():
-            holder["state"], metrics, proximal = update(holder["state"], batch, None)
+        def run():  # a donated batch is put on the device again for each call
+            on_device = jax.device_put(host_batch) if "batch" in case.donate else batch
+            holder["state"], metrics, proximal = update(holder["state"], on_device, None)
             return holder["state"], metrics, proximal
 
         def cost():
             return cost_totals([update.lower(holder["state"], batch, None).compile()])
 
-        return run, count_params(config), cost, (state, batch)
+        facts = {"params": count_params(config),
+                 "attention": attention_kernel(config.attention, config.dtype, config.head_dim),
+                 "proximal_pass": preset == "decoupled_token_is" and not proximal_from_training_pass(update_config)}
+        return run, facts, cost, (state, batch)
 
     serve(build)
 
@@ -316,8 +336,8 @@ def tunix_worker(case: Case) -> None:
             return {"gflop": totals["gflop"] + (steps - 1) * train["gflop"],
                     "gbytes": totals["gbytes"] + (steps - 1) * train["gbytes"]}
 
-        return run, params, cost, (nnx.state(trainer.model), nnx.state(trainer.optimizer), prompt, completion,
-                                   advantages, rollout)
+        built = (nnx.state(trainer.model), nnx.state(trainer.optimizer), prompt, completion, advantages, rollout)
+        return run, {"params": params}, cost, built
 
     serve(build)
 

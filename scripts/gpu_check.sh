@@ -2,13 +2,20 @@
 # Issue 28's checks on the GPU machine in ONE command, from the checkout's root: installs the carried wheels (.whl/),
 # runs tests/accelerator/ (golden logits and the update against the CPU's; then the main job for 60 steps), then the
 # benchmarks (scripts/bench_gpu.py: Tether vs tunix at qwen2-0.5b; scripts/bench_lora.py: LoRA vs full fine-tuning
-# at llama-1b; bench_gpu.py: MFU at llama-1b), each step under its own timeout,
+# at llama-1b; bench_gpu.py: MFU at llama-1b), then issue 37's loop checks (scripts/bench_recipe.py: the GSM8K recipe
+# on a random Qwen2.5-0.5B-shaped checkpoint, cold and warm; bench_publish.py; bench_decode.py; the main job's
+# steps/s), each step under its own timeout,
 # with JAX_PLATFORMS=cuda so that a CPU fallback cannot pass. A failing or timed-out step does not stop the later
 # ones. Everything is written under OUT_DIR (default: $OUT, the device tool's output folder, else ./gpu_check_out);
 # the summary (each step's status, the tests' key numbers, the benchmark tables) is printed at the end.
 # Time: each step's timeout is capped by what is left of BUDGET_S (default 520 s: the device tool allows 600 s a
 # command), so the whole script ends within BUDGET_S + ~40 s (each timeout's 10 s kill grace). It exits 1 when a step
 # failed. ONLY="bench_mfu ..." runs only the steps named.
+# Issue 38's steps (after bench_mfu, which runs cuDNN and XLA attention side by side): bench_long (llama-1b B2 x T8192),
+# bench_remat (rematerialisation policies), bench_passes (proximal-pass fusion, buffer donation, logprob chunk size);
+# each writes bench_gpu.json / .md under its own folder, a row per variant, the baseline rerun in the same step. They
+# do not all fit in one call's budget after the others: a kernel-only call is
+#   ONLY="accelerator_tests bench_mfu bench_long bench_remat" scripts/gpu_check.sh   (then ONLY="bench_passes")
 #
 #   scripts/gpu_check.sh [OUT_DIR]                     # on the GPU machine
 #   PYTHON=.venv/bin/python scripts/gpu_check.sh --cpu [OUT_DIR]   # dry run on a CPU: no platform check, the
@@ -63,13 +70,31 @@ if [[ $MODE == gpu ]]; then
   fi
   export JAX_PLATFORMS=cuda
   BENCH_COMPARE=(--compare qwen2-0.5b --mfu "")
-  BENCH_MFU=(--compare "" --mfu llama-1b)
+  BENCH_MFU=(--compare "" --mfu llama-1b --variants attention=xla)
   BENCH_LORA=(--model llama-1b --batch 8 --length 1024 --steps 5 --dtype bfloat16)
+  BENCH_LONG=(--compare "" --mfu llama-1b --rows 2 --length 8192 --rounds 2 --calls 2
+              --variants logprob_chunk_size=2048)
+  BENCH_REMAT=(--compare "" --mfu llama-1b --variants remat=full remat=dots remat=qkv_attention)
+  BENCH_PASSES=(--compare "" --mfu llama-1b --variants fuse_proximal=off donate=none donate=state+batch
+                logprob_chunk_size=128)
+  RECIPE=(--shape qwen2-0.5b --prompts 16 --samples 8 --new-tokens 512)  # issue 37: 16 x 8 x 512, bf16 compute
+  PUBLISH=(--model qwen2-0.5b --dtype bfloat16 --repeats 4)
+  DECODE=(--model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512)
+  MAIN_JOB_STEPS=60
 else
   export JAX_PLATFORMS=cpu TETHER_ACCELERATOR_TESTS_ON_CPU=1
   BENCH_COMPARE=(--compare tiny --mfu "" --rows 2 --length 64 --rounds 1 --calls 1)
-  BENCH_MFU=(--compare "" --mfu tiny --rows 2 --length 64 --rounds 1 --calls 1 --peak-size 256)
+  TINY_MFU=(--compare "" --mfu tiny --rows 2 --length 64 --rounds 1 --calls 1 --peak-size 256)
+  BENCH_MFU=("${TINY_MFU[@]}" --variants attention=xla)
   BENCH_LORA=(--model tiny --batch 2 --length 64 --steps 1)
+  BENCH_LONG=(--compare "" --mfu tiny --rows 2 --length 256 --rounds 1 --calls 1 --peak-size 256
+              --variants logprob_chunk_size=64)
+  BENCH_REMAT=("${TINY_MFU[@]}" --variants remat=full)
+  BENCH_PASSES=("${TINY_MFU[@]}" --variants fuse_proximal=off,donate=state+batch)
+  RECIPE=(--shape 17m --prompts 2 --samples 2 --new-tokens 8 --set server.max_batch_size=8)
+  PUBLISH=(--model tiny --repeats 3)
+  DECODE=(--model tiny --rows 4 --prompt-tokens 8 --new-tokens 16 --steps-per-call 4)
+  MAIN_JOB_STEPS=4
 fi
 export JAX_ENABLE_COMPILATION_CACHE=false  # every compile is measured as a user's first one
 
@@ -98,14 +123,39 @@ tests() {  # tests NAME SECONDS FILES...: pytest on the accelerator-marked tests
   [[ -f $OUT_DIR/$name.log ]] && grep -E "max \||main job:|passed|failed|error" "$OUT_DIR/$name.log" | tail -12 | tee -a "$SUMMARY"
 }
 # the main job alone, so that its time cannot cut the others short
-tests accelerator_tests 120 tests/accelerator/test_golden_logits.py tests/accelerator/test_update_matches_cpu.py
+tests accelerator_tests 150 tests/accelerator/test_golden_logits.py tests/accelerator/test_update_matches_cpu.py \
+  tests/accelerator/test_attention_cudnn.py
 tests main_job 200 tests/accelerator/test_main_job.py  # main at staleness 1: 108 s for 60 steps
 
 wanted bench_compare && step bench_compare 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_COMPARE[@]}" --out "$OUT_DIR/bench_compare"
 wanted bench_lora && step bench_lora 240 "$PYTHON" scripts/bench_lora.py "${BENCH_LORA[@]}" --out "$OUT_DIR/bench_lora.json" \
   && grep -E "^LoRA / full" "$OUT_DIR/bench_lora.log" | tee -a "$SUMMARY"
-wanted bench_mfu && step bench_mfu 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
-for table in "$OUT_DIR"/bench_compare/bench_gpu.md "$OUT_DIR"/bench_mfu/bench_gpu.md; do
+wanted bench_mfu && step bench_mfu 240 "$PYTHON" scripts/bench_gpu.py "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
+wanted bench_long && step bench_long 240 "$PYTHON" scripts/bench_gpu.py "${BENCH_LONG[@]}" --out "$OUT_DIR/bench_long"
+wanted bench_remat && step bench_remat 360 "$PYTHON" scripts/bench_gpu.py "${BENCH_REMAT[@]}" \
+  --out "$OUT_DIR/bench_remat"
+wanted bench_passes && step bench_passes 420 "$PYTHON" scripts/bench_gpu.py "${BENCH_PASSES[@]}" \
+  --out "$OUT_DIR/bench_passes"
+# Issue 37's loop at accelerator speed: the GSM8K recipe on a random checkpoint of Qwen2.5-0.5B's shape, cold (its own
+# empty compilation cache) then warm (the same cache, 2 steps); the publish against a memcpy; decode against its
+# floor; the README's main job's steps/s and per-phase split.
+RECIPE_CACHE="$OUT_DIR/recipe_jax_cache"
+summary_lines() { grep -E "$2" "$OUT_DIR/$1.log" | tee -a "$SUMMARY"; }
+wanted recipe && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
+  step recipe 300 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 3 --out "$OUT_DIR/recipe" \
+  && summary_lines recipe "^(step |steady|start-up)"
+wanted recipe_warm && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
+  step recipe_warm 150 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 2 --out "$OUT_DIR/recipe_warm" \
+  && summary_lines recipe_warm "^(step |start-up)"
+wanted bench_publish && step bench_publish 120 "$PYTHON" scripts/bench_publish.py "${PUBLISH[@]}" \
+  --out "$OUT_DIR/bench_publish.json" && summary_lines bench_publish "memcpy|shared|streamed"
+wanted bench_decode && step bench_decode 120 "$PYTHON" scripts/bench_decode.py "${DECODE[@]}" \
+  --out "$OUT_DIR/bench_decode.json" && summary_lines bench_decode "tokens/s"
+wanted main_job_speed && step main_job_speed 150 "$PYTHON" -m learner.train --config configs/default.toml \
+  --run-dir "$OUT_DIR/main_job_speed" --set loop.steps=$MAIN_JOB_STEPS --set checkpoints.every=1000 \
+  && step main_job_summary 30 "$PYTHON" scripts/bench_recipe.py --summarize "$OUT_DIR/main_job_speed" \
+  && summary_lines main_job_summary "^(steady|start-up)"
+for table in "$OUT_DIR"/bench_{compare,mfu,long,remat,passes}/bench_gpu.md; do
   [[ -f $table ]] && tee -a "$SUMMARY" < "$table"
 done
 note "all output: $OUT_DIR ($((SECONDS)) s in all)"

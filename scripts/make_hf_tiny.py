@@ -44,6 +44,7 @@ __all__ = [
     "make_hf_tiny",
     "model_config",
     "reversal_rows",
+    "write_checkpoint",
 ]
 
 DEFAULT_DIR = pathlib.Path("runs/hf_tiny_files")
@@ -139,6 +140,29 @@ def calculator_texts() -> list[str]:
     return texts
 
 
+def write_checkpoint(directory: str | pathlib.Path, texts: list[str], config=None, *, seed: int = 0,
+                     overwrite: bool = False) -> pathlib.Path:
+    """A random Qwen2 checkpoint with its BPE tokenizer trained on ``texts`` (module docstring), at the tiny shape
+    (`model_config`) or ``config``'s (a `learner.model.ModelConfig` whose vocabulary holds the tokenizer's, e.g.
+    Qwen2.5-0.5B's for speed checks: random weights never emit EOS, so any tokenizer serves)."""
+    from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
+
+    tokenizer = _train_tokenizer(texts)
+    stop_ids = (tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>"))
+    vocab_size = -(-tokenizer.get_vocab_size() // 16) * 16 + 16  # unused rows, as Qwen2.5's 151936 > 151665
+    config = config or model_config(vocab_size)
+    if config.vocab_size < tokenizer.get_vocab_size():
+        raise ValueError(f"config.vocab_size={config.vocab_size}: below the tokenizer's {tokenizer.get_vocab_size()}")
+    with tempfile.TemporaryDirectory() as tokenizer_dir:  # write_hf_checkpoint copies the tokenizer's files
+        tokenizer.save(str(pathlib.Path(tokenizer_dir, "tokenizer.json")))
+        pathlib.Path(tokenizer_dir, "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False,
+            "model_max_length": config.max_seq_len, "chat_template": CHAT_TEMPLATE}, indent=2))
+        return write_hf_checkpoint(directory, _random_weights(config, seed), config, tokenizer=tokenizer_dir,
+                                   eos_token_ids=stop_ids, model_type="qwen2", overwrite=overwrite)
+
+
 def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, overwrite: bool = False,
                  tool_calculator: bool = False) -> HfTinyFiles:
     """Writes the checkpoint with its tokenizer and the two dataset files under ``out_dir`` (module docstring).
@@ -152,8 +176,6 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
     Returns:
         The paths written (`HfTinyFiles`).
     """
-    from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
-
     out_dir = pathlib.Path(out_dir)
     files = HfTinyFiles(model=out_dir / "model", train=out_dir / "train.jsonl", test=out_dir / "test.jsonl")
     existing = [str(path) for path in files if path.exists()]
@@ -165,19 +187,8 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
     for path, keep in ((files.train, lambda i: i not in held_out), (files.test, lambda i: i in held_out)):
         path.write_text("".join(json.dumps(row) + "\n" for i, row in enumerate(rows) if keep(i)))
 
-    tokenizer = _train_tokenizer([_render(row["question"]) + row["answer"] for row in rows]
-                                 + (calculator_texts() if tool_calculator else []))
-    stop_ids = (tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>"))
-    vocab_size = -(-tokenizer.get_vocab_size() // 16) * 16 + 16  # unused rows, as Qwen2.5's 151936 > 151665
-    config = model_config(vocab_size)
-    with tempfile.TemporaryDirectory() as tokenizer_dir:  # write_hf_checkpoint copies the tokenizer's files
-        tokenizer.save(str(pathlib.Path(tokenizer_dir, "tokenizer.json")))
-        pathlib.Path(tokenizer_dir, "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>",
-            "pad_token": "<|endoftext|>", "clean_up_tokenization_spaces": False, "model_max_length": 128,
-            "chat_template": CHAT_TEMPLATE}, indent=2))
-        write_hf_checkpoint(files.model, _random_weights(config, seed), config, tokenizer=tokenizer_dir,
-                            eos_token_ids=stop_ids, model_type="qwen2", overwrite=overwrite)
+    write_checkpoint(files.model, [_render(row["question"]) + row["answer"] for row in rows]
+                     + (calculator_texts() if tool_calculator else []), seed=seed, overwrite=overwrite)
     return files
 
 

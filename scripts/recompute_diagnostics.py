@@ -6,7 +6,9 @@ that preset, with the logged proximal logprobs as both current and proximal (the
 importance weights and rejections are those the update saw first. A batch of multi-turn episodes (rows whose
 trained tokens have observations, mask 0, between them: `learner.rl.episodes`) also gets its episode statistics
 (`episode_statistics`): policy turns per episode, the observations' share of the tokens, and how many policy
-versions sampled one episode. Prints a table; ``--jsonl`` writes all metrics.
+versions sampled one episode. Every batch gets its partial-rollout statistics (`version_statistics`: the share of
+samples drawn by several policy versions, the most versions in one, and each trained token's staleness, mean and
+max). Prints a table; ``--jsonl`` writes all metrics.
 
     python scripts/recompute_diagnostics.py RUN [--preset decoupled_geo_rs_token_tis] [--jsonl out.jsonl]
 """
@@ -23,6 +25,7 @@ import numpy as np
 import corrections
 from learner.reporting.metrics_writers import JsonlWriter, host_scalars
 from learner.reporting.rollout_log import LoggedBatch, RolloutLogReader
+from learner.reporting.version_stats import version_metrics, versions_per_row
 
 COLUMNS = (
     ("kl", "rollout_corr/kl"),
@@ -32,6 +35,9 @@ COLUMNS = (
     ("lp_diff", "rollout_corr/logprob_abs_diff_mean"),
     ("rejected", "rollout_corr/rollout_rs_masked_fraction"),
     ("is_mean", "rollout_corr/rollout_is_mean"),
+    ("partial", "rollout/partial_fraction"),
+    ("versions", "rollout/versions_per_sample_max"),
+    ("stale", "rollout_corr/staleness_mean"),
     ("turns", "multiturn/turns_mean"),
     ("env_frac", "multiturn/env_tokens_fraction"),
 )
@@ -70,25 +76,35 @@ def episode_statistics(batch: LoggedBatch) -> dict[str, float]:
     """
     mask = np.asarray(batch.loss_mask) != 0
     rows = np.flatnonzero(mask.any(axis=1))
-    turns, env_tokens, completion, versions = [], 0, 0, []
+    turns, env_tokens, completion = [], 0, 0
     for row in rows:
         trained = np.flatnonzero(mask[row])
         span = mask[row, trained[0]:trained[-1] + 1]
         turns.append(int(span[0]) + int(np.sum(span[1:] & ~span[:-1])))
         env_tokens += int((~span).sum())
         completion += span.size
-        versions.append(np.unique(batch.policy_version[row][mask[row]]).size)
     if not env_tokens:
         return {}
     return {"multiturn/turns_mean": float(np.mean(turns)), "multiturn/env_tokens_fraction": env_tokens / completion,
-            "multiturn/versions_per_episode_max": float(max(versions))}
+            "multiturn/versions_per_episode_max": float(versions_per_row(batch.policy_version, mask).max())}
+
+
+def version_statistics(batch: LoggedBatch) -> dict[str, float]:
+    """A batch's partial-rollout statistics (`learner.reporting.version_stats.version_metrics`) and its trained tokens'
+    staleness, learner version - token version (``rollout_corr/staleness_mean`` and ``_max``, the update's own keys;
+    left out for rows logged without the learner version)."""
+    metrics = version_metrics(batch.policy_version, batch.loss_mask)
+    if batch.learner_version is None or np.any(np.asarray(batch.learner_version) < 0):
+        return metrics
+    lag = np.asarray(batch.learner_version)[:, None] - np.asarray(batch.policy_version)
+    return metrics | host_scalars(corrections.staleness_metrics(lag.astype(np.float32), batch.loss_mask))
 
 
 def recompute(run_dir: str | pathlib.Path, preset: str | None = None) -> list[dict[str, float]]:
     """``{"step": step, **metrics}`` for every batch of ``run_dir``'s rollout log, in log order."""
     reader = RolloutLogReader(pathlib.Path(run_dir) / "rollout_log")
-    return [{"step": batch.step, **batch_diagnostics(batch, reader.max_length, preset), **episode_statistics(batch)}
-            for batch in reader.batches()]
+    return [{"step": batch.step, **batch_diagnostics(batch, reader.max_length, preset), **episode_statistics(batch),
+             **version_statistics(batch)} for batch in reader.batches()]
 
 
 def format_table(records: list[dict[str, float]]) -> str:

@@ -2,8 +2,8 @@
 
 ``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal`` (and ``config_from_dict``) turn a framework's config
 block into a `corrections.CorrectionConfig`; ``read_file`` reads their config files (a YAML file with its Hydra
-composition, a slime launch script). The training tables (``MAPS``, ``rows``, ...) say what each training key of a
-file becomes in a Tether run: ``learner.rl.framework_config`` builds the run mapping from them.
+composition, a verl or slime launch script). The training tables (``MAPS``, ``rows``, ...) say what each training
+key of a file becomes in a Tether run: ``learner.rl.framework_config`` builds the run mapping from them.
 """
 
 from corrections.frameworks._areal import from_areal

@@ -4,15 +4,20 @@ YAML files are read with PyYAML. Hydra's ``defaults`` list is composed against t
 entry ``group@package: option`` or a plain config name, ``_self_`` where the file's own keys go); an entry whose
 file is not in the folder stays in ``defaults`` for the front door, which accepts the framework's stock entries and
 refuses others, naming the command that composes the file. ``${a.b}``, ``${.sibling}`` and
-``${oc.select:a.b,default}`` interpolations are resolved; others (``${oc.env:HOME}``) stay text. A slime launch
-script gives the arguments of its bash arrays (``GRPO_ARGS=( --eps-clip 0.2 ... )``) and of its ``train.py`` line.
+``${oc.select:a.b,default}`` interpolations are resolved; others (``${oc.env:HOME}``) stay text. Dotted keys
+(``actor_rollout_ref.rollout.n: 5``) are nested, so that they mean what the nested keys mean. A launch script
+(``.sh``) is read by ``corrections.frameworks._launch_scripts``: a verl script's Hydra overrides, or a slime
+script's arguments.
+
+Files are read with limits, each refused with one error naming the file: at most ``MAX_FILE_BYTES``, at most
+``MAX_VALUES`` values once YAML aliases are expanded (an alias bomb is tiny on disk), at most ``MAX_DEPTH`` levels,
+and no recursive alias (a value that holds itself).
 """
 
 from __future__ import annotations
 
 import pathlib
 import re
-import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +39,14 @@ def hydra_command(framework: str, path: str = "DIR/NAME.yaml") -> str:
     return template.format(folder=path.parent, name=path.stem)
 
 
+MAX_FILE_BYTES = 1 << 20  # verl's whole resolved config is 20 KB
+MAX_VALUES = 100_000  # values of a file with its YAML aliases expanded (verl's resolved config: ~700)
+MAX_DEPTH = 64  # nesting levels (verl's resolved config: 6)
+
+
 def read_file(path: str | pathlib.Path) -> Any:
-    """The config in a file: a mapping for a YAML file, the argument tokens (a list) for a slime shell script.
+    """The config in a file: a mapping for a YAML file or a verl launch script (its Hydra overrides), the argument
+    tokens (a list) for a slime launch script. A file with nothing to read raises, naming what was expected.
 
     >>> import tempfile, os
     >>> with tempfile.TemporaryDirectory() as folder:
@@ -47,25 +58,85 @@ def read_file(path: str | pathlib.Path) -> Any:
     if not path.is_file():
         raise ValueError(f"{path}: no such file.")
     if path.suffix in (".sh", ".bash"):
-        return launch_script_arguments(path.read_text())
+        from corrections.frameworks._launch_scripts import read_launch_script  # it imports this module
+
+        return read_launch_script(_text(path), path)
     if path.suffix not in (".yaml", ".yml"):
-        raise ValueError(f"{path}: give a .yaml file (verl, SkyRL, AReaL) or a slime launch script (.sh).")
-    data = _compose(path, package="", seen=())
-    return resolve_interpolations(data)
+        raise ValueError(f"{path}: give a .yaml file (verl, SkyRL, AReaL) or a launch script (.sh: verl's "
+                         "python3 -m verl.trainer.main_ppo command, or slime's).")
+    data = resolve_interpolations(_compose(path, package="", seen=()))
+    if not data:
+        raise ValueError(f"{path}: holds no keys; give the framework's config (a YAML mapping of its keys).")
+    return data
+
+
+def _text(path: pathlib.Path) -> str:
+    """The file's text, refused beyond ``MAX_FILE_BYTES`` (read no further) or when it is not UTF-8 text."""
+    with open(path, "rb") as file:
+        data = file.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES >> 10} KiB, the limit for a framework config "
+                         "(verl's whole resolved config is 20 KiB).")
+    try:
+        return data.decode()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not a UTF-8 text file ({error.reason} at byte {error.start}).") from None
 
 
 def _load_yaml(path: pathlib.Path) -> dict:
     import yaml  # a dependency of the run config's framework files only
 
+    class BoundedLoader(yaml.SafeLoader):
+        """PyYAML's safe loader that checks the composed document (aliases not yet expanded) before building it."""
+
+        def get_single_node(self):
+            node = super().get_single_node()
+            if node is not None:
+                _check_node_graph(node, path)
+            return node
+
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(_text(path), Loader=BoundedLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
+    except RecursionError:  # PyYAML's composer recurses per level, before the check sees the document
+        raise ValueError(f"{path}: nested more than {MAX_DEPTH} levels.") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: the file holds {type(data).__name__}, not a mapping of keys.")
-    return dict(data)
+    from corrections.frameworks._keys import nest  # it imports this module
+
+    return nest(data, str(path))
+
+
+def _check_node_graph(root, path: pathlib.Path) -> None:
+    """Refuses a composed YAML document whose aliases make it recursive or larger than ``MAX_VALUES`` values once
+    expanded, or that is nested deeper than ``MAX_DEPTH``; each node is sized once (an alias reuses its anchor's
+    node), so the check is linear in the file."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node, depth: int) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise ValueError(f"{path}: line {node.start_mark.line + 1}: a recursive YAML alias (a value that holds "
+                             "itself).")
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{path}: line {node.start_mark.line + 1}: nested more than {MAX_DEPTH} levels.")
+        open_nodes.add(id(node))
+        children = node.value if isinstance(node.value, list) else []
+        total = 1 + sum(size(part, depth + 1) for child in children
+                        for part in (child if isinstance(child, tuple) else (child,)))
+        open_nodes.discard(id(node))
+        if total > MAX_VALUES:
+            raise ValueError(f"{path}: more than {MAX_VALUES} values once its YAML aliases are expanded (an alias "
+                             "bomb?); a framework config has a few hundred.")
+        sizes[id(node)] = total
+        return total
+
+    size(root, 0)
 
 
 def _entry(entry: Any) -> tuple[str, str | None, str | None] | None:
@@ -211,22 +282,3 @@ def _scalar(text: str):
     import yaml
 
     return yaml.safe_load(text)
-
-
-def launch_script_arguments(script: str) -> list[str]:
-    """The ``--arguments`` of a slime launch script: the contents of its bash arrays (``NAME=( ... )``) and the
-    tokens after ``train.py`` (or ``train_async.py``) on its launch line; comments, ``${ARRAY[@]}`` expansions
-    and line continuations dropped.
-
-    >>> launch_script_arguments('A=(\\n --lr 1e-6 # x\\n)\\npython3 train.py ${A[@]} \\\\\\n  --use-tis\\n')
-    ['--lr', '1e-6', '--use-tis']
-    """
-    tokens: list[str] = []
-    text = script.replace("\\\n", " ")
-    for body in re.findall(r"^\s*\w+=\(\s*(.*?)^\s*\)", text, flags=re.S | re.M):
-        tokens += shlex.split(body, comments=True)
-    for line in text.splitlines():
-        match = re.search(r"\btrain(?:_async)?\.py\b(.*)", line)
-        if match:
-            tokens += [t for t in shlex.split(match.group(1), comments=True) if not re.fullmatch(r"\$\{\w+\[@\]\}", t)]
-    return tokens

@@ -11,6 +11,7 @@ the run-config keys are names here.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
@@ -32,6 +33,7 @@ class Row:
     key: str  # their key (dotted; slime's --argument)
     value: Any
     tether: str  # "corrections.<field>", a run-config key, "not applied: why" or "not used"
+    default: bool = False  # the file does not set the key: the framework's default
 
 
 # --- What each framework's keys become ----------------------------------------------------------------------------
@@ -108,6 +110,9 @@ class FrameworkMap:
     run: Mapping[str, str | tuple[str, Callable]]
     differs: Mapping[str, tuple[Callable[[Any], bool], str]]
     nest: Callable[[dict], dict]  # a flat file (one block's keys) nested as the whole config
+    # their key -> the framework's default, for every key of run and differs (and those their converters read): a
+    # file that leaves a key out trains as the framework would. Empty: Tether's values stay for keys left out.
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _actor(key: str) -> str:
@@ -170,6 +175,17 @@ VERL = FrameworkMap(
         _actor("optim.lr_warmup_steps_ratio"): (_not_zero, "set optimizer.warmup_steps (optimizer updates)"),
     },
     nest=_verl_nest,
+    # verl's resolved defaults at b178a3cd (tests/fixtures/frameworks/verl/_generated_ppo_trainer.yaml).
+    defaults={
+        _actor("ppo_epochs"): 1, _actor("ppo_mini_batch_size"): 256, _actor("optim.lr"): 1e-6,
+        _actor("optim.weight_decay"): 0.01, _actor("optim.lr_warmup_steps"): -1,
+        _actor("optim.lr_warmup_steps_ratio"): 0.0, _actor("optim.lr_scheduler_type"): "constant",
+        _actor("optim.min_lr_ratio"): 0.0, _actor("optim.betas"): [0.9, 0.999], _actor("grad_clip"): 1.0,
+        "actor_rollout_ref.rollout.n": 1, "actor_rollout_ref.rollout.temperature": 1.0,
+        "actor_rollout_ref.rollout.top_p": 1, "actor_rollout_ref.rollout.top_k": -1, "data.train_batch_size": 1024,
+        "data.max_response_length": 512, "trainer.total_training_steps": None, "algorithm.adv_estimator": "gae",
+        "algorithm.norm_adv_by_std_in_grpo": True, "algorithm.use_kl_in_reward": False,
+    },
 )
 
 
@@ -209,6 +225,18 @@ SKYRL = FrameworkMap(
         "trainer.policy.optimizer_config.adam_betas": (lambda v: list(v) != [0.9, 0.999], BETAS),
     },
     nest=lambda data: {"trainer": {"algorithm": data}},
+    # SkyRL's defaults at 8d14ff7c, its last YAML (tests/fixtures/frameworks/skyrl/ppo_base_config.yaml).
+    defaults={
+        "trainer.update_epochs_per_batch": 1, "trainer.policy_mini_batch_size": 256, "trainer.train_batch_size": 1024,
+        "trainer.policy.optimizer_config.lr": 1e-6, "trainer.policy.optimizer_config.weight_decay": 1e-2,
+        "trainer.policy.optimizer_config.max_grad_norm": 1.0, "trainer.policy.optimizer_config.num_warmup_steps": 0,
+        "trainer.policy.optimizer_config.scheduler": "constant_with_warmup",
+        "trainer.policy.optimizer_config.adam_betas": [0.9, 0.999], "generator.n_samples_per_prompt": 5,
+        "generator.sampling_params.temperature": 1.0, "generator.sampling_params.top_p": 1.0,
+        "generator.sampling_params.top_k": -1, "generator.sampling_params.min_p": 0.0,
+        "generator.sampling_params.max_generate_length": 1024, _skyrl_algorithm("advantage_estimator"): "grpo",
+        _skyrl_algorithm("grpo_norm_by_std"): True, _skyrl_algorithm("use_kl_in_reward"): False,
+    },
 )
 
 SLIME = FrameworkMap(
@@ -307,45 +335,68 @@ def _lookup(data: Mapping) -> Get:
     return get
 
 
-def rows(framework: str, data: Mapping, unknown: set[str]) -> tuple[list[Row], dict[str, Any]]:
-    """One row per key (a block outside the loss and the run mapping is one row), and the run-config values."""
+def with_defaults(framework: str, data: Mapping) -> tuple[dict, set[str]]:
+    """``data`` (nested, whole) with the framework's default for each mapped key it leaves out, and those keys."""
+    out, added = copy.deepcopy(dict(data)), set()
+    for key, value in MAPS[framework].defaults.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break  # the file gives a value where the framework has a section: its front door says so
+        else:
+            if leaf not in node:
+                node[leaf] = copy.copy(value)
+                added.add(key)
+    return out, added
+
+
+def rows(framework: str, data: Mapping, unknown: set[str], defaults: bool = False) -> tuple[list[Row], dict[str, Any]]:
+    """One row per key (a block outside the loss and the run mapping is one row), and the run-config values.
+    ``defaults``: the mapped keys ``data`` leaves out take the framework's defaults (rows marked ``default``)."""
     spec = MAPS[framework]
     mapped = set(spec.loss) | set(spec.run) | set(spec.differs)
+    data, added = with_defaults(framework, data) if defaults else (data, set())
     get = _lookup(data)
     rows, run = [], {}
 
     def shown(key: str) -> str:
         return f"--{key.replace('_', '-')}" if framework == "slime" else key
 
+    def add(path: str, value, tether: str) -> None:
+        rows.append(Row(shown(path), value, tether, default=path in added))
+
     def visit(node: Mapping, prefix: str):
         for key, value in node.items():
             path = f"{prefix}{key}"
             owner = next((k for k in spec.loss if path == k or path.startswith(f"{k}.")), None)
             if owner is not None:
-                rows.append(Row(shown(path), value, f"corrections.{spec.loss[owner]}"))
+                add(path, value, f"corrections.{spec.loss[owner]}")
             elif path in spec.run:
                 entry = spec.run[path]
                 target, convert = entry if isinstance(entry, tuple) else (entry, _CONVERT[entry])
                 if value is None:
-                    rows.append(Row(shown(path), value, f"{NOT_USED} (null: Tether's {target} stays)"))
+                    add(path, value, f"{NOT_USED} (null: Tether's {target} stays)")
                     continue
                 try:
                     run[target] = convert(value, get)
-                    rows.append(Row(shown(path), value, target))
+                    add(path, value, target)
                 except NotApplied as why:
-                    rows.append(Row(shown(path), value, f"not applied: {why}"))
+                    add(path, value, f"not applied: {why}")
+                except (TypeError, ValueError):  # text where a number goes: a variable the script does not set?
+                    raise ValueError(f"{shown(path)}={value!r}: not a value for {target}.") from None
             elif path in spec.differs:
                 changes, why = spec.differs[path]
-                rows.append(Row(shown(path), value, f"not applied: {why}" if changes(value) else
-                                f"{NOT_USED} (Tether does the same)"))
+                add(path, value, f"not applied: {why}" if changes(value) else f"{NOT_USED} (Tether does the same)")
             elif isinstance(value, Mapping) and any(k.startswith(f"{path}.") for k in mapped):
                 visit(value, f"{path}.")
             elif key == "defaults":
-                rows.append(Row(shown(path), value, f"{NOT_USED} (Hydra defaults outside the loss, not composed)"))
+                add(path, value, f"{NOT_USED} (Hydra defaults outside the loss, not composed)")
             else:
                 note = " (unknown to Tether's reader)" if any(u == path or u.startswith(f"{path}.")
                                                               for u in unknown) else ""
-                rows.append(Row(shown(path), value, NOT_USED + note))
+                add(path, value, NOT_USED + note)
 
     visit(data, "")
     return rows, run

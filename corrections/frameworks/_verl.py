@@ -215,9 +215,9 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     """The ``CorrectionConfig`` of a verl config: the same losses and ``rollout_corr/`` metrics as verl 1dda039b.
 
     Takes verl's own keys, as a nested config (``{"algorithm": {"rollout_correction": {...}},
-    "actor_rollout_ref": {"actor": {...}}}``, e.g. ``yaml.safe_load`` of a verl YAML), as Hydra's dotted keys
-    (``"actor_rollout_ref.actor.loss_agg_mode"``), or flat (the ``rollout_correction`` and actor keys do not
-    share names), in ``config`` or as keyword arguments. Missing keys take verl's YAML defaults. Read:
+    "actor_rollout_ref": {"actor": {...}}}``, e.g. ``read_file`` of a verl YAML or launch script), as Hydra's
+    dotted keys (``"actor_rollout_ref.actor.loss_agg_mode"``), or flat (the ``rollout_correction`` and actor keys
+    do not share names), in ``config`` or as keyword arguments. Missing keys take verl's YAML defaults. Read:
     ``algorithm.rollout_correction`` (all keys) and the actor's ``clip_ratio*``, ``policy_loss``, ``tau_*``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage

@@ -408,7 +408,10 @@ def read_step(step_dir: str | epath.PathLike, select_state=None) -> tuple[dict[s
     step_dir = epath.Path(step_dir)
     if not step_dir.is_absolute():  # orbax wants absolute local paths
         step_dir = step_dir.resolve()
-    handlers = {_STATE: ocp.PyTreeCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler()}
+    # Every item's handler, although only these two are read: orbax's item_metadata describes every item of the
+    # step, and warns (absl, twice) of one it has no handler for (a run's ``data``).
+    handlers = {_STATE: ocp.PyTreeCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler(),
+                _DATA: grain.checkpoint.CheckpointHandler()}
     with ocp.CheckpointManager(step_dir.parent, options=ocp.CheckpointManagerOptions(create=False),
                                item_handlers=handlers) as manager:
         items = {_METADATA: ocp.args.JsonRestore()}

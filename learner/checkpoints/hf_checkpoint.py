@@ -28,10 +28,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import safetensors.numpy
 from flax import nnx
 
-from learner.checkpoints.safetensors_io import config_from_hf, config_to_hf, hf_tensors
+from learner.checkpoints.safetensors_io import config_from_hf, config_to_hf, hf_tensors, write_safetensors
 from learner.model.param_paths import named_leaves
 from learner.model.transformer import ModelConfig, Transformer
 
@@ -144,7 +143,7 @@ def write_hf_checkpoint(directory: str | os.PathLike, weights: Mapping[str, np.n
     staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
-        safetensors.numpy.save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         _write_file(staging / "config.json", json.dumps(hf_config, indent=2).encode())
         generation = _write_tokenizer(tokenizer, staging) or {}
         generation |= {key: value for key, value in (("bos_token_id", bos_token_id),

@@ -20,9 +20,8 @@ import pathlib
 from collections.abc import Mapping
 
 import numpy as np
-import safetensors.numpy
 
-from learner.checkpoints.safetensors_io import hf_name_map
+from learner.checkpoints.safetensors_io import hf_name_map, write_safetensors
 from learner.model.lora import LoraConfig, adapter_parts
 from learner.model.transformer import ModelConfig
 
@@ -62,6 +61,10 @@ def peft_adapter_config(adapters: Mapping[str, np.ndarray], lora: LoraConfig, co
                         base_model_name_or_path: str | None) -> dict:
     """PEFT's ``LoraConfig`` of these adapters as ``adapter_config.json`` data.
 
+    ``base_model_name_or_path``: a Hub name, written as it is, or a local directory, written as its absolute path
+    (transformers takes an existing directory for a local checkpoint), so the adapter loads from any working
+    directory.
+
     ``target_modules`` are the projections' short names (``"q_proj"``) when every layer has the same ones, else the
     full module names (PEFT matches a list entry against a module name or its dotted suffix).
     """
@@ -72,7 +75,9 @@ def peft_adapter_config(adapters: Mapping[str, np.ndarray], lora: LoraConfig, co
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
+        "base_model_name_or_path": (str(pathlib.Path(base_model_name_or_path).resolve())
+                                    if base_model_name_or_path and pathlib.Path(base_model_name_or_path).is_dir()
+                                    else base_model_name_or_path),
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": 0.0,
@@ -95,8 +100,7 @@ def write_peft_adapter(directory: str | pathlib.Path, adapters: Mapping[str, np.
     if directory.exists() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     directory.mkdir(parents=True, exist_ok=True)
-    safetensors.numpy.save_file(peft_tensors(adapters, config), str(directory / ADAPTER_WEIGHTS),
-                                metadata={"format": "pt"})
+    write_safetensors(peft_tensors(adapters, config), directory / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (directory / ADAPTER_CONFIG).write_text(
         json.dumps(peft_adapter_config(adapters, lora, config, base_model_name_or_path), indent=2) + "\n")
     return directory

@@ -20,7 +20,9 @@ writes) is `learner.checkpoints.hf_checkpoint`'s.
 from __future__ import annotations
 
 import math
+import os
 import pathlib
+import stat
 from collections.abc import Mapping
 
 import jax
@@ -185,7 +187,22 @@ def save_safetensors(model: Transformer, path: str | pathlib.Path, dtype: str | 
         dtype: tensor dtype in the file (e.g. "bfloat16"); defaults to the parameter dtype.
     """
     weights = {path: np.asarray(leaf) for path, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
-    safetensors.numpy.save_file(hf_tensors(weights, model.config, dtype), str(path))
+    write_safetensors(hf_tensors(weights, model.config, dtype), path)
+
+
+def write_safetensors(tensors: Mapping[str, np.ndarray], path: str | pathlib.Path,
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """``safetensors.numpy.save_file`` whose file gets the permissions of any other new file (0644 under umask 022).
+
+    safetensors 0.8 writes through a temporary file, created 0600, and renames it into place
+    (safetensors/safetensors#782), so an export would be readable by its owner only. The file is created first as an
+    ordinary one (appending, so that tensors memory-mapped from an existing file stay intact), and its mode restored
+    after the write; an existing file keeps its own.
+    """
+    with open(path, "ab") as file:
+        mode = stat.S_IMODE(os.fstat(file.fileno()).st_mode)
+    safetensors.numpy.save_file(dict(tensors), str(path), metadata=None if metadata is None else dict(metadata))
+    os.chmod(path, mode)
 
 
 def _model_type(config: ModelConfig, model_type: str | None) -> str:

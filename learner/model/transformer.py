@@ -76,8 +76,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from learner.model.attention import (
+    ATTENTION_CHOICES,
+    AttentionMask,
+    attention_kernel,
+    causal_attention,
+    masked_attention,
+)
 from learner.model.lora import LoraConfig, attach_adapters
+from learner.model.remat import REMAT_CHOICES, remat_call
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -134,6 +143,12 @@ class ModelConfig:
     param_dtype: str = "float32"  # Storage dtype of the parameters: float32, bfloat16 or float16.
     dtype: str = "float32"  # Compute dtype of activations and matmuls (norms, softmax, logits stay float32).
     lora: LoraConfig | None = None  # Low-rank adapters on the projections (learner.model.lora); None: none.
+    # Attention kernel of the full forward (learner.model.attention): "auto" (cuDNN flash attention on NVIDIA GPUs
+    # with bfloat16 / float16 compute, else XLA), "xla" or "cudnn" (an error where it cannot apply).
+    attention: str = "auto"
+    # Rematerialisation policy of the blocks in the backward pass (learner.model.remat): "none" keeps every
+    # activation; "full", "dots", "attention", "qkv_attention" keep less and recompute the rest.
+    remat: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -153,6 +168,9 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
+        for name, choices in (("attention", ATTENTION_CHOICES), ("remat", REMAT_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"ModelConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
 
     @property
     def num_query_groups(self) -> int:
@@ -381,39 +399,44 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(config, dh) if config.qk_norm else None
         self.k_norm = RMSNorm(config, dh) if config.qk_norm else None
         self.config = config
+        self.implementation = attention_kernel(config.attention, config.dtype, config.head_dim)  # resolved once
 
-    def __call__(self, x: jax.Array, positions: jax.Array, allowed: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: AttentionMask,
                  layer_cache: LayerKVCache | None = None, write_slots: jax.Array | None = None,
                  queries: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, LayerKVCache | None]:
         """Attends x ``[B, T, D]`` to itself, or to the cache after writing x's keys/values at ``write_slots``.
 
-        ``allowed`` is ``[B, Q, S]`` bool (S = T without cache, max_len with cache). Queries are all T tokens
-        (Q = T), or ``queries = (query_x [B, Q, D], query_positions [B, Q])``, e.g. some columns of x: keys and
-        values still come from every token.
+        ``mask`` (`AttentionMask`): ``allowed`` ``[B, Q, S]`` bool (S = T without cache, max_len with cache), and
+        for the cuDNN kernel the rows' key lengths. Queries are all T tokens (Q = T), or ``queries = (query_x
+        [B, Q, D], query_positions [B, Q])``, the columns ``mask.query_window`` of x: keys and values still come
+        from every token. The cuDNN kernel (`learner.model.attention`) serves the forward without a cache; it runs
+        every query and keeps the window's.
         """
         cfg = self.config
-        query_x, query_positions = (x, positions) if queries is None else queries
+        flash = self.implementation == "cudnn" and layer_cache is None and mask.key_lengths is not None
+        if flash and queries is not None and mask.query_window is None:
+            raise ValueError("Attention: queries at some columns need mask.query_window for the cuDNN kernel")
+        query_x, query_positions = (x, positions) if queries is None or flash else queries
         q, k = self.q_proj(query_x), self.k_proj(x)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_frequencies(cfg)  # a trace-time constant
-        q = apply_rope(q, query_positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        v = self.v_proj(x)
+        q = checkpoint_name(apply_rope(q, query_positions, inv_freq), "query")
+        k = checkpoint_name(apply_rope(k, positions, inv_freq), "key")
+        v = checkpoint_name(self.v_proj(x), "value")
         if layer_cache is not None:
             rows = jnp.arange(x.shape[0])[:, None]
             layer_cache = LayerKVCache(
                 k=layer_cache.k.at[rows, write_slots].set(k.astype(layer_cache.k.dtype), mode="drop"),
                 v=layer_cache.v.at[rows, write_slots].set(v.astype(layer_cache.v.dtype), mode="drop"))
             k, v = layer_cache.k.astype(cfg.dtype), layer_cache.v.astype(cfg.dtype)
-        b, t = q.shape[:2]
-        q = q.reshape(b, t, cfg.num_kv_heads, cfg.num_query_groups, cfg.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(cfg.head_dim)
-        scores = jnp.where(allowed[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        return self.o_proj(out), layer_cache
+        if flash:
+            out = causal_attention(q, k, v, mask.key_lengths)
+            if queries is not None:
+                out = take_window(out, *mask.query_window)
+        else:
+            out = masked_attention(q, k, v, mask.allowed)
+        return self.o_proj(checkpoint_name(out, "attention")), layer_cache
 
 
 class MLP(nnx.Module):
@@ -440,13 +463,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, positions, allowed, layer_cache=None, write_slots=None, query_window=None):
+    def __call__(self, x, positions, mask: AttentionMask, layer_cache=None, write_slots=None, query_window=None):
         normed = self.attn_norm(x)
         queries = None
         if query_window is not None:  # the residual at the window; its norm is the norm's there (per token)
             x = take_window(x, *query_window)
             queries = (self.attn_norm(x), take_window(positions, *query_window))
-        attn_out, layer_cache = self.attn(normed, positions, allowed, layer_cache, write_slots, queries)
+        attn_out, layer_cache = self.attn(normed, positions, mask, layer_cache, write_slots, queries)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), layer_cache
 
@@ -502,16 +525,21 @@ class Transformer(nnx.Module):
         t = tokens.shape[1]
         key_valid = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
         causal = jnp.tril(jnp.ones((t, t), bool))
-        allowed = causal[None, :, :] & key_valid[:, None, :]
+        key_lengths = jnp.sum(key_valid, axis=1, dtype=jnp.int32)  # right-padded rows: the real keys' count
+        mask = AttentionMask(causal[None, :, :] & key_valid[:, None, :], key_lengths)
         x = self.embed(tokens)
         *body, last = self.layers
+        run_block = remat_call(self.config.remat, lambda block, x: block(x, positions, mask)[0])
         for block in body:
-            x, _ = block(x, positions, allowed)
+            x = run_block(block, x)
+        last_mask = mask
         if output_window is not None:  # causal by column index: the rows of ``allowed`` at the window's columns
             first, size = output_window
             columns = first[:, None] + jnp.arange(size)
             allowed = (columns[:, :, None] >= jnp.arange(t)) & key_valid[:, None, :]
-        x, _ = last(x, positions, allowed, query_window=output_window)
+            last_mask = AttentionMask(allowed, key_lengths, output_window)
+        x = remat_call(self.config.remat,
+                       lambda block, x: block(x, positions, last_mask, query_window=output_window)[0])(last, x)
         return self.final_norm(x)
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, cache_valid: jax.Array,
@@ -532,11 +560,11 @@ class Transformer(nnx.Module):
         is_real = jnp.take_along_axis(cache_valid, jnp.clip(positions, 0, max_len - 1), axis=1)
         is_real &= (positions >= 0) & (positions < max_len)
         write_slots = jnp.where(is_real, positions, max_len)  # max_len is out of bounds: dropped
-        allowed = cache_valid[:, None, :] & (slot_ids[None, None, :] <= positions[:, :, None])
+        mask = AttentionMask(cache_valid[:, None, :] & (slot_ids[None, None, :] <= positions[:, :, None]))
         x = self.embed(tokens)
         new_cache = []
         for block, layer_cache in zip(self.layers, cache, strict=True):
-            x, layer_cache = block(x, positions, allowed, layer_cache, write_slots)
+            x, layer_cache = block(x, positions, mask, layer_cache, write_slots)
             new_cache.append(layer_cache)
         return self.final_norm(x), tuple(new_cache)
 

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from learner.reporting.run_files import open_for_append, write_atomically
+
 
 class MetricsWriter(Protocol):
     """Receives one flat dict of scalar metrics per training step."""
@@ -62,13 +64,15 @@ class JsonlWriter:
     def __init__(self, path: str | os.PathLike, resume_step: int | None = None):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = self.path.read_text() if self.path.exists() else ""
+        self._file = open_for_append(self.path)  # a link or a non-regular file is refused before it is read
+        text = self.path.read_text()
         records = read_metrics(self.path)
         kept = [r for r in records if resume_step is None or r["step"] <= resume_step]
         if len(kept) < len(records) or (text and not text.endswith("\n")):
-            _replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self._file.close()
+            write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            self._file = open_for_append(self.path)
         self.last_step = max((int(r["step"]) for r in kept), default=None)
-        self._file = self.path.open("a")
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self.last_step is not None and step <= self.last_step:
@@ -79,13 +83,6 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def _replace_text(path: pathlib.Path, text: str) -> None:
-    """Atomically replaces ``path``'s contents."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class TensorBoardWriter:
@@ -101,7 +98,7 @@ class TensorBoardWriter:
         log_dir.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
         self.path = log_dir / name
-        self._file = self.path.open("ab")
+        self._file = open_for_append(self.path, binary=True)
         self._write_event(_field_bytes(3, b"brain.Event:2"), step=0)  # file_version, as TensorFlow writes it.
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -1,10 +1,12 @@
 """A rollout log: every trained batch, stored with tensorstore (zarr v3), for offline analysis.
 
 Layout under the log directory: one array per per-token field, ``[rows, max_length]`` (rows of all batches
-concatenated, each right-padded with zeros to the log's ``max_length``), ``rewards`` ``[rows]``, and ``index``
-``[batches, 4]`` int64 holding ``(step, first_row, num_rows, length)`` per batch, where ``length`` is the batch's
-true T. Arrays grow along their first axis by doubling; the index's leading entries with ``num_rows > 0`` are
-the logged batches, everything after them is spare capacity.
+concatenated, each right-padded with zeros to the log's ``max_length``), ``rewards`` ``[rows]``,
+``learner_version`` ``[rows]`` (the learner's policy version when the row was trained, so that each token's
+staleness can be recomputed; -1 in rows of logs written before it was kept), and ``index`` ``[batches, 4]`` int64
+holding ``(step, first_row, num_rows, length)`` per batch, where ``length`` is the batch's true T. Arrays grow
+along their first axis by doubling; the index's leading entries with ``num_rows > 0`` are the logged batches,
+everything after them is spare capacity.
 
 Writes are asynchronous: ``append`` starts the writes of a batch and returns; the next ``append`` waits for them
 (they have had a training step to finish), then starts writing the batch's index entry. A batch is thus in the
@@ -29,6 +31,7 @@ TOKEN_FIELDS = {  # per-token [B, T] fields and their stored dtypes
     "advantages": np.float32,
     "policy_version": np.int32,
 }
+ROW_FIELDS = {"rewards": (np.float32, 0), "learner_version": (np.int32, -1)}  # per-row [B] fields: dtype, fill
 _INDEX_COLUMNS = 4  # step, first_row, num_rows, length
 _ROWS_PER_CHUNK = 64
 _INDEX_ROWS_PER_CHUNK = 4096
@@ -47,9 +50,11 @@ class LoggedBatch:
     rewards: np.ndarray  # float32 [B] sequence rewards.
     advantages: np.ndarray  # float32 per-token advantages.
     policy_version: np.ndarray  # int32 policy version that sampled each token.
+    learner_version: np.ndarray | int | None = None  # int32 [B] (or one int for all rows): the learner's policy
+    # version when the batch was trained (learner - token version = the token's staleness); None / -1: unknown.
 
 
-def _spec(path: pathlib.Path, dtype, shape, chunk_shape) -> dict:
+def _spec(path: pathlib.Path, dtype, shape, chunk_shape, fill_value=0) -> dict:
     return {
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": str(path)},
@@ -58,23 +63,29 @@ def _spec(path: pathlib.Path, dtype, shape, chunk_shape) -> dict:
             "data_type": np.dtype(dtype).name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
-            "fill_value": 0,
+            "fill_value": fill_value,
         },
     }
 
 
-def _open_arrays(path: pathlib.Path, max_length: int | None, create: bool) -> dict[str, ts.TensorStore]:
-    """The log's arrays, created (empty) when ``create``, else opened as they are."""
-    layout = {name: (dtype, [0, max_length], [_ROWS_PER_CHUNK, max_length]) for name, dtype in TOKEN_FIELDS.items()}
-    layout["rewards"] = (np.float32, [0], [_ROWS_PER_CHUNK])
-    layout["index"] = (np.int64, [0, _INDEX_COLUMNS], [_INDEX_ROWS_PER_CHUNK, _INDEX_COLUMNS])
+def _open_arrays(path: pathlib.Path, max_length: int | None, create: bool, writable: bool = True
+                 ) -> dict[str, ts.TensorStore]:
+    """The log's arrays, created (empty) when ``create``, else opened as they are; a per-row array an older log
+    lacks is added (``writable``: for a writer, its rows read as the fill value) or left out (for a reader)."""
+    layout = {name: (dtype, [0, max_length], [_ROWS_PER_CHUNK, max_length], 0)
+              for name, dtype in TOKEN_FIELDS.items()}
+    layout |= {name: (dtype, [0], [_ROWS_PER_CHUNK], fill) for name, (dtype, fill) in ROW_FIELDS.items()}
+    layout["index"] = (np.int64, [0, _INDEX_COLUMNS], [_INDEX_ROWS_PER_CHUNK, _INDEX_COLUMNS], 0)
     context = ts.Context()
     futures = {}
-    for name, (dtype, shape, chunks) in layout.items():
-        spec = _spec(path / name, dtype, shape, chunks)
-        if not create:
+    for name, (dtype, shape, chunks, fill) in layout.items():
+        spec = _spec(path / name, dtype, shape, chunks, fill)
+        new = create or (name in ROW_FIELDS and not (path / name / "zarr.json").exists())
+        if new and not create and not writable:
+            continue  # a reader of an older log: that field is unknown
+        if not new:
             del spec["metadata"]
-        futures[name] = ts.open(spec, create=create, open=not create, context=context)
+        futures[name] = ts.open(spec, create=new, open=not new, context=context)
     return {name: future.result() for name, future in futures.items()}
 
 
@@ -137,7 +148,7 @@ class RolloutLogWriter:
         if self._arrays["index"].shape[0] <= len(self._index):
             self._wait_index_write()
             self._arrays["index"] = _grow(self._arrays["index"], len(self._index) + 1)
-        for name in (*TOKEN_FIELDS, "rewards"):
+        for name in (*TOKEN_FIELDS, *ROW_FIELDS):
             self._arrays[name] = _grow(self._arrays[name], end)
         writes = []
         for name, dtype in TOKEN_FIELDS.items():
@@ -145,6 +156,9 @@ class RolloutLogWriter:
             values[:, :length] = np.asarray(getattr(batch, name))
             writes.append(self._arrays[name][first_row:end].write(values).commit)
         writes.append(self._arrays["rewards"][first_row:end].write(np.asarray(batch.rewards, np.float32)).commit)
+        learner_version = -1 if batch.learner_version is None else batch.learner_version
+        writes.append(self._arrays["learner_version"][first_row:end].write(
+            np.broadcast_to(np.asarray(learner_version, np.int32), (rows,))).commit)
         self._pending = (writes, np.array([batch.step, first_row, rows, length], np.int64))
 
     def flush(self) -> None:
@@ -185,7 +199,7 @@ class RolloutLogReader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
-        self._arrays = _open_arrays(self.path, None, create=False)
+        self._arrays = _open_arrays(self.path, None, create=False, writable=False)
         self._index = _logged_entries(self._arrays["index"].read().result())
         self.max_length = self._arrays["tokens"].shape[1]
 
@@ -215,5 +229,5 @@ class RolloutLogReader:
         step, first_row, rows, length = (int(v) for v in entry)
         rows_slice = slice(first_row, first_row + rows)
         futures = {name: self._arrays[name][rows_slice, :length].read() for name in TOKEN_FIELDS}
-        futures["rewards"] = self._arrays["rewards"][rows_slice].read()
+        futures |= {name: self._arrays[name][rows_slice].read() for name in ROW_FIELDS if name in self._arrays}
         return LoggedBatch(step=step, **{name: future.result() for name, future in futures.items()})

@@ -20,6 +20,7 @@ from learner.rl.config import to_dict
 from learner.rl.hooks import AgreementHook
 from learner.rl.hooks import CheckpointHook
 from learner.rl.hooks import EvalHook
+from learner.rl.hooks import EvaluationError
 from learner.rl.hooks import Hook
 from learner.rl.hooks import MetricsHook
 from learner.rl.hooks import PlotHook
@@ -40,6 +41,7 @@ __all__ = [
     "CheckpointHook",
     "ConfigError",
     "EvalHook",
+    "EvaluationError",
     "Hook",
     "MetricsHook",
     "NoUsableRolloutsError",

@@ -12,6 +12,7 @@ silently get logprob 0, so every batch built here is checked to fit (`check_scor
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,8 @@ TRAIN_BATCH_DTYPES = TrainBatch(tokens=np.int32, positions=np.int32, attention_m
 
 
 class NoUsableRolloutsError(RuntimeError):
-    """No group of a rollout batch kept all its samples: the engine keeps returning invalid or stale ones."""
+    """No group of a rollout batch kept 2 scored samples: the engine keeps returning invalid or stale ones, or the
+    rewards (the environment) keep failing."""
 
 
 class Payload(NamedTuple):
@@ -166,41 +168,53 @@ def bounded_rewards(rewards) -> tuple[np.ndarray, list[str]]:
 
 def assemble_payload(groups: Sequence[Sequence[Any]], rows_of_groups: Sequence[Mapping[str, Any]], task,
                      spec: PayloadSpec, num_samples: int, logprob_mode: str,
-                     reward_errors: list[str] | None = None) -> tuple[Payload, RolloutBatch]:
-    """Complete groups -> ``(payload, collated)``: the step's `Payload` (checked against ``spec``) and the
+                     reward_errors: list[str] | None = None,
+                     drops: collections.Counter | None = None) -> tuple[Payload, RolloutBatch]:
+    """Groups -> ``(payload, collated)``: the step's `Payload` (checked against ``spec``) and the
     `rollout_client.collate` batch with the sampler settings the engine echoed.
 
-    Groups with fewer than ``num_samples`` samples (dropped as stale or invalid) are left out; missing rows are
-    fully masked padding. Rewards come from ``task.rewards`` with each group's prompt record
-    (``rows_of_groups[g]``); a group with a NaN reward (a reward the task skipped, e.g. one that raised) is left out
-    too; an environment task's rewards are its episodes' (`learner.rl.episodes.Episode.reward`: NaN after an
-    environment error). Rewards that are infinite or beyond `learner.tasks.REWARD_BOUND` are skipped the same way
-    (`bounded_rewards`), logged, and their lines appended to ``reward_errors`` when given (the run counts them in
-    ``reward/skipped_samples``). Advantages are GRPO's, per group, broadcast over each sample's trained tokens (an
-    episode's observations are masked: `rollout_client.Sample.completion_mask`).
+    A failed sample costs itself, not its group. Rewards come from ``task.rewards`` with each group's prompt record
+    (``rows_of_groups[g]``); an environment task's rewards are its episodes' (`learner.rl.episodes.Episode.reward`:
+    NaN after an environment error). A sample is left out when it is missing from its group (dropped as stale or
+    invalid) or its reward is NaN (a reward the task skipped, e.g. one that raised) or infinite or beyond
+    `learner.tasks.REWARD_BOUND` (`bounded_rewards`: logged, and the lines appended to ``reward_errors`` when given;
+    the run counts them in ``reward/skipped_samples``). The group's other samples train, with GRPO advantages over
+    the samples that scored (`corrections.grpo_advantages` with ``scored``: verl's advantages over the samples left
+    after a filter), broadcast over each sample's trained tokens (an episode's observations are masked:
+    `rollout_client.Sample.completion_mask`). A group left with fewer than 2 scored samples has no advantage to
+    learn from: it is dropped, and counted in ``drops["groups_dropped"]`` when ``drops`` is given. Missing rows
+    are fully masked padding.
     """
-    complete = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group) == num_samples]
-    if not complete:
-        raise NoUsableRolloutsError("every group of this rollout batch was dropped (stale or invalid samples)")
-    records = [row for group, row in complete for _ in group]
-    flat = [s for group, _ in complete for s in group]
+    present = [(group, row) for group, row in zip(groups, rows_of_groups) if len(group)]
+    if not present:
+        raise NoUsableRolloutsError("every sample of this rollout batch was dropped (stale or invalid samples)")
+    records = [row for group, row in present for _ in group]
+    flat = [s for group, _ in present for s in group]
     rewards, lines = bounded_rewards([s.reward for s in flat] if isinstance(task, EnvironmentTask)  # episodes'
                                      else task.rewards(records, [s.completion_token_ids for s in flat]))
-    rewards = rewards.reshape(len(complete), num_samples)
     for line in lines[:_LOGGED_REWARD_ERRORS]:
         logger.warning("%s", line)
     if len(lines) > _LOGGED_REWARD_ERRORS:
         logger.warning("... and %d more rewards beyond the bound", len(lines) - _LOGGED_REWARD_ERRORS)
     if reward_errors is not None:
         reward_errors.extend(lines)
-    scored = ~np.isnan(rewards).any(axis=1)
-    if not scored.any():
-        raise NoUsableRolloutsError(f"no group of this rollout batch could be scored: {len(groups) - len(complete)} "
-                                    f"lost samples (stale or invalid), {len(complete)} had a skipped reward")
-    samples = [sample for (group, _), keep in zip(complete, scored) if keep for sample in group]
-    rewards = rewards[scored].reshape(-1)
+    table = np.full((len(present), num_samples), np.nan, np.float32)  # [group, sample]: NaN where none scored
+    starts = np.cumsum([0] + [len(group) for group, _ in present])
+    for g, (group, _) in enumerate(present):
+        table[g, :len(group)] = rewards[starts[g]:starts[g + 1]]
+    scored = ~np.isnan(table)
+    trained = scored & (scored.sum(axis=1, keepdims=True) >= 2)
+    if drops is not None:
+        drops["groups_dropped"] += len(groups) - int(trained.any(axis=1).sum())
+    if not trained.any():
+        lost = len(groups) * num_samples - len(flat)
+        raise NoUsableRolloutsError(f"no group of this rollout batch had 2 scored samples: {lost} lost samples "
+                                    f"(stale or invalid), {len(flat) - int(scored.sum())} had a skipped reward")
+    advantages = np.asarray(corrections.grpo_advantages(np.where(scored, table, 0.0).reshape(-1), num_samples,
+                                                        scored=scored.reshape(-1)), np.float32)[trained.reshape(-1)]
+    samples = [sample for g, (group, _) in enumerate(present) for j, sample in enumerate(group) if trained[g, j]]
+    rewards = table[trained]
     collated = collate(samples, pad_to_multiple=spec.length, pad_token_id=task.tokenizer.pad_id)
-    advantages = np.asarray(corrections.grpo_advantages(rewards, num_samples), np.float32)
     width = collated.tokens.shape[1]
     lengths = collated.prompt_lengths + collated.completion_lengths
     batch = TrainBatch(

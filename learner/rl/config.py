@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import pathlib
 import re
@@ -32,7 +33,7 @@ from learner.model.precision import MATMUL_PRECISIONS
 from learner.rl import framework_config
 from learner.update.optimizer import OptimizerConfig
 from learner.update.step import UpdateConfig
-from rollout_client import ClientConfig, SamplingParams, ValidationConfig
+from rollout_client import ClientConfig, KvCache, PauseMode, SamplingParams, ValidationConfig
 
 
 def _bounded(default, low=None, high=None, *, strict_low=False, choices=None):
@@ -73,6 +74,10 @@ class ModelSection:
     name: str = "tiny"  # learner.model.model_config name; ignored when hf_path is set.
     hf_path: str | None = None  # Hugging Face checkpoint directory (config.json + *.safetensors) to start from.
     param_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))  # learner parameter dtype.
+    # Dtype of the activations and matmuls of every learner pass (training, proximal, reference, sampler replay):
+    # "bfloat16" is mixed precision (parameters, gradients and optimizer state stay in param_dtype; norms,
+    # softmax, logits and logprobs stay float32); "float32" is exact.
+    compute_dtype: str = _bounded("float32", choices=("float32", "bfloat16"))
     # Precision of every matmul of the learner's passes and the embedded server (learner.model.precision): "highest",
     # "high" or "default" (JAX's names); "auto": "highest" where the pass computes in float32 (no TF32 on GPUs, no
     # bf16 passes on TPUs), "default" (the backend's fast path) where it computes in bfloat16 / float16.
@@ -115,6 +120,14 @@ class RolloutSection:
     # Wait for the in-flight rollouts before publishing new weights, so that (after the first max_staleness steps)
     # every sample is exactly max_staleness versions old, however fast the server is: reproducible lag for studies.
     fixed_staleness: bool = False
+    # Partial rollouts: a publish neither waits for nor drops the requests being generated; they run on under the
+    # new weights, each token stamped with (and corrected against) the version that drew it. False: a publish waits
+    # for them (Pause WAIT), so every sample is drawn by one version. Needs max_staleness >= 1.
+    partial: bool = False
+    # With partial: the KV cache of a request's prefix is "recompute"d under the new weights (exact: its next tokens
+    # are drawn by the new policy) or "keep"s the old weights' keys and values (cheaper; the next tokens' policy is
+    # neither version's, approximate). The embedded server's; SGLang and vLLM continue from the tokens (recompute).
+    partial_kv: str = _bounded("recompute", choices=("recompute", "keep"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +142,9 @@ class ServerSection:
     max_batch_size: int = _positive(64)  # embedded server's KV-cache rows; mlx: its --completion-batch-size.
     decode_steps_per_call: int = _positive(4)  # embedded server's decode steps per jitted call.
     auth_token_env: str | None = None  # environment variable holding the shared token, if the server needs one.
-    start_timeout_s: float = _positive(180.0)  # how long to wait for the embedded server to bind and serve.
+    # How long to wait for the embedded server to start: it compiles every prefill and decode program before it
+    # serves (~10 on the default config: minutes on a loaded 2-core CPU without the compilation cache).
+    start_timeout_s: float = _positive(600.0)
     control_url: str | None = None  # http://host:port of the engine's HTTP control API (sglang, vllm).
     control_timeout_s: float = _positive(600.0)  # one control call (pause, load weights, resume).
     weights_dir: str | None = None  # HF checkpoints for mlx, sglang, vllm; None: run_dir/engine_weights.
@@ -226,6 +241,10 @@ class LoopSection:
     plot_every: int = _positive(10)  # RL steps between refreshes of the learning-curve PNG.
     # Resume even if the task, corrections, group size or model differ from the checkpoint's config.
     allow_config_change: bool = False
+    # Reproducible runs: the same config gives the same metrics on the same machine, whatever its load (timings
+    # aside). Rollouts wait before each publish (as rollout.fixed_staleness), every request is drawn with a seed
+    # derived from loop.seed, and the embedded server decodes batch-invariantly (docs/library.md).
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +277,7 @@ class RunConfig:
         for address in engine_addresses(self) or ["127.0.0.1:0"]:
             client_config(self, address, auth_token=None)
         memory_fractions(self)
+        publish_pause(self)
 
 
 # --- Library configs, each built from the sections by one function ----------------------------------------------
@@ -375,6 +395,34 @@ def sampling_params(config: RunConfig, max_new_tokens: int | None, stop_token_id
     return _library("rollout", SamplingParams, temperature=rollout.temperature, top_k=rollout.top_k,
                     top_p=rollout.top_p, min_p=rollout.min_p, max_new_tokens=max_new_tokens,
                     stop_token_ids=tuple(stop_token_ids))
+
+
+def publish_pause(config: RunConfig) -> tuple[PauseMode, KvCache]:
+    """How a publish pauses the engine, and what it does with the kept requests' KV cache: with rollouts in flight
+    (``rollout.max_staleness >= 1``), WAIT without ``rollout.partial`` (one version per sample) and KEEP with it
+    (``rollout.partial_kv``); KEEP when nothing is in flight (synchronous: nothing to wait for).
+
+    >>> publish_pause(load_config(None, ["rollout.partial=true", "rollout.partial_kv='keep'"]))
+    (<PauseMode.KEEP: 3>, <KvCache.KEEP: 2>)
+    >>> publish_pause(load_config(None, ["rollout.partial=true", "rollout.max_staleness=0"]))
+    Traceback (most recent call last):
+    ...
+    ValueError: rollout.partial=true with rollout.max_staleness=0: no rollout is running when the weights are
+    published (synchronous); set rollout.max_staleness >= 1 or rollout.partial=false
+    """
+    rollout = config.rollout
+    if rollout.partial and rollout.max_staleness == 0:
+        raise ValueError("rollout.partial=true with rollout.max_staleness=0: no rollout is running when the weights "
+                         "are published (synchronous); set rollout.max_staleness >= 1 or rollout.partial=false")
+    if rollout.partial and rollout.fixed_staleness:
+        raise ValueError("rollout.partial=true with rollout.fixed_staleness=true: the in-flight rollouts finish "
+                         "before each publish, so none runs across one; set one of them to false")
+    if rollout.partial and config.loop.deterministic:
+        raise ValueError("rollout.partial=true with loop.deterministic=true: a deterministic run finishes its "
+                         "in-flight rollouts before each publish, so none runs across one; set one of them to false")
+    kv_cache = KvCache.KEEP if rollout.partial_kv == "keep" else KvCache.RECOMPUTE
+    waits = rollout.max_staleness > 0 and not rollout.partial
+    return (PauseMode.WAIT if waits else PauseMode.KEEP), kv_cache
 
 
 def engine_addresses(config: RunConfig) -> list[str]:
@@ -503,13 +551,16 @@ def _accepts(annotation, value) -> bool:
 
 
 def _build(cls, data: Mapping[str, Any], prefix: str):
-    """``cls`` from nested plain data; unknown fields and wrong types raise ValueError naming the field."""
+    """``cls`` from nested plain data; unknown fields (with the nearest known one) and wrong types raise ValueError
+    naming the field."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
     fields = {field.name: field for field in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{prefix}{unknown[0]}: unknown field; known: {', '.join(fields)}")
+        nearest = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field; {hint}known: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
     values = {}
     for name, value in data.items():
@@ -554,7 +605,7 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
     >>> load_config(None, ["loop.stepz=5"])
     Traceback (most recent call last):
     ...
-    ValueError: loop.stepz: unknown field; known: steps, seed, plot_every, allow_config_change
+    ValueError: loop.stepz: unknown field; did you mean 'steps'? known: steps, seed, ...
     >>> load_config(None, ["rollout.temperature=nan"])
     Traceback (most recent call last):
     ...
@@ -581,11 +632,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
         _apply(data, *override)
     try:
         return _build(RunConfig, data, "")
-    except ValueError as error:
-        name, path = framework_file
-        raise ValueError(f"{error} (with corrections.from_{name}={path!r}, which sets "
-                         f"{', '.join(framework_config.migrate(name, path).run)}; --set a key to replace its "
-                         "value)") from None
+    except ValueError as error:  # named with the file's key that set each value, or the run config
+        sections = [field.name for field in dataclasses.fields(RunConfig)]
+        raise ValueError(framework_config.clash(str(error), *framework_file, sections)) from None
 
 
 def to_dict(config: RunConfig) -> dict:
@@ -599,7 +648,8 @@ def from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 RESUME_KEYS = ("model.", "task.", "corrections.", "rollout.num_samples", "rollout.logprob_mode")
-RESUME_FREE_KEYS = ("model.matmul_precision",)  # numerics, not the model: a CPU run may resume on a GPU.
+# Numerics, not the model: a CPU run may resume on a GPU, in another compute dtype.
+RESUME_FREE_KEYS = ("model.matmul_precision", "model.compute_dtype")
 
 
 def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence[str] = RESUME_KEYS) -> list[str]:

@@ -27,7 +27,7 @@ import numpy as np
 from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 from learner.checkpoints.peft_export import write_peft_adapter
 from learner.checkpoints.safetensors_io import config_to_hf
-from learner.rl.config import RunConfig, client_config, engine_addresses
+from learner.rl.config import RunConfig, client_config, engine_addresses, publish_pause
 from learner.rl.devices import engine_environment
 from rollout_client import (
     Engine,
@@ -39,7 +39,6 @@ from rollout_client import (
     Member,
     MlxEngine,
     ModelIdentity,
-    PauseMode,
     PoolConfig,
     SGLangEngine,
     TetherEngine,
@@ -49,6 +48,7 @@ from rollout_client import (
 )
 from rollout_client.sampling_params import SamplerOrder
 from rollout_client.server.cli import AUTH_TOKEN_ENV
+from rollout_client.shared_weights import SharedWeightsFile, shared_memory_dir
 
 ENGINES = {"tether": TetherEngine, "mlx": MlxEngine, "sglang": SGLangEngine, "vllm": VllmEngine}  # server.engine
 ADAPTER_ENGINES = ("sglang",)  # their smg proto loads an adapter under an id a GenerateRequest names (lora_id)
@@ -84,7 +84,9 @@ def requirements(config: RunConfig) -> EngineRequirements:
             "min_p": rollout.min_p > 0}
     return EngineRequirements(logprob_mode=LogprobMode[rollout.logprob_mode.upper()],
                               sampler_steps=tuple(step for step, on in used.items() if on),
-                              pause_mode=PauseMode.KEEP, max_staleness=rollout.max_staleness)
+                              pause_mode=publish_pause(config)[0],
+                              max_staleness=rollout.max_staleness, partial=rollout.partial,
+                              seeded=config.loop.deterministic)
 
 
 def sampler_order(config: RunConfig) -> SamplerOrder:
@@ -94,14 +96,24 @@ def sampler_order(config: RunConfig) -> SamplerOrder:
     return capabilities.replayed_order(requirements(config).sampler_steps) or SamplerOrder.TEMPERATURE_FIRST
 
 
+def publish_dtype(config: RunConfig) -> str:
+    """The dtype the run publishes weights in: the embedded server's serving dtype (the learner casts on its device,
+    `learner.rl.trainer.Trainer.host_weights`), else the learner's parameter dtype (what an external rollout.v1
+    server accepts by default, and what the checkpoint writers of the other engines convert from)."""
+    embedded = config.server.engine == "tether" and config.server.address is None
+    return config.server.dtype if embedded else config.model.param_dtype
+
+
 def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
     """The command line of the embedded reference server (``python -m learner.serving``) for this run: the model of
-    ``model.hf_path``'s config.json, else the named synthetic config."""
+    ``model.hf_path``'s config.json, else the named synthetic config; it takes weights in `publish_dtype`."""
     model = ["--hf-path", config.model.hf_path] if config.model.hf_path else ["--model-config", config.model.name]
     return [*model, "--param-dtype", config.model.param_dtype, "--dtype", config.server.dtype,
+            "--weights-dtype", publish_dtype(config), "--precompile",
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
-            "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision]
+            "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision,
+            *(["--batch-invariant"] if config.loop.deterministic else [])]
 
 
 def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]
@@ -153,7 +165,8 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
         try:
             for address in addresses:
                 members.append(Member(address, TetherEngine(client_config(config, address, auth_token=token,
-                                                                          vocab_size=vocab_size))))
+                                                                          vocab_size=vocab_size),
+                                                            None, *publish_pause(config))))
         except BaseException:
             for member in members:
                 member.engine.close()
@@ -162,11 +175,18 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
     token = secrets.token_urlsafe(32)  # Per run: no other local user can drive the embedded server.
 
     def launch(current=None) -> TetherEngine:  # the pool publishes the current weights to it before use
-        process = EngineProcess("learner.serving", reference_server_args(config, trainer, eos_ids),
-                                run_dir / "server.log", config.server.start_timeout_s,
-                                env={AUTH_TOKEN_ENV: token, **engine_environment(config)})
-        return TetherEngine(client_config(config, process.address, auth_token=token, vocab_size=vocab_size),
-                            process=process)
+        shared = SharedWeightsFile(shared_memory_dir())  # publishes go through shared memory, not gRPC
+        try:
+            process = EngineProcess("learner.serving", [*reference_server_args(config, trainer, eos_ids),
+                                                        "--weights-dir", str(shared.directory)],
+                                    run_dir / "server.log", config.server.start_timeout_s,
+                                    env={AUTH_TOKEN_ENV: token, **engine_environment(config)})
+            pause_mode, kv_cache = publish_pause(config)
+            return TetherEngine(client_config(config, process.address, auth_token=token, vocab_size=vocab_size),
+                                process=process, pause_mode=pause_mode, kv_cache=kv_cache, shared_weights=shared)
+        except BaseException:
+            shared.close()
+            raise
 
     engine = launch()
     return [Member(engine.process.address, engine, relaunch=launch)]
@@ -216,7 +236,7 @@ def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> En
     engine = backend(client, server.control_url, writer, server.weights_dir,
                      logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
                      keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
-                     auth_token=token, **adapters)
+                     auth_token=token, partial=config.rollout.partial, **adapters)
     try:
         check_capabilities(server.engine, engine.capabilities, requirements(config))
         info = engine.client.model_info

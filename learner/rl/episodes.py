@@ -14,27 +14,27 @@ corrections see each token's own behaviour logprob and staleness.
 `EpisodeEngine` wraps a run's engine: ``submit(EpisodeRequest)`` runs a group of ``num_samples`` episodes of one
 prompt record (a GRPO group per first prompt) and resolves to their list, as ``Engine.submit`` does for samples, so
 `rollout_client.RolloutBuffer` keeps many in flight; each episode runs in its own worker thread, so turns of
-different episodes interleave on the engine. An environment error or timeout ends its episode with a NaN reward
-(its group is left out of the batch, as a skipped reward), is counted, and never stops the run.
+different episodes interleave on the engine. The environment is called, checked and given up on at a boundary
+(`learner.rl.environment_calls`): an error, a timeout or a bad value ends its episode with a NaN reward (the sample
+is left out of the batch, as a skipped reward), is counted, and never stops the run.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import dataclasses
-import inspect
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from learner.tasks import EnvironmentTask, StepResult, segment_ids
+from learner.rl.environment_calls import EnvironmentCalls, EnvironmentFailure, segment_ids_of, step_result
+from learner.tasks import Environment, EnvironmentTask
 from rollout_client import Engine, LogprobMode, RolloutRequest, Sample, SamplingParams
-from rollout_client.sampling_params import FinishReason
+from rollout_client.sampling_params import FinishReason, derived_seed
 
 ENDINGS = ("done", "max_turns", "max_tokens", "env_error", "lost")  # why an episode ended (Episode.ended_by)
 
@@ -62,8 +62,14 @@ class Episode(Sample):
     observations_cut: int = 0  # observations cut to the task's max_observation_tokens
 
 
-class EnvironmentFailure(RuntimeError):
-    """An environment's reset or step raised or timed out (the episode ends; the run goes on)."""
+def turn_seed(seed: int | None, episode: int, turn: int) -> int | None:
+    """The sampling seed of one turn of a seeded group: each turn is its own one-sample request (sample index 0), so
+    a shared seed would give every episode of the group the same draws. None: unseeded (the client draws one).
+
+    >>> turn_seed(None, 0, 0), turn_seed(7, 0, 1) == turn_seed(7, 0, 1) != turn_seed(7, 1, 0)
+    (None, True)
+    """
+    return None if seed is None else derived_seed(seed, episode, turn)
 
 
 def stop_string_end(tokenizer, ids, stop_strings: Sequence[str]) -> int:
@@ -86,20 +92,6 @@ def stop_string_end(tokenizer, ids, stop_strings: Sequence[str]) -> int:
     return len(ids)
 
 
-def call_environment(function: Callable, argument, timeout_s: float, pool: concurrent.futures.Executor):
-    """``function(argument)``, sync or async, within ``timeout_s``; raises `EnvironmentFailure` on any failure."""
-    try:
-        if inspect.iscoroutinefunction(function):
-            return asyncio.run(asyncio.wait_for(function(argument), timeout_s))
-        return pool.submit(function, argument).result(timeout_s)
-    except (TimeoutError, concurrent.futures.TimeoutError) as error:
-        raise EnvironmentFailure(f"{getattr(function, '__qualname__', function)} took more than {timeout_s} s "
-                                "(the task's step_timeout_s)") from error
-    except Exception as error:  # any error of the user's environment ends the episode, never the run
-        raise EnvironmentFailure(f"{getattr(function, '__qualname__', function)} raised "
-                                f"{type(error).__name__}: {error}") from error
-
-
 class EpisodeEngine(Engine):
     """``engine`` running episodes of ``task`` (see the module docstring); everything else passes through.
 
@@ -114,7 +106,7 @@ class EpisodeEngine(Engine):
         self.name, self.capabilities = engine.name, engine.capabilities
         self.task, self.limits = task, task.limits
         self._episodes = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="episode")
-        self._environment_calls = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="env")
+        self._environment_calls = EnvironmentCalls(task.name)
         self._lock = threading.Lock()
         self._counts = collections.Counter()
         self._version = 0  # the last version published: stamped on an episode that has no policy token
@@ -154,17 +146,22 @@ class EpisodeEngine(Engine):
     def run_episode(self, request: EpisodeRequest, index: int) -> Episode | None:
         """One episode of ``request.record``; None if the engine lost a turn (dropped as invalid, counted there)."""
         limits, tokenizer = self.limits, self.task.tokenizer
-        environment = self.task.environment()
+        calls = self._environment_calls
         stop_ids = tuple(dict.fromkeys([*tokenizer.eos_ids, *limits.stop_ids]))
         try:
-            prompt = segment_ids(tokenizer, call_environment(environment.reset, request.record, limits.step_timeout_s,
-                                                             self._environment_calls), first=True)
-        except (EnvironmentFailure, ValueError) as error:  # ValueError: a prompt that cannot be rendered
+            environment = calls.call(self.task.environment, timeout_s=limits.step_timeout_s)
+            if not isinstance(environment, Environment):
+                raise EnvironmentFailure(f"{calls.describe(self.task.environment)} returned "
+                                         f"{type(environment).__name__}: it needs reset and step methods")
+            what = calls.describe(environment.reset)
+            prompt = segment_ids_of(tokenizer, calls.call(environment.reset, request.record,
+                                                          timeout_s=limits.step_timeout_s),
+                                    what, "a first prompt", first=True)
+            if not 0 < prompt.size <= self.task.max_prompt_tokens:
+                raise EnvironmentFailure(f"{what} returned a first prompt of {prompt.size} tokens: it must have 1 to "
+                                         f"{self.task.max_prompt_tokens} (the task's max_prompt_tokens)")
+        except EnvironmentFailure as error:
             return self._failed_reset(request, index, error)
-        if not 0 < prompt.size <= self.task.max_prompt_tokens:
-            return self._failed_reset(request, index, EnvironmentFailure(
-                f"reset gave a first prompt of {prompt.size} tokens; the task's max_prompt_tokens is "
-                f"{self.task.max_prompt_tokens}"))
         budget = self.task.max_completion_tokens
         ids, mask, logprobs, versions = [], [], [], []  # per completion token
         reward, turns, tool_calls, tool_errors, cut, ended_by = 0.0, 0, 0, 0, 0, "done"
@@ -172,7 +169,8 @@ class EpisodeEngine(Engine):
         while True:
             room = budget - len(ids)
             sampling = dataclasses.replace(request.sampling, max_new_tokens=min(limits.max_turn_tokens, room),
-                                           stop_token_ids=stop_ids, stop_strings=limits.stop_strings)
+                                           stop_token_ids=stop_ids, stop_strings=limits.stop_strings,
+                                           seed=turn_seed(request.sampling.seed, index, turns))
             turn_prompt = np.concatenate([prompt, np.asarray(ids, np.int32)]).astype(np.int32)
             samples = self.engine.submit(RolloutRequest(
                 turn_prompt, sampling=sampling, num_samples=1, logprob_mode=request.logprob_mode,
@@ -191,23 +189,22 @@ class EpisodeEngine(Engine):
             versions += np.asarray(sample.policy_versions[:kept], np.int64).tolist()
             turns += 1
             try:
-                result = call_environment(environment.step, generated.copy(), limits.step_timeout_s,
-                                          self._environment_calls)
-                if not isinstance(result, StepResult):
-                    raise EnvironmentFailure(f"step returned {type(result).__name__}, not a StepResult")
-                observation = segment_ids(tokenizer, result.observation, turn=generated)
-            except (EnvironmentFailure, ValueError) as error:
+                what = calls.describe(environment.step)
+                result = step_result(calls.call(environment.step, generated.copy(), timeout_s=limits.step_timeout_s),
+                                     what)
+                reward += float(result.reward)
+                tool_calls += bool(result.info.get("tool_call"))
+                tool_errors += bool(result.info.get("tool_error"))
+                if result.done:
+                    break
+                if turns >= limits.max_turns:
+                    ended_by = "max_turns"
+                    break
+                observation = segment_ids_of(tokenizer, result.observation, what, "observation", turn=generated)
+            except EnvironmentFailure as error:
                 reward, ended_by = float("nan"), "env_error"
                 self._count("env_errors")
                 self._note_error(error)
-                break
-            reward += float(result.reward)
-            tool_calls += bool(result.info.get("tool_call"))
-            tool_errors += bool(result.info.get("tool_error"))
-            if result.done:
-                break
-            if turns >= limits.max_turns:
-                ended_by = "max_turns"
                 break
             if observation.size > limits.max_observation_tokens:
                 observation, cut = observation[:limits.max_observation_tokens], cut + 1
@@ -228,7 +225,7 @@ class EpisodeEngine(Engine):
                        tool_calls=tool_calls, tool_errors=tool_errors, ended_by=ended_by, observations_cut=cut)
 
     def _failed_reset(self, request: EpisodeRequest, index: int, error: Exception) -> Episode:
-        """An episode whose reset failed: no policy token, a NaN reward (its group is left out of the batch)."""
+        """An episode whose reset failed: no policy token, a NaN reward (left out of the batch)."""
         self._count("env_errors")
         self._note_error(error)
         return Episode(request_id=request.request_id, sample_index=index, prompt_token_ids=np.zeros(0, np.int32),
@@ -245,6 +242,7 @@ class EpisodeEngine(Engine):
     def _note_error(self, error: Exception) -> None:
         with self._lock:
             self.last_environment_error = str(error)
+        self._environment_calls.note(error)
 
     def metrics(self) -> dict[str, float]:
         """The engine's counters and the episodes' (cumulative): environment errors, lost episodes, how episodes
@@ -254,13 +252,12 @@ class EpisodeEngine(Engine):
         return {**self.engine.metrics(), "multiturn/env_errors": counts.get("env_errors", 0),
                 "multiturn/episodes_lost": counts.get("lost", 0),
                 "multiturn/observations_cut": counts.get("observations_cut", 0),
-                "multiturn/stop_string_cuts": counts.get("stop_string_cuts", 0),
+                "multiturn/stop_string_cuts": counts.get("stop_string_cuts", 0), **self._environment_calls.metrics(),
                 **{f"multiturn/ended_by/{name}": counts.get(name, 0) for name in ENDINGS[:3]}}
 
     def close(self) -> None:
         """Stops the episode workers (episodes in flight are abandoned) and closes the engine."""
         self._episodes.shutdown(wait=False, cancel_futures=True)
-        self._environment_calls.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
 

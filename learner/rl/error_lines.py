@@ -8,7 +8,9 @@ import contextlib
 import sys
 
 from learner.reporting.disk_full import disk_full_cause
+from learner.reporting.run_files import UnsafeRunDirError
 from learner.rl.batch_assembly import NoUsableRolloutsError
+from learner.rl.hooks import EvaluationError
 from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError, ResumeConfigError
 from learner.rl.run_lock import RunDirLockedError
@@ -16,8 +18,9 @@ from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDown
 
 # Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
 # with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError,
-                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError, UnsafeRunDirError,
+                                                EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError,
+                                                EvaluationError)
 
 
 @contextlib.contextmanager

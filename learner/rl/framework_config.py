@@ -1,4 +1,5 @@
-"""A verl, SkyRL, slime or AReaL config file as a Tether run (``corrections.from_verl = "path.yaml"`` & co).
+"""A verl, SkyRL, slime or AReaL config file (a YAML file, a verl or slime launch script) as a Tether run
+(``corrections.from_verl = "path.yaml"`` & co).
 
 The loss comes from the framework's front door (``corrections.from_verl``, ...), unchanged. The settings that change
 training and that Tether has elsewhere (epochs, mini-batches, optimizer and schedule, gradient clipping, samples per
@@ -6,8 +7,11 @@ prompt, temperature, top-p, top-k, batch and completion sizes) become run-config
 but have no Tether equivalent are listed "not applied" with the reason; everything else "not used". Every key of the
 file gets one row: their key, their value, Tether's key or what happened to it (`Migration.table`). The tables of
 what each key becomes are ``corrections.frameworks``' (the front doors list the training settings they drop with them).
+A mapped key the file leaves out takes the framework's default where the tables have it (verl, SkyRL), as the
+framework would train; its row says so.
 
-Precedence (``load_config``): the TOML file < the framework file < ``--set``.
+Precedence (``load_config``): the TOML file < the framework file (with its framework's defaults) < ``--set``. A value
+Tether refuses names each run-config key involved and where it came from (``clash``).
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import copy
 import dataclasses
 import functools
 import pathlib
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import corrections
@@ -33,6 +38,7 @@ from corrections.frameworks import (  # noqa: F401 (BETAS, GRPO: the tables' tex
     slime_arguments,
     whole,
 )
+from learner.reporting.run_files import write_atomically
 
 FROM_KEYS = {"from_verl": "verl", "from_skyrl": "skyrl", "from_slime": "slime", "from_areal": "areal"}
 
@@ -50,8 +56,16 @@ class Migration:
     def table(self) -> str:
         """The mapping as a tab-separated table with a header (what the run prints and writes)."""
         lines = [f"# {self.framework} config {self.path}", "their key\ttheir value\tTether"]
-        lines += [f"{row.key}\t{_show(row.value)}\t{row.tether}" for row in self.rows]
+        lines += [f"{row.key}\t{_show(row.value)}{DEFAULT_NOTE.format(self.framework) if row.default else ''}\t"
+                  f"{row.tether}" for row in self.rows]
         return "\n".join(lines) + "\n"
+
+    def source(self, run_key: str) -> Row | None:
+        """The row of the file's key that set a run-config key (None: the file does not set it)."""
+        return next((row for row in self.rows if row.tether == run_key), None)
+
+
+DEFAULT_NOTE = " ({}'s default: not in the file)"
 
 
 def _show(value) -> str:
@@ -77,11 +91,12 @@ def migrate(framework: str, path: str) -> Migration:
     except ValueError as error:  # no such file, not a config file, not valid YAML
         raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     if framework == "slime":
-        if not isinstance(data, list):
-            raise ValueError(f"corrections.from_slime={path!r}: give a slime launch script (.sh).")
+        if not isinstance(data, list):  # a YAML file or a verl launch script
+            raise ValueError(f"corrections.from_slime={path!r}: not a slime launch script; give a YAML file or a verl "
+                             "launch script to its own key (corrections.from_verl, ...).")
         data = slime_arguments(data)
     elif not isinstance(data, Mapping):
-        raise ValueError(f"corrections.from_{framework}={path!r}: give a YAML file.")
+        raise ValueError(f"corrections.from_{framework}={path!r}: a slime launch script; use corrections.from_slime.")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownKeyWarning)
         warnings.simplefilter("ignore", corrections.TrainingKeysWarning)  # for direct calls: the run maps them
@@ -90,8 +105,27 @@ def migrate(framework: str, path: str) -> Migration:
         except ValueError as error:
             raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     unknown = {w.message.path.split(".", 1)[1] for w in caught if isinstance(w.message, UnknownKeyWarning)}
-    table, run = rows(framework, whole(framework, data), unknown)
+    try:
+        table, run = rows(framework, whole(framework, data), unknown, defaults=True)
+    except ValueError as error:
+        raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     return Migration(framework, str(path), config, run, tuple(table))
+
+
+def clash(message: str, framework: str, path: str, sections: Iterable[str]) -> str:
+    """A run-config error once the framework file's values are in, naming where each run-config key in it comes
+    from: the file's key (or the framework's default) that set it, or the run config (the TOML file, ``--set``)."""
+    migration = migrate(framework, path)
+    named = {key: migration.source(key) for key in re.findall(rf"\b(?:{'|'.join(sections)})(?:\.\w+)+", message)}
+    from_file = [f"{key} from {row.key}={row.value!r}" + (f" ({framework}'s default)" if row.default else "")
+                 for key, row in named.items() if row is not None]
+    if not from_file:
+        return (f"{message} (with corrections.from_{framework}={path!r}, which sets {', '.join(migration.run)}; --set "
+                "a key to replace its value)")
+    from_run_config = [key for key, row in named.items() if row is None]
+    also = f"; the run config sets {', '.join(from_run_config)}" if from_run_config else ""
+    return (f"{message} (corrections.from_{framework}={path!r} sets {', '.join(from_file)}{also}; --set a key to "
+            "replace its value)")
 
 
 def framework_file(section: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -149,4 +183,4 @@ def report(section, run_dir) -> None:
         return
     table = migrate(*given).table()
     print(table, end="", flush=True)
-    (pathlib.Path(run_dir) / MAPPING_FILE).write_text(table)
+    write_atomically(pathlib.Path(run_dir) / MAPPING_FILE, table)

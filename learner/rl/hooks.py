@@ -19,18 +19,23 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 
 from learner.reporting.metrics_writers import FanOutWriter, JsonlWriter, TensorBoardWriter
 from learner.reporting.plots import DEFAULT_PANELS, plot_learning_curves
 from learner.reporting.progress import ProgressBar, summary_table
 from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
+from learner.reporting.run_files import write_atomically
 from learner.rl import framework_config
 from learner.rl.config import sampling_params
-from rollout_client import LogprobMode, RolloutRequest
+from rollout_client import EnginesDownError, LogprobMode, RolloutError, RolloutRequest, SamplingParams
+from rollout_client.engines.pool import describe_error
+from rollout_client.sampling_params import derived_seed
 
 if TYPE_CHECKING:
     from learner.rl.run import Run, StepRecord
@@ -57,6 +62,11 @@ class Hook:
         """Releases files and threads; called on every exit path."""
 
 
+class EvaluationError(RuntimeError):
+    """An evaluation's requests failed after the client's retries and the engine pool's resends; the message names
+    the step and the first failure."""
+
+
 class EvalHook(Hook):
     """Evaluates the task's validation prompts every ``validation_every`` steps and at the last step, with the weights
     just published: ``eval/greedy/pass@1`` (one greedy completion per prompt: top-k 1) and, from
@@ -80,18 +90,29 @@ class EvalHook(Hook):
                       "eval/greedy": (dataclasses.replace(sampling, temperature=1.0, top_k=1, top_p=1.0, min_p=0.0),
                                       1)}
         self.logprob_mode = LogprobMode[run.config.rollout.logprob_mode.upper()]
+        # loop.deterministic: each request seeded by (loop.seed, step, prompt, mode), apart from training's seeds
+        self.seed = run.config.loop.seed if run.config.loop.deterministic else None
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         if self.every and (record.step % self.every == 0 or record.step == run.config.loop.steps):
-            record.metrics.update(self.evaluate(run))
+            try:
+                record.metrics.update(self.evaluate(run))
+            except EnginesDownError:
+                raise  # its own line names the engine's log
+            except (RolloutError, grpc.RpcError) as error:
+                raise EvaluationError(f"step {record.step}: evaluation failed: {describe_error(error)} (retried "
+                                      "as training requests are; see server.generate_deadline_s and "
+                                      "task.args.validation.max_prompts)") from error
 
     def evaluate(self, run: Run) -> dict[str, float]:
-        """Samples every validation prompt in each mode (all requests in flight at once) and scores them."""
+        """Samples every validation prompt in each mode (all requests in flight at once, through the run's engine:
+        the client's retries and the pool's resends, as training requests) and scores them."""
         records = run.task.validation_records()
-        futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32), sampling,
+        futures = {prefix: [run.engine.submit(RolloutRequest(np.asarray(r["prompt_ids"], np.int32),
+                                                             self._seeded(sampling, run, index, mode),
                                                              num_samples=n, logprob_mode=self.logprob_mode))
-                            for r in records]
-                   for prefix, (sampling, n) in self.modes.items()}
+                            for index, r in enumerate(records)]
+                   for mode, (prefix, (sampling, n)) in enumerate(self.modes.items())}
         metrics, dropped = {}, 0
         for prefix, pending in futures.items():
             n = self.modes[prefix][1]
@@ -102,6 +123,13 @@ class EvalHook(Hook):
                 completions += [by_index.get(i, np.zeros(0, np.int32)) for i in range(n)]
             metrics |= run.task.validation_metrics(records, completions, n, prefix=prefix)
         return metrics | {"eval/dropped_samples": float(dropped)}
+
+
+    def _seeded(self, sampling: SamplingParams, run: Run, index: int, mode: int) -> SamplingParams:
+        """``sampling`` with the seed of prompt ``index`` in mode ``mode`` at this step (unchanged if unseeded)."""
+        if self.seed is None:
+            return sampling
+        return dataclasses.replace(sampling, seed=derived_seed(self.seed, run.step, index, mode))
 
 
 class MetricsHook(Hook):
@@ -133,7 +161,8 @@ class RolloutLogHook(Hook):
         self.log.append(LoggedBatch(step=record.step, tokens=batch.tokens[rows], loss_mask=batch.loss_mask[rows],
                                     rollout_logprobs=batch.rollout_logprobs[rows],
                                     proximal_logprobs=record.proximal_logprobs, rewards=record.rewards,
-                                    advantages=batch.advantages[rows], policy_version=batch.policy_version[rows]))
+                                    advantages=batch.advantages[rows], policy_version=batch.policy_version[rows],
+                                    learner_version=record.policy_version - 1))  # before this step's update
 
     def close(self) -> None:
         if hasattr(self, "log"):
@@ -141,12 +170,15 @@ class RolloutLogHook(Hook):
 
 
 class ProgressHook(Hook):
-    """The progress bar (reward, KL, mismatch, clip fraction, staleness, tokens/s)."""
+    """The progress bar (reward, KL, mismatch, clip fraction, staleness, multi-turn use, tokens/s), updated every
+    step, and after the first step the line saying where the start-up time went."""
 
     def on_start(self, run: Run) -> None:
-        self.bar = ProgressBar(run.config.loop.steps, start=run.start_step)
+        self.bar = ProgressBar(run.config.loop.steps)
 
     def on_step(self, run: Run, record: StepRecord) -> None:
+        if record.step == run.start_step + 1:
+            print(run.startup_times.line(), flush=True)
         self.bar.update(record.step, record.metrics)
 
     def on_end(self, run: Run) -> None:
@@ -159,19 +191,33 @@ class ProgressHook(Hook):
 
 
 class PlotHook(Hook):
-    """The learning-curve PNG, every ``every`` steps and at the end (with a validation panel when evaluated)."""
+    """The learning-curve PNG, every ``every`` steps and at the end (with a validation panel when evaluated).
+
+    A refresh is drawn on a thread, so the loop does not wait for it (on the 2-core CPU under load one took ~12 s,
+    37% of the main job's time); a refresh due while the last one still draws is skipped. The end's is waited for.
+    """
 
     def __init__(self, every: int, num_samples: int):
         self.every = every
         self.panels = DEFAULT_PANELS + (
             ("validation", ("eval/reward_mean", "eval/greedy/pass@1", "eval/pass@1", f"eval/pass@{num_samples}")),)
+        self._drawing: threading.Thread | None = None
 
     def on_step(self, run: Run, record: StepRecord) -> None:
-        if record.step % self.every == 0:
-            self.on_end(run)
+        if record.step % self.every == 0 and not (self._drawing and self._drawing.is_alive()):
+            self._drawing = threading.Thread(target=self._draw, args=(run.run_dir,), name="plot", daemon=True)
+            self._drawing.start()
 
     def on_end(self, run: Run) -> None:
-        plot_learning_curves(run.run_dir / METRICS_FILE, run.run_dir / PLOT_FILE, self.panels)
+        self.close()
+        self._draw(run.run_dir)
+
+    def close(self) -> None:
+        if self._drawing is not None:
+            self._drawing.join()
+
+    def _draw(self, run_dir) -> None:
+        plot_learning_curves(run_dir / METRICS_FILE, run_dir / PLOT_FILE, self.panels)
 
 
 class CheckpointHook(Hook):
@@ -212,7 +258,7 @@ class AgreementHook(Hook):
     def on_end(self, run: Run) -> None:
         record = {"steps": self.steps, "reward_mean": self.rewards, "batch_sha256": self.digest.hexdigest(),
                   "policy_version": run.trainer.policy_version}
-        (run.run_dir / f"process_{run.process_index}.json").write_text(json.dumps(record))
+        write_atomically(run.run_dir / f"process_{run.process_index}.json", json.dumps(record))
 
 
 class SummaryHook(Hook):

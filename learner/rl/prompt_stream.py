@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 from learner.rl.episodes import EpisodeRequest
 from learner.rl.prompt_dataset import prompt_dataset, prompt_iterator
 from rollout_client import LogprobMode, RolloutRequest, SamplingParams
+from rollout_client.sampling_params import derived_seed
 
 
 class DataPosition:
@@ -39,16 +41,20 @@ class PromptStream:
     ``n``-th batch pulled: after ``n`` trained batches, the position to resume from. `next_record` gives the
     prompt records of the issued requests in issue order (the order `rollout_client.RolloutBuffer` returns them).
     ``episodes``: the requests are `learner.rl.episodes.EpisodeRequest` of the records (an environment task's).
+    ``sampling_seed``: each request is drawn with a seed derived from it, the batch's number in the stream and the
+    request's place in the batch (`rollout_client.sampling_params.derived_seed`), so a resumed or repeated run
+    asks for the same draws; None: the client draws a random seed per request.
     """
 
     def __init__(self, records, batch_size: int, seed: int, sampling: SamplingParams, num_samples: int,
-                 logprob_mode: LogprobMode, episodes: bool = False):
+                 logprob_mode: LogprobMode, episodes: bool = False, sampling_seed: int | None = None):
         self._records = records
         dataset = prompt_dataset(np.arange(len(records)), lambda index: {"index": np.int64(index)},
                                  global_batch_size=batch_size, seed=seed, process_index=0, process_count=1)
         self._iterator = prompt_iterator(dataset)
         self._sampling, self._num_samples, self._mode = sampling, num_samples, logprob_mode
         self._episodes = episodes
+        self._sampling_seed = sampling_seed
         self._positions: list[dict] = []
         self._issued: collections.deque[Mapping[str, Any]] = collections.deque()
 
@@ -69,14 +75,17 @@ class PromptStream:
 
     def requests(self) -> Iterator[RolloutRequest]:
         while True:
-            self._positions.append(self.get_state())
-            for index in next(self._iterator)["index"]:
+            state = self.get_state()
+            self._positions.append(state)
+            for place, index in enumerate(next(self._iterator)["index"]):
                 record = self._records[int(index)]
+                sampling = self._sampling if self._sampling_seed is None else dataclasses.replace(
+                    self._sampling, seed=derived_seed(self._sampling_seed, state["next_index"], place))
                 if self._episodes:
-                    request = EpisodeRequest(record, sampling=self._sampling, num_samples=self._num_samples,
+                    request = EpisodeRequest(record, sampling=sampling, num_samples=self._num_samples,
                                              logprob_mode=self._mode)
                 else:
-                    request = RolloutRequest(np.asarray(record["prompt_ids"], np.int32), sampling=self._sampling,
+                    request = RolloutRequest(np.asarray(record["prompt_ids"], np.int32), sampling=sampling,
                                              num_samples=self._num_samples, logprob_mode=self._mode)
                 self._issued.append(record)
                 yield request

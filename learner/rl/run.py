@@ -10,8 +10,12 @@ reference policy, policy version, data position) or a fresh start (Hugging Face 
 supervised warm-up); then, on process 0, the inference engine (launched, or reached at
 ``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
 max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
-finish before each publish, so every sample is exactly ``max_staleness`` versions old). Everything it opens is
-closed on every exit path, in reverse order, by one ``ExitStack``; the checkpoint save in flight is completed.
+finish before each publish, so every sample is exactly ``max_staleness`` versions old; ``loop.deterministic``: the
+same, with every request seeded and the embedded server batch-invariant, so that a rerun's metrics are equal:
+docs/library.md). A publish waits for the requests the engine is generating (one policy version per sample) unless
+``rollout.partial``: then they run on under the new weights, each token stamped with the version that drew it
+(partial rollouts; ``rollout/partial_fraction``). Everything it opens is closed on every exit path, in reverse
+order, by one ``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
@@ -31,13 +35,15 @@ payload; every process runs the same update on the global mesh and writes checkp
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import pathlib
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -45,11 +51,14 @@ from jax.experimental import multihost_utils
 
 from learner.checkpoints.checkpointer import Checkpointer
 from learner.model.lora import base_identity, check_base_identity
-from learner.model.transformer import count_params
+from learner.reporting.compiles import compile_stats, count_compiles
+from learner.reporting.progress import WARMUP_FIELDS, ProgressBar, StartupTimes, Waiting
+from learner.reporting.run_files import refuse_links
+from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity, publishes_adapters, sampler_order
+from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
@@ -75,6 +84,11 @@ class StepRecord:
     # outside each row's scored window, prompt tokens included, when update.scored_window is set)
     policy_version: int  # the learner's, after the update
     server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
+
+
+# What libraries and the engine process write under run_dir (orbax, tensorstore, the TensorBoard writer, the MLX
+# engine's weights, the server's log), checked for links before the run starts: no link may lead out of run_dir.
+CHECKED_FOR_LINKS = ("checkpoints", "rollout_log", "tensorboard", "engine_weights", "server.log")
 
 
 class ResumeConfigError(ValueError):
@@ -105,7 +119,14 @@ class Run:
         self.engine = self.buffer = None
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
+        self.startup_times = StartupTimes()  # where the start-up went, printed once the first step is done
         self._warned_kept = False  # a step kept under half its samples (warned once)
+        self._drops = collections.Counter()  # groups dropped with fewer than 2 scored samples, over the run
+        count_compiles()  # compile/* in every step's metrics
+        # This process's programs built by the end of the set-up, in the first step's metrics beside
+        # `startup_times`'s phases: startup/compiled_programs, startup/compile_s, startup/compile_cache_hits (loaded
+        # from the persistent cache).
+        self._startup_compiles: dict[str, float] = {}
 
     @property
     def finished(self) -> bool:
@@ -132,6 +153,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
+            refuse_links(self.run_dir, CHECKED_FOR_LINKS)
             framework_config.report(config.corrections, self.run_dir)
         try:
             self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
@@ -149,39 +171,51 @@ class Run:
             raise ValueError(f"rollout.max_new_tokens={config.rollout.max_new_tokens}: task {config.task.name!r} "
                              "is multi-turn; its turns and episodes are bounded by its own limits (task.args "
                              "max_turn_tokens and the task's max_completion_tokens); unset rollout.max_new_tokens")
-        self.trainer = Trainer(config, self.task)
+        with self.startup_times.phase("train state", Waiting("building the train state", enabled=self.leader)):
+            self.trainer = Trainer(config, self.task)
         if self.leader:
-            print(f"train state: {count_params(self.trainer.model_config):,} parameters built in "
-                  f"{self.trainer.build_seconds:.1f} s", flush=True)
+            print(self.trainer.describe_state(), flush=True)
         self.checkpointer = Checkpointer(checkpoint_config(config, str(self.run_dir / "checkpoints")))
         stack.callback(self.checkpointer.close)  # waits for the save in flight: completed, never abandoned
         stop_ids = self.task.tokenizer.eos_ids
         self.stream = PromptStream(self.task.prompts(), config.rollout.prompts_per_step, config.task.seed,
                                    sampling_params(config, self.trainer.max_new_tokens, stop_ids),
                                    config.rollout.num_samples, LogprobMode[config.rollout.logprob_mode.upper()],
-                                   episodes=self.episodic)
+                                   episodes=self.episodic,
+                                   sampling_seed=config.loop.seed if config.loop.deterministic else None)
         self.spec = PayloadSpec.of_run(config.rollout, self.trainer.rows, self.trainer.length, sampler_order(config),
                                        scored_window=self.trainer.update_config.scored_window)
-        if self.checkpointer.latest_step() is not None:
-            self.start_step = self.step = self._restore()
+        fresh = self.checkpointer.latest_step() is None
+        if not fresh:
+            with self.startup_times.phase("restore"):
+                self.start_step = self.step = self._restore()
             if self.finished:
                 if self.leader:
                     print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
                           "to do", flush=True)
                 return
-        else:
-            losses = self.trainer.start_fresh()
+        launching = None
+        if fresh and self.leader and config.server.engine == "tether" and not config.server.address:
+            # The embedded server compiles its programs while the learner loads weights and warms up; it starts on
+            # the seed's weights, and the publish below gives it the learner's.
+            launching = _EngineStart(stack, config, self.trainer, stop_ids, self.run_dir, {})
+        if fresh:
+            with self.startup_times.phase("warm-up"), self._warmup_progress() as on_warmup_step:
+                losses = self.trainer.start_fresh(on_warmup_step)
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
         if self.leader:
-            weights = self._published()
-            engine = build_engine(config, self.trainer, stop_ids, self.run_dir, weights)
-            rollout = config.rollout
-            episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
-            self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic else engine)
-            check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
-                           config.server.address or "the embedded server")
-            self.server_version = self.engine.publish(self.trainer.policy_version, weights)
+            with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
+                weights = self._published()
+                engine = launching.take() if launching else build_engine(config, self.trainer, stop_ids, self.run_dir,
+                                                                           weights)
+                rollout = config.rollout
+                episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
+                self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic
+                                                  else engine)
+                check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
+                               config.server.address or "the embedded server")
+                self.server_version = self.engine.publish(self.trainer.policy_version, weights)
             rollout = config.rollout
             self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
                                         max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
@@ -192,6 +226,44 @@ class Run:
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
+        compiles = compile_stats()
+        self._startup_compiles = {"startup/compiled_programs": compiles["compile/programs"],
+                                  "startup/compile_s": compiles["compile/seconds"],
+                                  "startup/compile_cache_hits": compiles["compile/cache_hits"]}
+
+    @contextlib.contextmanager
+    def _warmup_progress(self) -> Iterator[Callable[[int, float], None] | None]:
+        """The warm-up's announcement (its first step compiles the update step) and progress bar, on process 0."""
+        steps = self.config.warmup.steps
+        if not (self.leader and steps):
+            yield None
+            return
+        compiling = Waiting(f"warm-up: {steps} steps of cross entropy; compiling its update step").start()
+        bar = ProgressBar(steps, fields=WARMUP_FIELDS, label="warm-up")
+
+        def on_step(step: int, loss: float) -> None:
+            compiling.stop()
+            bar.update(step, {"loss": loss})
+
+        try:
+            yield on_step
+        finally:
+            compiling.stop()
+            bar.close()
+
+    def _first(self, phase: str, what: str, first: bool):
+        """The first step's ``phase``, announced (process 0) and timed; nothing on later steps."""
+        if not first:
+            return contextlib.nullcontext()
+        return self.startup_times.phase(phase, Waiting(what, enabled=self.leader))
+
+    def _engine_wait(self) -> str:
+        """What starting the engine waits for, in words."""
+        server = self.config.server
+        if server.address is not None and server.engine != "mlx":
+            return f"connecting to the {server.engine} engine at {server.address} and publishing the weights"
+        return (f"starting the {server.engine} engine (log: {self.run_dir / 'server.log'}) and publishing the "
+                "weights")
 
     def _restore(self) -> int:
         """Restores the latest checkpoint; refuses a changed task, corrections, group size or model, before any
@@ -229,8 +301,11 @@ class Run:
 
     def _published(self) -> dict:
         """What a publish sends (a collective gather): the LoRA adapters alone where the engine serves them
-        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base)."""
-        return self.trainer.host_adapters() if publishes_adapters(self.config) else self.trainer.host_weights()
+        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype the
+        engine takes (`learner.rl.engines.publish_dtype`)."""
+        if publishes_adapters(self.config):
+            return self.trainer.host_adapters()
+        return self.trainer.host_weights(publish_dtype(self.config))
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -266,13 +341,17 @@ class Run:
     def _step(self, step: int) -> StepRecord:
         started = time.monotonic()
         trainer, rollout = self.trainer, self.config.rollout
+        first = step == self.start_step + 1  # announced and timed: rollouts sampled by programs still compiling
         if self.leader:
-            groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
+            with self._first("first rollouts", "waiting for the first rollouts (the engine compiles its sampling "
+                             "programs on first use)", first):
+                groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
             try:
                 payload, collated = assemble_payload(groups, records, self.task, self.spec, rollout.num_samples,
-                                                     rollout.logprob_mode, reward_errors=beyond_bound)
+                                                     rollout.logprob_mode, reward_errors=beyond_bound,
+                                                     drops=self._drops)
             except NoUsableRolloutsError as error:
                 drops = {name: count for name, count in {**self.buffer.metrics(), **self.engine.metrics()}.items()
                          if "dropped" in name and count}
@@ -285,7 +364,8 @@ class Run:
         payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
-        metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
+        with self._first("first update", "compiling the RL update step", first):
+            metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
         limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
         if skipped >= limit or (step == self.config.loop.steps and skipped >= step - self.start_step):
             nonfinite = sorted(name for name, value in metrics.items() if not np.isfinite(value))
@@ -299,7 +379,7 @@ class Run:
         rewards = payload.rewards[:samples]
         server_version = None
         if self.leader:
-            if rollout.fixed_staleness:
+            if rollout.fixed_staleness or self.config.loop.deterministic:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
             kept = samples / (rollout.prompts_per_step * rollout.num_samples)
@@ -314,11 +394,18 @@ class Run:
             metrics.update({
                 "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                 "rollout/samples": samples, "rollout/kept_fraction": kept,
+                "rollout/groups_dropped": self._drops["groups_dropped"],
                 "rollout/completion_tokens_mean": tokens / samples,
                 "policy/learner_version": trainer.policy_version, "policy/server_version": server_version,
                 "perf/step_s": step_s, "perf/rollout_wait_s": rollout_s, "perf/update_s": update_s,
                 "perf/publish_s": step_s - rollout_s - update_s, "perf/tokens_per_s": tokens / step_s,
-                "perf/samples_per_s": samples / step_s, **self.buffer.metrics(), **self.engine.metrics(),
+                "perf/samples_per_s": samples / step_s,
+                # NeMo-RL's throughput: prompt and generated tokens per second per device (learner and server)
+                "perf/all_tokens_per_s_per_device": float(payload.batch.attention_mask[:samples].sum()) / step_s
+                / (jax.device_count() + (self.config.server.device is not None)),
+                **self.buffer.metrics(), **self.engine.metrics(),
+                **version_metrics(payload.batch.policy_version[:samples], payload.batch.loss_mask[:samples]),
+                **compile_stats(), **(self.startup_times.metrics() | self._startup_compiles if first else {}),
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)
@@ -332,6 +419,30 @@ class Run:
         for record in self.steps():
             last = record.metrics
         return last
+
+
+class _EngineStart:
+    """`build_engine` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
+    thread that started it: `rollout_client.engines.child`); the engine is closed then unless `take` handed it
+    over (to be closed before, as ``stack`` unwinds)."""
+
+    def __init__(self, stack: contextlib.ExitStack, *args):
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
+        self._future = self._executor.submit(build_engine, *args)
+        self._taken = False
+        stack.callback(self._close)
+
+    def take(self):
+        """The engine (waits for it); raises what `build_engine` raised."""
+        self._taken = True
+        return self._future.result()
+
+    def _close(self) -> None:
+        try:
+            if not self._taken and self._future.exception() is None:
+                self._future.result().close()
+        finally:
+            self._executor.shutdown(wait=False)
 
 
 def broadcast(tree, is_source: bool):

@@ -3,7 +3,8 @@
 Two runs writing one directory interleave their metrics, corrupt the rollout log and fight over checkpoints, so the
 second is refused at once, naming the holder (pid, host, start time) written in the lock file. The lock is an
 ``flock``: the kernel releases it when its process dies, however it dies (SIGKILL included), so a stale lock file
-is simply taken over by the next run. A multi-host run holds it on process 0 (the caller decides which process).
+is simply taken over by the next run. A lock file that is a link or not a regular file is refused
+(`learner.reporting.run_files`). A multi-host run holds it on process 0 (the caller decides which process).
 File systems without ``flock`` support (some network mounts) raise the OS error instead of silently sharing.
 """
 
@@ -18,6 +19,8 @@ import pathlib
 import socket
 from collections.abc import Iterator
 
+from learner.reporting.run_files import open_run_file
+
 LOCK_FILE = "run.lock"
 
 
@@ -31,9 +34,11 @@ def hold_run_dir(run_dir: pathlib.Path) -> Iterator[None]:
 
     Raises:
         RunDirLockedError: another process holds it (the message names its pid and host).
+        UnsafeRunDirError: the lock file is a symbolic link (written through, it would change a file outside
+          run_dir), a directory or another non-regular file.
     """
     path = run_dir / LOCK_FILE
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes
+    descriptor = open_run_file(path, os.O_RDWR | os.O_CREAT)  # never through a link; not inherited by children
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from learner.model.lora import merge_adapters
 from learner.model.param_paths import parameter_names
 from learner.model.precision import resolve_matmul_precision, with_matmul_precision
 from learner.model.sharding import batch_sharding, make_mesh
-from learner.model.transformer import Transformer, model_config
+from learner.model.transformer import Transformer, count_params, model_config
 from learner.rl.batch_assembly import demonstration_batch
 from learner.rl.config import (
     RunConfig,
@@ -55,9 +56,34 @@ def model_context(config: RunConfig) -> int:
     return model_config(config.model.name).max_seq_len
 
 
+def learner_model_config(config: RunConfig, length: int):
+    """The policy's `ModelConfig`: ``model.hf_path``'s config.json (cut to ``length`` positions) or the named
+    config, with parameters in ``model.param_dtype`` and every pass computing in ``model.compute_dtype``."""
+    dtypes = {"param_dtype": config.model.param_dtype, "dtype": config.model.compute_dtype}
+    if config.model.hf_path:
+        return model_config_from_checkpoint(config.model.hf_path, max_seq_len=length, **dtypes)
+    return model_config(config.model.name, **dtypes)
+
+
 def mean_metrics(metrics) -> dict[str, float]:
     """Per-update metric arrays -> one mean per key, on the host."""
     return {name: float(np.mean(value)) for name, value in jax.device_get(metrics).items()}
+
+
+def describe_train_state(params, model_config, seconds: float) -> str:
+    """The start-up line on a train state whose trained parameters are ``params``: a LoRA run counts its adapters,
+    not its frozen base (``model_config``, with ``lora`` set for such a run).
+
+    >>> import jax
+    >>> describe_train_state({"w": jax.ShapeDtypeStruct((4, 8), "float32")}, model_config("tiny"), 0.42)
+    'train state: 32 parameters built in 0.4 s'
+    """
+    trained = sum(leaf.size for leaf in jax.tree.leaves(params))
+    if model_config.lora is None:
+        return f"train state: {trained:,} parameters built in {seconds:.1f} s"
+    base = dataclasses.replace(model_config, lora=None)
+    return (f"train state: {trained:,} trained parameters (LoRA rank {model_config.lora.rank} adapters; frozen base "
+            f"{count_params(base):,}) built in {seconds:.1f} s")
 
 
 class Trainer:
@@ -84,11 +110,7 @@ class Trainer:
                              f"max_completion_tokens) exceed the model's context of {context} positions: lower "
                              "task.args.max_prompt_tokens or rollout.max_new_tokens")
         self.length = bucket_length(task.max_prompt_tokens + self.max_new_tokens)
-        if config.model.hf_path:
-            self.model_config = model_config_from_checkpoint(config.model.hf_path, max_seq_len=self.length,
-                                                             param_dtype=config.model.param_dtype)
-        else:
-            self.model_config = model_config(config.model.name, param_dtype=config.model.param_dtype)
+        self.model_config = learner_model_config(config, self.length)
         try:
             self.mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
         except ValueError as error:
@@ -130,6 +152,10 @@ class Trainer:
         self.rebuild_fn = jax.jit(with_matmul_precision(self._rebuild, self.matmul_precision),
                                   out_shardings=(batch_sharding(self.mesh), replicated),
                                   compiler_options=self.compiler_options)
+
+    def describe_state(self) -> str:
+        """The start-up line on the train state (`describe_train_state`)."""
+        return describe_train_state(self.state.params, self.train_config, self.build_seconds)
 
     @property
     def policy_version(self) -> int:
@@ -203,14 +229,14 @@ class Trainer:
             self.state = restored.state
         return restored.step, restored.metadata
 
-    def start_fresh(self) -> list[float]:
+    def start_fresh(self, on_warmup_step: Callable[[int, float], None] | None = None) -> list[float]:
         """A new run's initial policy: the HF checkpoint's weights (if configured), then the warm-up.
 
         Freezes the reference policy (the starting point of RL) when the KL term needs it. Returns the warm-up's
-        losses.
+        losses; ``on_warmup_step(step, loss)`` sees each (a progress bar).
         """
         self.load_hf_weights()
-        losses = self.warm_up()
+        losses = self.warm_up(on_warmup_step)
         if self.uses_reference:
             self.reference = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p),
                                      out_shardings=self.shardings.params)(self.state.params)
@@ -233,8 +259,9 @@ class Trainer:
             self.state = self.state.replace(params=jax.device_put(nnx.state(model), self.shardings.params),
                                             policy_version=self.state.policy_version + 1)
 
-    def warm_up(self) -> list[float]:
-        """Supervised warm-up: cross entropy on noisy demonstrations through the update step; returns the losses.
+    def warm_up(self, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+        """Supervised warm-up: cross entropy on noisy demonstrations through the update step; returns the losses
+        (``on_step(step, loss)`` sees each as it comes).
 
         It runs on its own optimizer (constant learning rate, corrections objective ``cross_entropy``); the RL
         optimizer state starts fresh afterwards. Each call advances the policy version by one, as an RL update.
@@ -254,29 +281,48 @@ class Trainer:
                                 matmul_precision=self.matmul_precision)
         rng = np.random.default_rng((self.config.task.seed, 1))
         losses = []
-        for _ in range(warmup.steps):
+        for step in range(1, warmup.steps + 1):
             batch = demonstration_batch(self.task, rng, warmup.batch_size, warmup.noise, self.length,
                                         sft_config.row_multiple(self.data_parallel))
             state, metrics, _ = update(state, self.device_batch(batch), None, self.frozen)
             losses.append(mean_metrics({"loss": metrics["actor/pg_loss"]})["loss"])
+            if on_step is not None:
+                on_step(step, losses[-1])
         self.state = jax.jit(lambda s: s.replace(opt_state=self.optimizer.init(s.params)),
                              out_shardings=self.shardings)(state)
         return losses
 
-    def host_weights(self) -> dict[str, np.ndarray]:
-        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process; with LoRA the
-        base's, the adapters merged into their kernels (`learner.model.lora.merge_adapters`)."""
-        weights = self._gather(self.state.params)
+    def host_weights(self, dtype: str | None = None) -> dict[str, np.ndarray]:
+        """The parameters as ``{path: array}`` in the engine's naming, gathered from every process (`host_arrays`:
+        cast to ``dtype`` on the device first); with LoRA the base's, the adapters merged into their kernels
+        (`learner.model.lora.merge_adapters`)."""
         if self.lora is None:
-            return weights
-        return merge_adapters(self._gather(self.frozen) | weights, self.lora.scale)
+            return host_arrays(self.state.params, dtype)
+        merged = merge_adapters(host_arrays(self.frozen) | host_arrays(self.state.params), self.lora.scale)
+        return merged if dtype is None else {name: array.astype(dtype) for name, array in merged.items()}
 
     def host_adapters(self) -> dict[str, np.ndarray]:
         """The LoRA adapters as ``{path: array}``, gathered from every process (empty without LoRA)."""
-        return {} if self.lora is None else self._gather(self.state.params)
+        return {} if self.lora is None else host_arrays(self.state.params)
 
-    @staticmethod
-    def _gather(params) -> dict[str, np.ndarray]:
-        params = multihost_utils.process_allgather(params, tiled=True)
-        names, _ = parameter_names(params)
-        return {name: np.asarray(leaf) for name, leaf in zip(names, jax.tree.leaves(params))}
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _cast(tree, dtype: str):
+    return jax.tree.map(lambda leaf: leaf.astype(dtype), tree)
+
+
+def host_arrays(params, dtype: str | None = None) -> dict[str, np.ndarray]:
+    """``params`` as host ``{parameter path: array}`` (`learner.model.param_paths`), gathered from every process.
+
+    ``dtype`` (e.g. the engine's serving dtype): cast on the device first, in one jitted program, so the host copy
+    moves no more bytes than the engine keeps. One process: every copy is started before the first is awaited
+    (`jax.device_get`), so they overlap.
+    """
+    if dtype is not None and any(leaf.dtype != dtype for leaf in jax.tree.leaves(params)):
+        params = _cast(params, dtype)
+    if jax.process_count() == 1:
+        leaves = jax.device_get(jax.tree.leaves(params))
+    else:
+        leaves = jax.tree.leaves(multihost_utils.process_allgather(params, tiled=True))
+    names, _ = parameter_names(params)
+    return {name: np.asarray(leaf) for name, leaf in zip(names, leaves)}

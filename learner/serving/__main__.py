@@ -8,6 +8,7 @@ config.json, the weights from its safetensors) or a named config (--model-config
 
 import argparse
 import pathlib
+import time
 
 from flax import nnx
 
@@ -15,6 +16,7 @@ from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
 from learner.checkpoints.safetensors_io import load_safetensors
 from learner.model.precision import MATMUL_PRECISIONS, resolve_matmul_precision
 from learner.model.transformer import Transformer, model_config
+from learner.reporting.compiles import enable_compilation_cache
 from learner.serving.model_generator import ModelGenerator
 from rollout_client.protocol import pb
 from rollout_client.server.cli import run, server_parser
@@ -29,10 +31,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="compute dtype of the served model")
     parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the learner's parameter dtype: the dtype of the weights the server accepts")
+    parser.add_argument("--weights-dtype", choices=("float32", "bfloat16", "float16"),
+                        help="the dtype of the weights the server accepts (default: --param-dtype); a learner that "
+                             "casts to the serving dtype on its device sends --dtype")
     parser.add_argument("--weights", help="initial weights (safetensors file or orbax dir); default: random")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
     parser.add_argument("--decode-steps-per-call", type=int, default=8,
                         help="decode steps fused into one jitted call")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="decode every cache row at every step, so that a sample's tokens and logprobs do not "
+                             "depend on the other requests in the batch (reproducible runs; slower when few run)")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every prefill and decode program before serving (what a run's embedded server "
+                             "does), so that no request waits on a compile; else each compiles at its first use")
     parser.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
                         help="precision of every matmul; auto: highest for float32 compute, else default")
 
@@ -53,7 +64,8 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     generator = ModelGenerator(model, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                max_seq_len=args.max_seq_len, decode_steps_per_call=args.decode_steps_per_call,
                                eos_token_ids=tuple(args.eos_ids or ()),
-                               matmul_precision=resolve_matmul_precision(args.matmul_precision, args.dtype))
+                               matmul_precision=resolve_matmul_precision(args.matmul_precision, args.dtype),
+                               batch_invariant=args.batch_invariant, weights_dtype=args.weights_dtype)
     if args.weights:
         weights_format = (pb.WEIGHTS_FORMAT_SAFETENSORS if pathlib.Path(args.weights).suffix == ".safetensors"
                           else pb.WEIGHTS_FORMAT_ORBAX)
@@ -62,10 +74,24 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     return generator
 
 
+def served_engine(args: argparse.Namespace) -> ModelGenerator:
+    """`model_engine`, its programs compiled first with ``--precompile`` (before the server serves: no request waits
+    on a compile)."""
+    generator = model_engine(args)
+    if args.precompile:
+        print(f"compiling {len(generator.prefill_lengths()) + len(generator.decode_row_counts()) + 1} prefill and "
+              "decode programs", flush=True)
+        started = time.perf_counter()
+        programs = generator.compile_all()
+        print(f"compiled {programs} prefill and decode programs in {time.perf_counter() - started:.1f} s", flush=True)
+    return generator
+
+
 def main(argv: list[str] | None = None) -> None:
+    enable_compilation_cache()  # the learner's (it passes JAX_COMPILATION_CACHE_DIR on): a rerun loads the programs
     parser = server_parser("python -m learner.serving", __doc__)
     add_model_arguments(parser)
-    run(parser, {"model": model_engine}, argv)
+    run(parser, {"model": served_engine}, argv)
 
 
 if __name__ == "__main__":

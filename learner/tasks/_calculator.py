@@ -98,6 +98,9 @@ class Calculator:
     max_turn_tokens: int = 8
     step_timeout_s: float = 10.0
     chat: bool = False  # the checkpoint's tokenizer and chat template (model_path) instead of the character one
+    # Share of the warm-up's demonstrations that call the calculator; the others answer directly (a noisy product
+    # the tiny model cannot compute), so the warmed-up policy calls the tool in about this share of its episodes.
+    tool_demonstrations: float = 1.0
     model_path: str | None = None  # a checkpoint directory with tokenizer files (default: the run's model.hf_path)
 
     name = "tool_calculator"
@@ -106,6 +109,9 @@ class Calculator:
         if self.chat and self.model_path is None:
             raise ValueError("task.args: chat = true renders messages with a checkpoint's chat template: set "
                              "model.hf_path (or task.args.model_path) to a directory with tokenizer files")
+        if not 0 <= self.tool_demonstrations <= 1:
+            raise ValueError(f"task.args.tool_demonstrations={self.tool_demonstrations!r}: must be a share in [0, 1] "
+                             "(of the warm-up's demonstrations that call the calculator)")
         if self.tokenizer.encode(CALL_TAG).size != 1:
             raise ValueError(f"task.args.model_path: the tokenizer encodes the tool-call tag {CALL_TAG!r} as several "
                              "tokens; it must be one (a turn's stop id): use a checkpoint whose tokenizer has it as "
@@ -171,7 +177,8 @@ class Calculator:
                             ) -> tuple[np.ndarray, np.ndarray]:
         """A tool-using episode (the call, the calculator's result, the answer copied from it) and its policy mask;
         each digit the policy writes is replaced by a random one with probability ``noise`` (the result is the
-        calculator's answer to the call as written, so a wrong call shows its wrong result)."""
+        calculator's answer to the call as written, so a wrong call shows its wrong result). With probability
+        ``1 - tool_demonstrations`` the episode answers directly instead: the product, as noisy, and no call."""
         tok = self.tokenizer
         digits = tok.encode("0123456789")
 
@@ -182,6 +189,9 @@ class Calculator:
             return ids
 
         question = _EXPRESSION.search(tok.decode(prompt_ids, skip_special_tokens=True))[0]
+        if self.tool_demonstrations < 1 and rng.random() >= self.tool_demonstrations:
+            answer = np.append(noisy(calculate(question)), turn_end_id(tok)).astype(np.int32)
+            return answer, np.ones(answer.size, np.float32)
         call = np.append(noisy(question), tok.encode(CALL_TAG))
         result = calculate(tok.decode(call[:-1]))
         observation = segment_ids(tok, self.observation(result), turn=call)

@@ -106,7 +106,7 @@ class DatasetTask:
         ``path/to/file.py:function``) or tables ``{name, weight, args, batched, label}``; the reward is the
         weighted sum.
       on_reward_error: ``"skip"``: a sample whose reward raised, timed out or was not a number gets reward NaN and
-        the loop leaves its group out (counted as ``reward/skipped_samples``); ``"stop"``: the run stops with an
+        the loop leaves it out of its group (counted as ``reward/skipped_samples``); ``"stop"``: the run stops with an
         error naming the sample.
       reward_timeout_s: wall-clock limit of each reward call; None: none.
       reward_workers: reward calls in flight at once.

@@ -45,10 +45,27 @@ class Addition(TextTask):
 
 @dataclasses.dataclass(frozen=True)
 class _DigitStringTask(TextTask):
-    """A random string of ``min_length..max_length`` digits in, a digit string of the same length out."""
+    """A random string of ``min_length..max_length`` digits in, a digit string of the same length out.
+
+    Lengths are uniform (``length_exponent = 0``), or follow a power law ``P(n) ~ n ** -length_exponent``: mostly
+    short strings and a long tail of long ones, as reasoning RL's completion lengths (partial rollouts).
+
+    >>> task = ReverseDigits(min_length=2, max_length=40, length_exponent=1.5, num_prompts=2000)
+    >>> lengths = np.array([len(row["answer"]) for row in task.prompts()])
+    >>> int(np.median(lengths)), bool(0.05 < np.mean(lengths >= 20) < 0.2), int(lengths.max()) <= 40
+    (4, True, True)
+    """
 
     min_length: int = 3
     max_length: int = 6
+    length_exponent: float = 0.0
+
+    def __post_init__(self):
+        if not 1 <= self.min_length <= self.max_length:
+            raise ValueError(f"min_length={self.min_length}, max_length={self.max_length}: need "
+                             "1 <= min_length <= max_length")
+        if not (np.isfinite(self.length_exponent) and self.length_exponent >= 0):
+            raise ValueError(f"length_exponent={self.length_exponent}: must be a finite number >= 0")
 
     @property
     def max_question_chars(self) -> int:
@@ -59,7 +76,12 @@ class _DigitStringTask(TextTask):
         return self.max_length
 
     def make_question(self, rng: np.random.Generator) -> str:
-        length = rng.integers(self.min_length, self.max_length + 1)
+        if self.length_exponent == 0:
+            length = rng.integers(self.min_length, self.max_length + 1)
+        else:
+            lengths = np.arange(self.min_length, self.max_length + 1)
+            weights = lengths.astype(np.float64) ** -self.length_exponent
+            length = rng.choice(lengths, p=weights / weights.sum())
         return "".join(map(str, rng.integers(10, size=length)))
 
 

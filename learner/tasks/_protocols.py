@@ -50,8 +50,8 @@ class Task(Protocol):
         """float32 ``[n]``: the reward of completion ``b`` for prompt record ``rows[b]``.
 
         Completions are ids as sampled: ending with a stop id from ``tokenizer.eos_ids``, or without one when
-        truncated at the length limit. NaN skips a sample (its group is not trained on); so does a reward that is
-        infinite or beyond `learner.tasks.REWARD_BOUND`, which the loop also names and counts
+        truncated at the length limit. NaN skips a sample (its group trains on its other samples); so does a
+        reward that is infinite or beyond `learner.tasks.REWARD_BOUND`, which the loop also names and counts
         (``reward/skipped_samples``).
         """
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from learner.tasks._daemon_thread import in_daemon_thread
 from learner.tasks._math_answers import equivalent_latex, gsm8k_extract, gsm8k_reference, last_boxed
 
 RewardFn = Callable[..., Any]
@@ -231,7 +232,7 @@ class RewardSet:
 
     Args:
       rewards: the rewards; their labels must differ.
-      on_error: ``"skip"``: a failing sample's total is NaN (the loop leaves its group out; counted), ``"stop"``:
+      on_error: ``"skip"``: a failing sample's total is NaN (the loop leaves it out of its group; counted), ``"stop"``:
         raise `RewardError`.
       timeout_s: wall-clock limit of each call of a user reward (a batched reward: of the whole call); None: no
         limit. Synchronous rewards then run in daemon threads, ``workers`` at a time (a call past its limit is
@@ -351,7 +352,7 @@ def _run_sync(calls: Sequence[Callable[[], Any]], timeout_s: float | None, worke
         return [_outcome(call) for call in calls]
     outcomes = []
     for start in range(0, len(calls), workers):
-        futures = [_in_daemon_thread(call) for call in calls[start:start + workers]]
+        futures = [in_daemon_thread(call, "tether-reward") for call in calls[start:start + workers]]
         concurrent.futures.wait(futures, timeout=timeout_s)
         for future in futures:
             if not future.done():
@@ -368,23 +369,6 @@ def _outcome(call: Callable[[], Any]) -> tuple:
         return call(), None
     except Exception as err:
         return None, err
-
-
-def _in_daemon_thread(call: Callable[[], Any]) -> concurrent.futures.Future:
-    """Runs ``call`` in a new daemon thread (an abandoned call cannot hold the interpreter at exit, as a
-    ThreadPoolExecutor's would)."""
-    future = concurrent.futures.Future()
-    future.set_running_or_notify_cancel()
-
-    def target():
-        try:
-            result = call()
-        except BaseException as err:  # handed to the caller, who decides
-            future.set_exception(err)
-        else:
-            future.set_result(result)
-    threading.Thread(target=target, daemon=True, name="tether-reward").start()
-    return future
 
 
 def _run_async(calls: Sequence[Callable[[], Any]], timeout_s: float | None, workers: int) -> list[tuple]:

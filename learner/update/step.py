@@ -101,6 +101,8 @@ class UpdateConfig:
     rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
     scored_window: int | None = None  # score only this many tokens per row, from its first loss_mask token (static;
     # every trained token must lie in it); None: every token. See learner.logprobs.chunked.
+    fuse_proximal: bool = True  # an on-policy update takes its proximal logprobs from its training pass
+    # (proximal_from_training_pass); False: a proximal pass of their own even then (the same numbers, one forward more).
 
     def __post_init__(self):
         if not isinstance(self.corrections, corrections.CorrectionConfig):
@@ -109,6 +111,8 @@ class UpdateConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"UpdateConfig.{name}={value!r} must be an int >= 1.")
+        if not isinstance(self.fuse_proximal, bool):
+            raise ValueError(f"UpdateConfig.fuse_proximal={self.fuse_proximal!r} must be true or false.")
         if self.logprob_remat is not None and not isinstance(self.logprob_remat, bool):
             raise ValueError(f"UpdateConfig.logprob_remat={self.logprob_remat!r} must be true, false or None "
                              "(None: only with several chunks).")
@@ -223,7 +227,7 @@ def proximal_from_training_pass(config: UpdateConfig) -> bool:
     logprobs are the proximal logprobs (the policy ratio is 1, its gradient the policy gradient), and a forward
     pass over the batch is saved. Batch normalisation of the weights over several micro-batches divides by the
     whole batch's mean weight, which needs every row's proximal logprobs before the first micro-batch: it keeps the
-    separate pass.
+    separate pass. ``UpdateConfig.fuse_proximal = False`` keeps it always (for studies of what the fusion saves).
 
     Example:
         >>> decoupled = corrections.preset("decoupled_token_is")
@@ -233,7 +237,8 @@ def proximal_from_training_pass(config: UpdateConfig) -> bool:
         False
     """
     corrections_config = config.corrections
-    if corrections_config.mode != "decoupled" or config.ppo_epochs != 1 or config.num_minibatches != 1:
+    if (not config.fuse_proximal or corrections_config.mode != "decoupled" or config.ppo_epochs != 1
+            or config.num_minibatches != 1):
         return False
     importance = corrections_config.importance
     return importance is None or not importance.batch_normalize or config.num_microbatches == 1
@@ -455,10 +460,13 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     return state.replace(policy_version=state.policy_version + 1, rng=jax.random.key_data(rng)), metrics, proximal
 
 
+DONATIONS = {"none": (), "state": (0,), "state+batch": (0, 1)}  # make_update_fn's donate: argument positions
+
+
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
                    mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None, *,
                    frozen_shardings=None, reference_graphdef: nnx.GraphDef | None = None,
-                   matmul_precision: str = "default"):
+                   matmul_precision: str = "default", donate: str = "state"):
     """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params, frozen=None) -> (state, metrics,
     proximal_logprobs)``.
 
@@ -471,8 +479,13 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     and the proximal logprobs come back replicated. Each new batch shape compiles a new program: bucket them
     (`learner.update.bucketing`). ``compiler_options`` are XLA options for this program (e.g.
     ``{"xla_backend_optimization_level": 0}`` trades CPU run time for a faster compile in tests).
-    ``matmul_precision``: the precision of every dot of the program (`learner.model.precision`).
+    ``matmul_precision``: the precision of every dot of the program (`learner.model.precision`). ``donate``: the
+    arguments whose buffers the program may reuse (`DONATIONS`): ``"state"`` (the default: the update runs in
+    place), ``"none"`` (old and new state coexist), ``"state+batch"`` (the batch too; the caller must not read it
+    after the call).
     """
+    if donate not in DONATIONS:
+        raise ValueError(f"make_update_fn(donate={donate!r}): must be one of {tuple(DONATIONS)}.")
     step = with_matmul_precision(functools.partial(update_step, graphdef=graphdef, optimizer=optimizer,
                                                    config=config, mesh=mesh, param_shardings=shardings.params,
                                                    reference_graphdef=reference_graphdef),
@@ -481,7 +494,7 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
     ref_shardings = shardings.params if needs_ref_params else None
     jitted = jax.jit(step, in_shardings=(shardings, batch_sharding(mesh), ref_shardings, frozen_shardings),
                      out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
-                     donate_argnums=0, compiler_options=compiler_options)
+                     donate_argnums=DONATIONS[donate], compiler_options=compiler_options)
 
     def update(state, batch, ref_params=None, frozen=None):
         # before jit, whose in_shardings check would fail first, naming no argument

@@ -40,6 +40,16 @@ class WeightTransport(enum.Enum):
     RESTART = "restart"  # the engine process is restarted on a new checkpoint directory (MLX)
 
 
+class PartialRollouts(enum.Enum):
+    """Whether and how a request keeps running across a weight update (``rollout.partial``)."""
+
+    NONE = "none"  # it cannot (MLX: new weights by restart)
+    IN_ENGINE = "in_engine"  # a KEEP pause: the engine decodes on with the new weights, stamping each token
+    #   (rollout.v1)
+    CONTINUED = "continued"  # an ABORT pause, then the client asks for the rest from the exact tokens so far, stamping
+    #   the new version on the rest (SGLang, vLLM: `rollout_client.engines.smg.stub`)
+
+
 class VersionReporting(enum.Enum):
     """How an engine says which policy version sampled a token."""
 
@@ -59,6 +69,7 @@ class EngineCapabilities:
     version_reporting: VersionReporting
     native_n: bool  # several samples per request; False: the client fans out one request per sample
     honours_seed: bool  # the same seed gives the same samples (a retried request redraws the same tokens)
+    partial_rollouts: PartialRollouts = PartialRollouts.NONE
 
     def replayed_order(self, steps) -> SamplerOrder | None:
         """The order the learner replays that acts like this engine's on ``steps`` (the SAMPLER_STEPS a run uses),
@@ -80,7 +91,9 @@ class EngineRequirements:
     logprob_mode: LogprobMode  # rollout.logprob_mode
     sampler_steps: tuple[str, ...] = ()  # the SAMPLER_STEPS the run's sampler uses (rollout.temperature, top_k, ...)
     pause_mode: PauseMode = PauseMode.KEEP  # how the loop pauses to publish
-    max_staleness: int = 0  # rollout.max_staleness: > 0 keeps requests running across an update
+    max_staleness: int = 0  # rollout.max_staleness: > 0 keeps requests in flight while the learner trains
+    partial: bool = False  # rollout.partial: requests in flight run on across a publish, under the new weights
+    seeded: bool = False  # loop.deterministic: the same seed must give the same samples
 
 
 class EngineCapabilityError(ValueError):
@@ -118,15 +131,23 @@ def check_capabilities(engine_name: str, capabilities: EngineCapabilities, needs
                        "logprobs")
     missing += _sampler_refusals(capabilities, needs)
     keeps_running = needs.max_staleness > 0
-    if keeps_running and capabilities.version_reporting != VersionReporting.PER_TOKEN:
+    if keeps_running and needs.partial:
+        if capabilities.partial_rollouts == PartialRollouts.NONE:
+            missing.append("rollout.partial=true: this engine cannot keep a request running across a weight update "
+                           "(it takes new weights by restart; set rollout.partial=false)")
+    elif keeps_running and capabilities.version_reporting != VersionReporting.PER_TOKEN:
+        continued = capabilities.partial_rollouts == PartialRollouts.CONTINUED
         missing.append(f"rollout.max_staleness={needs.max_staleness}: requests kept running across a weight "
                        f"update need per-token versions; this engine reports "
                        f"{'none' if capabilities.version_reporting == VersionReporting.NONE else 'one per engine'} "
-                       "(set rollout.max_staleness=0)")
+                       f"(set rollout.max_staleness=0{', or rollout.partial=true' if continued else ''})")
     elif needs.pause_mode not in capabilities.pause_modes and capabilities.weight_transport != (
             WeightTransport.RESTART):
         missing.append(f"pause mode {needs.pause_mode.name}: it pauses only with "
                        f"{', '.join(sorted(mode.name for mode in capabilities.pause_modes)) or 'nothing'}")
+    if needs.seeded and not capabilities.honours_seed:
+        missing.append("loop.deterministic=true: a reproducible run draws every sample from a seed; this engine does "
+                       "not honour one (use server.engine='tether', or set loop.deterministic=false)")
     if missing:
         raise EngineCapabilityError(f"engine {engine_name!r} cannot honour this run:\n"
                                     + "\n".join(f"- {item}" for item in missing))

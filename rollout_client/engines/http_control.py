@@ -179,13 +179,15 @@ class HttpControlledEngine(Engine):
       logprob_mode: which logprobs the server returns (a server setting; see the subclass).
       pause_mode: how `publish` pauses the engine.
       keep_weight_versions: version directories kept (>= 1; the served one always).
+      partial: partial rollouts: `publish` pauses with ABORT and each sample it interrupts is continued from its
+        exact tokens under the new version (`rollout_client.engines.smg.stub`), so samples carry a version per token.
     """
 
     dialect: SmgDialect  # the engine's smg proto (class attribute of the subclass)
 
     def __init__(self, config: ClientConfig, control: HttpControl, write_checkpoint: CheckpointWriter,
                  weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode, pause_mode: PauseMode,
-                 keep_weight_versions: int = 2):
+                 keep_weight_versions: int = 2, partial: bool = False):
         if logprob_mode not in type(self).capabilities.logprob_modes:
             raise ValueError(f"logprob_mode={logprob_mode!r}: the {self.name} engine returns "
                              f"{' or '.join(mode.name.lower() for mode in type(self).capabilities.logprob_modes)}")
@@ -195,6 +197,9 @@ class HttpControlledEngine(Engine):
         if pause_mode == PauseMode.KEEP:
             raise ValueError(f"pause_mode=KEEP: requests kept running across a weight update would mix two versions, "
                              f"and the {self.name} engine reports one version per engine (use ABORT)")
+        if partial and pause_mode != PauseMode.ABORT:
+            raise ValueError(f"pause_mode={pause_mode!r} with partial=True: a publish interrupts the samples being "
+                             "generated (ABORT) and the client continues them; use ABORT")
         if keep_weight_versions < 1:
             raise ValueError(f"keep_weight_versions={keep_weight_versions}: must be >= 1 (the served directory)")
         self.capabilities = dataclasses.replace(type(self).capabilities, logprob_modes=frozenset({logprob_mode}))
@@ -207,7 +212,8 @@ class HttpControlledEngine(Engine):
         self.policy_version: int | None = None  # None: the engine's own start-up weights
         self.served_dir: pathlib.Path | None = None
         self._publish_metrics: dict[str, float] = {}
-        self.client = SmgClient(config, dataclasses.replace(self.dialect, logprob_modes=frozenset({logprob_mode})))
+        self.client = SmgClient(config, dataclasses.replace(self.dialect, logprob_modes=frozenset({logprob_mode})),
+                                continue_interrupted=partial)
         self.client.hold()
 
     @property

@@ -89,7 +89,8 @@ class EngineProcess:
             self.address = f"127.0.0.1:{int(port_file.read_text())}"
 
     def _start(self, command: list[str], env: Mapping[str, str]) -> subprocess.Popen:
-        with self.log_path.open("ab") as log:
+        # O_NOFOLLOW: a link planted at the log's name is refused (ELOOP), never written through
+        with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "ab") as log:
             return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     @property

@@ -15,7 +15,9 @@ version from ``GET /model_info`` (``weight_version``; older servers: ``GET /get_
 
 Versions: the smg proto carries no per-token ``weight_versions`` (SGLang's HTTP ``meta_info`` does; the gRPC
 ``GenerateStreamChunk``/``GenerateComplete`` have no such field), so the client stamps the version served at
-admission (`VersionReporting.ENGINE`) and runs must be synchronous (``rollout.max_staleness = 0``).
+admission (`VersionReporting.ENGINE`) and runs are synchronous (``rollout.max_staleness = 0``), or partial
+(``partial``: a publish aborts the running samples and the client continues each from its tokens, stamping the new
+version on the rest: `rollout_client.engines.smg.stub`).
 
 Logprobs: SGLang returns ``log_softmax(logits / temperature)``, before top-k, top-p and min-p: Tether's PROCESSED
 when no truncation is used (the default here; a truncating request is refused), or the RAW ``log_softmax(logits)``
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from smg_grpc_proto import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from rollout_client.client import ClientConfig
-from rollout_client.engines.base import EngineCapabilities, VersionReporting, WeightTransport
+from rollout_client.engines.base import EngineCapabilities, PartialRollouts, VersionReporting, WeightTransport
 from rollout_client.engines.http_control import (
     ControlPlaneError,
     HttpControl,
@@ -58,6 +60,7 @@ SGLANG_CAPABILITIES = EngineCapabilities(
     version_reporting=VersionReporting.ENGINE,
     native_n=True,
     honours_seed=False,  # the proto has no seed field
+    partial_rollouts=PartialRollouts.CONTINUED,
 )
 
 _PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.KEEP: "in_place"}
@@ -161,6 +164,8 @@ class SGLangEngine(HttpControlledEngine):
         those
         RPCs (smg-grpc-servicer 0.14.1 does not: refused here, at construction). False: merged weights,
         ``/update_weights_from_disk``.
+      partial: continue the samples a publish aborts from their exact tokens under the new version
+        (`HttpControlledEngine`).
     """
 
     name = "sglang"
@@ -170,13 +175,13 @@ class SGLangEngine(HttpControlledEngine):
     def __init__(self, config: ClientConfig, control_url: str, write_checkpoint: CheckpointWriter,
                  weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode = LogprobMode.PROCESSED,
                  keep_weight_versions: int = 2, control_timeout_s: float = 600.0, auth_token: str | None = None,
-                 publish_adapters: bool = False):
+                 publish_adapters: bool = False, partial: bool = False):
         self.sglang = SGLangControl(HttpControl(control_url, control_timeout_s, auth_token))
         self.publish_adapters = publish_adapters
         if publish_adapters:
             self.dialect = dataclasses.replace(SGLANG, adapter_id=adapter_name)
         super().__init__(config, self.sglang.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
-                         pause_mode=PauseMode.ABORT, keep_weight_versions=keep_weight_versions)
+                         pause_mode=PauseMode.ABORT, keep_weight_versions=keep_weight_versions, partial=partial)
         self.adapters = SGLangAdapters(self.client, config.target)
         if publish_adapters:
             try:

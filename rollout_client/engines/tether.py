@@ -13,11 +13,13 @@ from rollout_client.engines.base import (
     Engine,
     EngineCapabilities,
     EngineInfo,
+    PartialRollouts,
     VersionReporting,
     WeightTransport,
 )
 from rollout_client.request_guards import PromptLimits, check_request
-from rollout_client.sampling_params import LogprobMode, PauseMode
+from rollout_client.sampling_params import KvCache, LogprobMode, PauseMode
+from rollout_client.shared_weights import SharedWeightsFile
 from rollout_client.sync_client import RolloutClient
 
 ROLLOUT_V1_CAPABILITIES = EngineCapabilities(
@@ -28,6 +30,7 @@ ROLLOUT_V1_CAPABILITIES = EngineCapabilities(
     version_reporting=VersionReporting.PER_TOKEN,
     native_n=True,
     honours_seed=True,
+    partial_rollouts=PartialRollouts.IN_ENGINE,
 )
 
 
@@ -38,14 +41,23 @@ class TetherEngine(Engine):
       config: how to reach it.
       process: the engine process this run launched (e.g. `rollout_client.EngineProcess`), stopped on `close`;
         None for an external server.
+      pause_mode: how `publish` pauses: WAIT (requests being generated finish under the old weights: one version
+        per sample), KEEP (they decode on under the new ones: partial rollouts) or ABORT.
+      kv_cache: with KEEP, whether the kept requests' KV cache is recomputed under the new weights (exact) or kept.
+      shared_weights: for a server on this host that reads weights from the file's directory (its
+        ``--weights-dir``): publishes write the weights there and have the server load them
+        (`rollout_client.shared_weights`), instead of streaming them; closed on `close`. None: streamed.
     """
 
     name = "tether"
     capabilities = ROLLOUT_V1_CAPABILITIES
 
-    def __init__(self, config: ClientConfig, process=None):
+    def __init__(self, config: ClientConfig, process=None, pause_mode: PauseMode = PauseMode.KEEP,
+                 kv_cache: KvCache = KvCache.RECOMPUTE, shared_weights: SharedWeightsFile | None = None):
         self.process = process
+        self.shared_weights = shared_weights
         self.config = config
+        self.pause_mode, self.kv_cache = pause_mode, kv_cache
         try:
             self.client = RolloutClient(config)
         except BaseException:
@@ -68,7 +80,8 @@ class TetherEngine(Engine):
         return self.client.submit(request)
 
     def publish(self, policy_version: int, weights: Mapping[str, np.ndarray]) -> int:
-        """Pause -> stream -> resume; a server already at ``policy_version`` is left alone.
+        """Pause -> load (through shared memory, or streamed) -> resume; a server already at ``policy_version`` is
+        left alone.
 
         Raises:
           RuntimeError: the server serves a newer version than ``policy_version``, or an external server serves
@@ -84,7 +97,11 @@ class TetherEngine(Engine):
                                    "weights cannot be replaced (versions must increase): set warmup.steps > 0 or "
                                    "model.hf_path, or serve the learner's initial weights")
             return served  # our launched server from the same seed, or a version we pushed
-        return self.client.publish_weights(policy_version, weights=weights)
+        if self.shared_weights is not None:
+            return self.client.publish_weights(policy_version, path=self.shared_weights.write(weights),
+                                               pause_mode=self.pause_mode, kv_cache=self.kv_cache)
+        return self.client.publish_weights(policy_version, weights=weights, pause_mode=self.pause_mode,
+                                           kv_cache=self.kv_cache)
 
     def metrics(self) -> dict[str, float]:
         return self.client.metrics()
@@ -95,3 +112,5 @@ class TetherEngine(Engine):
         finally:
             if self.process is not None:
                 self.process.stop()
+            if self.shared_weights is not None:
+                self.shared_weights.close()

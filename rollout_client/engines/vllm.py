@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from rollout_client.client import ClientConfig
-from rollout_client.engines.base import EngineCapabilities, VersionReporting, WeightTransport
+from rollout_client.engines.base import EngineCapabilities, PartialRollouts, VersionReporting, WeightTransport
 from rollout_client.engines.http_control import (
     ControlPlaneError,
     HttpControl,
@@ -49,6 +49,7 @@ VLLM_CAPABILITIES = EngineCapabilities(
     version_reporting=VersionReporting.ENGINE,
     native_n=True,
     honours_seed=False,  # a seed is taken, but the draws depend on the batch (not sent)
+    partial_rollouts=PartialRollouts.CONTINUED,
 )
 
 _PAUSE_MODES = {PauseMode.ABORT: "abort", PauseMode.WAIT: "wait", PauseMode.KEEP: "keep"}
@@ -122,7 +123,9 @@ class VllmEngine(HttpControlledEngine):
       logprob_mode: RAW (``--logprobs-mode raw_logprobs``, vLLM's default) or PROCESSED
         (``--logprobs-mode processed_logprobs``): must be the server's.
       pause_mode: WAIT (default: running requests finish on the old weights, every token is of the version
-        stamped) or ABORT (they end at once, keeping their tokens).
+        stamped) or ABORT (they end at once, keeping their tokens); ABORT whatever is given with ``partial``.
+      partial: continue the samples a publish aborts from their exact tokens under the new version
+        (`HttpControlledEngine`).
       control_timeout_s: per HTTP call (a reload takes as long as reading the checkpoint).
       auth_token: vLLM's ``--api-key``, for the HTTP API.
     """
@@ -134,10 +137,11 @@ class VllmEngine(HttpControlledEngine):
     def __init__(self, config: ClientConfig, control_url: str, write_checkpoint: CheckpointWriter,
                  weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode = LogprobMode.RAW,
                  pause_mode: PauseMode = PauseMode.WAIT, keep_weight_versions: int = 2,
-                 control_timeout_s: float = 600.0, auth_token: str | None = None):
+                 control_timeout_s: float = 600.0, auth_token: str | None = None, partial: bool = False):
         self.vllm = VllmControl(HttpControl(control_url, control_timeout_s, auth_token))
         super().__init__(config, self.vllm.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
-                         pause_mode=pause_mode, keep_weight_versions=keep_weight_versions)
+                         pause_mode=PauseMode.ABORT if partial else pause_mode,
+                         keep_weight_versions=keep_weight_versions, partial=partial)
 
     def _pause(self, mode: PauseMode) -> None:
         self.vllm.pause(mode)

@@ -2,7 +2,8 @@
 
 A `Generator` advances a batch of sequences; everything else (queueing, batching
 of concurrent requests, stop and length rules, pause / resume, policy-version
-stamping, streaming) is the `Scheduler`'s. The model engine, the benchmark's
+stamping, streaming) is the `Scheduler`'s, which asks the generator to rebuild
+kept sequences' caches after a weight update (`Generator.recompute_cache`). The model engine, the benchmark's
 precomputed stream and the tests' scripted engines all implement this interface.
 """
 
@@ -116,10 +117,21 @@ class Generator(abc.ABC):
           tokens and length limits, so a generator may overshoot.
         """
 
+    def recompute_cache(self) -> None:  # noqa: B027
+        """Rebuilds every active sequence's cached state (its KV cache) from its tokens under the current weights,
+        so that a sequence kept across a weight update decodes on exactly as a fresh request with the same tokens
+        would (partial rollouts). Called after `load_weights`, before the next `step`. Nothing by default: right for
+        an engine that caches nothing computed by the weights."""
+
     @property
     @abc.abstractmethod
     def weight_spec(self) -> WeightSpec:
         """Name -> (shape, dtype) of the weights `load_weights` accepts; StreamWeights takes no more bytes."""
+
+    @property
+    def compiled_programs(self) -> int:
+        """Programs the engine has built so far (reported by GetServerInfo); 0: it does not count."""
+        return 0
 
     @property
     def weight_readers(self) -> WeightReaders:
@@ -128,7 +140,8 @@ class Generator(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Replaces the weights, all or nothing.
+        """Replaces the weights, all or nothing. The arrays may be views of a file that the client rewrites once
+        this returns (`rollout_client.server.weights_io.read_safetensors`): copy what you keep.
 
         Raises:
           ValueError: naming the first tensor whose name, shape or dtype is wrong;

@@ -3,6 +3,10 @@
 The scheduler owns what every engine needs the same way: a queue of admitted
 sequences, stop and length rules, pause (abort / wait / keep) and resume, weight
 updates while paused, and the policy version stamped on each generated token.
+A sequence kept across a weight update (partial rollouts) decodes on with the new
+weights from the next step, its tokens stamped with the new version; unless the
+KEEP pause said `KvCache.KEEP`, the generator first rebuilds the kept sequences'
+KV cache under the new weights (`Generator.recompute_cache`).
 Outputs go to a per-sequence callback, called with the scheduler's lock held, so
 callbacks must only hand the output over (e.g. `loop.call_soon_threadsafe`).
 """
@@ -17,7 +21,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from rollout_client.protocol import MAX_POLICY_VERSION
-from rollout_client.sampling_params import FinishReason, PauseMode
+from rollout_client.sampling_params import FinishReason, KvCache, PauseMode
 from rollout_client.server.generator import Generator, PreconditionError, SequenceOutput, SequenceSpec
 
 OutputSink = Callable[[SequenceOutput], None]
@@ -63,6 +67,8 @@ class Scheduler:
         self._draining = False
         self._stepping = False
         self._closed = False
+        self._kv_cache = KvCache.RECOMPUTE  # what the last KEEP pause asked for the kept sequences' cache
+        self._stale_cache = False  # kept sequences hold keys and values of older weights, to be recomputed
         self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run_until_failure, name="rollout-scheduler", daemon=True)
         self._thread.start()
@@ -74,6 +80,11 @@ class Scheduler:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def compiled_programs(self) -> int:
+        """The generator's count of programs built (`Generator.compiled_programs`)."""
+        return self._generator.compiled_programs
 
     def submit(self, spec: SequenceSpec, sink: OutputSink, chunk_tokens: int = 0) -> int:
         """Queues a sequence; returns its id. Outputs go to `sink`."""
@@ -95,8 +106,10 @@ class Scheduler:
         with self._cond:
             return self._finish(sequence_id, FinishReason.ABORT)
 
-    def pause(self, mode: PauseMode, timeout_s: float | None = None) -> None:
-        """Stops generation as `mode` says; returns once no step is running.
+    def pause(self, mode: PauseMode, timeout_s: float | None = None, kv_cache: KvCache = KvCache.RECOMPUTE
+              ) -> None:
+        """Stops generation as `mode` says; returns once no step is running. ``kv_cache``: what a weight update
+        while paused does with the kept sequences' cache (KEEP mode).
 
         Raises:
           TimeoutError: WAIT mode and active sequences did not finish in time.
@@ -109,6 +122,7 @@ class Scheduler:
                 if not drained:
                     raise TimeoutError(f"pause(WAIT): {len(self._active)} sequences still active")
             self._paused = True
+            self._kv_cache = kv_cache
             self._cond.wait_for(lambda: not self._stepping)
             if mode == PauseMode.ABORT:
                 for sequence_id in list(self._active) + list(self._queued):
@@ -128,7 +142,8 @@ class Scheduler:
                              f"and be at most {MAX_POLICY_VERSION}")
 
     def update_weights(self, weights: Mapping[str, np.ndarray], policy_version: int) -> None:
-        """Loads new weights; tokens generated from now on carry `policy_version`.
+        """Loads new weights; tokens generated from now on carry `policy_version`. Kept sequences' caches are
+        recomputed before their next token unless the pause said `KvCache.KEEP`.
 
         Raises:
           PreconditionError: not paused.
@@ -140,6 +155,7 @@ class Scheduler:
             self.check_version(policy_version)
             self._generator.load_weights(weights)
             self._policy_version = policy_version
+            self._stale_cache |= bool(self._active) and self._kv_cache == KvCache.RECOMPUTE
 
     def close(self) -> None:
         """Aborts everything and stops the thread."""
@@ -209,7 +225,10 @@ class Scheduler:
                     continue
                 self._stepping = True
                 version = self._policy_version
+                recompute, self._stale_cache = self._stale_cache, False
             try:
+                if recompute:
+                    self._generator.recompute_cache()
                 outputs = self._generator.step()
             finally:
                 with self._cond:

@@ -13,7 +13,7 @@ import numpy as np
 
 from rollout_client.packed_arrays import LOGPROB_DTYPE, TOKEN_ID_DTYPE, pack
 from rollout_client.protocol import pb, pb_grpc
-from rollout_client.sampling_params import PauseMode
+from rollout_client.sampling_params import KvCache, PauseMode
 from rollout_client.server.generator import (
     PreconditionError,
     SequenceOutput,
@@ -25,7 +25,7 @@ from rollout_client.server.generator import (
 from rollout_client.server.request_resolution import resolve_request
 from rollout_client.server.scheduler import Scheduler
 from rollout_client.server.weights_io import PathsDisabledError, WeightReaders, load_weights
-from rollout_client.weight_chunks import assemble_weights
+from rollout_client.weight_chunks import WeightsAssembler
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
@@ -116,14 +116,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             dtype=self._info.dtype,
             max_seq_len=self._info.max_seq_len,
             paused=self._scheduler.paused,
+            compiled_programs=self._scheduler.compiled_programs,
         )
 
     async def PauseGeneration(self, request, context) -> pb.PauseGenerationResponse:
         if request.mode not in (pb.PAUSE_MODE_ABORT, pb.PAUSE_MODE_WAIT, pb.PAUSE_MODE_KEEP):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"mode: must be ABORT, WAIT or KEEP, got {pb.PauseMode.Name(request.mode)}")
+        if request.kv_cache not in (pb.KV_CACHE_UNSPECIFIED, pb.KV_CACHE_RECOMPUTE, pb.KV_CACHE_KEEP):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"kv_cache: must be RECOMPUTE or KEEP (or unset: RECOMPUTE), got {request.kv_cache}")
+        kv_cache = KvCache.KEEP if request.kv_cache == pb.KV_CACHE_KEEP else KvCache.RECOMPUTE
         try:
-            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), self._pause_wait_timeout_s)
+            await asyncio.to_thread(self._scheduler.pause, PauseMode(request.mode), self._pause_wait_timeout_s,
+                                    kv_cache)
         except TimeoutError as error:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
         return pb.PauseGenerationResponse(policy_version=self._scheduler.policy_version)
@@ -145,12 +151,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await context.abort(refusal.code, refusal.details)
 
     async def StreamWeights(self, request_iterator, context) -> pb.UpdateWeightsResponse:
-        async def receive():
-            chunks = await self._receive_chunks(request_iterator)
-            return await asyncio.to_thread(assemble_weights, chunks)
-
         try:
-            return await self._update(receive)
+            return await self._update(functools.partial(self._receive_weights, request_iterator))
         except _Refusal as refusal:
             # The rest of the stream is read and dropped: a client still sending when the call ends sees an INTERNAL
             # error from gRPC instead of the reason.
@@ -158,22 +160,24 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 pass
             await context.abort(refusal.code, refusal.details)
 
-    async def _receive_chunks(self, request_iterator) -> list[pb.WeightsChunk]:
-        """The stream's chunks, checked one by one: a bad version is refused at the header, before any tensor is
-        read, a tensor the engine does not have at its first chunk, and the stream as soon as it sends more bytes
-        than the engine's weights hold."""
-        chunks, received = [], 0
+    async def _receive_weights(self, request_iterator) -> tuple[int, dict[str, np.ndarray]]:
+        """The streamed ``(policy_version, weights)``, assembled as the chunks arrive (`WeightsAssembler`) and
+        checked one by one: a bad version is refused at the header, before any tensor is read, a tensor the engine
+        does not have at its first chunk, and the stream as soon as it sends more bytes than the engine's weights
+        hold."""
+        assembler, received, first = WeightsAssembler(), 0, True
         async for chunk in request_iterator:
-            if chunk.HasField("header") and not chunks:
+            if chunk.HasField("header") and first:
                 self._scheduler.check_version(chunk.header.policy_version)
+            first = False
             if chunk.HasField("tensor"):
                 check_tensor_layout(self._weight_spec, chunk.tensor.name, chunk.tensor.shape,
                                     _dtype(chunk.tensor.dtype))
             received += len(chunk.tensor.data)
             if received > self._weight_bytes:
                 raise ValueError(f"tensor.data: more than the {self._weight_bytes} bytes of this engine's weights")
-            chunks.append(chunk)
-        return chunks
+            assembler.add(chunk)
+        return assembler.result()
 
     async def _update(self, get_weights) -> pb.UpdateWeightsResponse:
         """Loads the ``(policy_version, weights)`` that `get_weights` returns; one update at a time, while paused.

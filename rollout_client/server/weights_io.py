@@ -10,6 +10,9 @@ out of the directory, so a caller can neither block the server on a read nor pro
 errors name the path only relative to that directory.
 """
 
+import json
+import math
+import mmap
 import os
 import pathlib
 import stat
@@ -19,6 +22,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
 import numpy as np
 
 from rollout_client.protocol import pb
+from rollout_client.shared_weights import SAFETENSORS_DTYPES
 
 # pb.WeightsFormat -> a function reading the weights at a path as {parameter path: array}.
 WeightReaders = Mapping[int, Callable[[str], dict[str, np.ndarray]]]
@@ -85,7 +89,43 @@ def weights_path(path: str, weights_dir: pathlib.Path | None) -> tuple[pathlib.P
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """The tensors of one ``.safetensors`` file, by name."""
-    import safetensors.numpy
+    """The tensors of one ``.safetensors`` file, by name: read-only views of the file mapped in memory (no copy).
 
-    return dict(safetensors.numpy.load_file(path))
+    A learner on the same host rewrites its shared-memory file in place (`rollout_client.shared_weights`) once the
+    engine has loaded it: an engine copies what it keeps (`Generator.load_weights`).
+
+    Raises:
+      ValueError: the header is malformed, names an unknown dtype, or a tensor's bytes lie outside the file or do
+        not match its shape.
+    """
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size < 8:
+            raise ValueError("header: shorter than its 8-byte length")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one fault for the whole file where supported
+        mapped = mmap.mmap(handle.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+    header_size = int.from_bytes(mapped[:8], "little")
+    if header_size > size - 8:
+        raise ValueError(f"header: {header_size} bytes announced, the file has {size}")
+    try:
+        header = json.loads(mapped[8:8 + header_size])
+    except ValueError as error:
+        raise ValueError(f"header: not JSON ({error})") from None
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(_SAFETENSORS_NUMPY[entry["dtype"]])
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"header[{name!r}]: needs a known dtype, a shape and data_offsets") from None
+        if not 0 <= begin <= end <= size - 8 - header_size or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"header[{name!r}]: data_offsets {[begin, end]} do not fit its shape {list(shape)} "
+                             "inside the file")
+        tensors[name] = np.ndarray(shape, dtype.newbyteorder("<"), mapped, 8 + header_size + begin)
+    return tensors
+
+
+_SAFETENSORS_NUMPY = {code: name for name, code in SAFETENSORS_DTYPES.items()}

@@ -388,14 +388,19 @@ def reduce(loss, m, den_mask, mode, max_len=None):
 # ------------------------------------------------------------------------------------ section 5: advantages
 
 
-def grpo(rewards, group_size, normalize_std=True, eps=1e-6):
+def grpo(rewards, group_size, normalize_std=True, eps=1e-6, scored=None):
+    """Per group, over its scored samples only (all when ``scored`` is None); 0 elsewhere and for a group of one."""
     r = f64(rewards).reshape(-1, group_size)
+    keep = np.ones(r.shape, bool) if scored is None else np.asarray(scored, bool).reshape(r.shape)
     out = np.zeros_like(r)
     for g in range(len(r)):
-        centered = r[g] - r[g].mean()
-        if normalize_std and group_size > 1:
-            centered = centered / (np.std(r[g], ddof=1) + eps)
-        out[g] = centered
+        s = r[g][keep[g]]
+        if s.size < 2:
+            continue
+        centered = s - s.mean()
+        if normalize_std:
+            centered = centered / (np.std(s, ddof=1) + eps)
+        out[g][keep[g]] = centered
     return out.ravel()
 
 

@@ -45,6 +45,7 @@ def _run(config, arrays, adv, mask, rows_per_chunk):
 
 @pytest.mark.parametrize("rows_per_chunk", [4, 0])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.slow  # 27 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_sequence_advantages_and_dirty_padding_give_identical_outputs(name, rows_per_chunk):
     config = CONFIGS[name]
     arrays, adv, mask = _batch()

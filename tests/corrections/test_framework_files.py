@@ -27,6 +27,9 @@ from tests.reference_ports import areal, verl
 pytestmark = pytest.mark.filterwarnings("ignore::corrections.TrainingKeysWarning")
 FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
 VERL_DEFAULT = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept")
+# use_kl_loss=True kl_loss_coef=0.001 kl_loss_type=low_var_kl entropy_coeff=0
+VERL_GRPO_KL = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept", kl_coef=0.001,
+                                kl_estimator="low_var_kl")
 EXPECTED = {
     "verl/_generated_ppo_trainer.yaml": VERL_DEFAULT,
     "verl/ppo_trainer.yaml": VERL_DEFAULT,
@@ -37,6 +40,13 @@ EXPECTED = {
     "areal/gsm8k_grpo.yaml": CorrectionConfig(objective=Objective("ppo", clip_low=0.4, clip_high=0.4),
                                               importance=ImportanceWeights("token", high=None),
                                               rejection=(RejectionRule("token_k1", None, 5.0),)),
+    # verl's launch scripts: their Hydra overrides over verl's defaults
+    "verl/examples/grpo_trainer/run_qwen2-7b.sh": VERL_GRPO_KL,
+    "verl/examples/grpo_trainer/run_qwen3-8b_npu.sh": VERL_GRPO_KL,
+    "verl/examples/ppo_trainer/run_deepseek7b_llm.sh": VERL_DEFAULT,  # use_kl_loss=False
+    "verl/examples/gspo_trainer/run_qwen3_32b_gspo_npu.sh": CorrectionConfig(
+        objective=Objective("gspo", clip_low=0.0003, clip_high=0.0004), reduction="seq-mean-token-mean",
+        denominator="kept"),  # clip_ratio_c=10.0 is vanilla PPO's dual clip, not read by GSPO (as in verl)
     "slime/run-qwen3-4B.sh": CorrectionConfig(objective=Objective("ppo", clip_low=0.2, clip_high=0.28),
                                               reduction="seq-mean-token-mean"),
 }
@@ -44,7 +54,7 @@ EXPECTED = {
 
 def read_through_door(name: str):
     """(config, listed keys) of a fixture file read and given to its framework's front door."""
-    door = getattr(corrections, f"from_{name.split('/')[0]}")
+    door = getattr(corrections, f"from_{name.split('/')[0]}")  # the folder names the framework
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownKeyWarning)
         config = door(read_file(FILES / name))

@@ -439,6 +439,20 @@ def test_group_advantages(group_size):
     close(corrections.rloo_advantages(REWARDS, group_size), ref.rloo(r, group_size), what="rloo")
 
 
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_over_the_scored_samples_alone(normalize_std):
+    """A group's mean and std are over its scored samples (a failed one's reward, here NaN or huge, is ignored); an
+    unscored sample, and every sample of a group with one scored, gets 0; all scored is plain GRPO."""
+    scored = np.array([1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0], bool)  # groups of 4 with 4, 2, 1, 0 scored
+    rewards = np.where(scored, REWARDS[::-1], np.float32(np.nan))
+    rewards[7] = 1e30  # unscored: ignored as a NaN is
+    want = ref.grpo(as64(REWARDS[::-1]), 4, normalize_std, scored=scored)
+    close(corrections.grpo_advantages(rewards, 4, normalize_std, scored=scored), want, what="grpo scored")
+    assert want[4:6].tolist() != [0.0, 0.0] and not want[~scored].any() and not want[8:].any()
+    close(corrections.grpo_advantages(REWARDS, 4, normalize_std, scored=np.ones(16, bool)),
+          ref.grpo(as64(REWARDS), 4, normalize_std), what="grpo all scored")
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_reinforce_pp_advantages(data, gamma):
     j, n = data
@@ -567,6 +581,7 @@ def _per_sequence(cfg):
 
 
 @pytest.mark.parametrize("name", sorted(n for n in corrections.PRESETS if _per_sequence(corrections.preset(n))))
+@pytest.mark.slow  # 64 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_row_stats_of_parts_give_the_whole_batch_metrics(data, name):
     """Three uneven row blocks (as a learner's micro-batches), their row statistics concatenated: the metrics of
     the whole batch (float64 reference), maxima and moments included."""

@@ -97,6 +97,7 @@ def test_the_read_flags_decide_which_inputs_compute_requires(data, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow  # 24 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_only_whole_batch_objectives_let_other_rows_change_a_row(data, name):
     """Per-sequence objectives give each row the loss it gets alone; whole-batch ones select across rows."""
     j, _ = data

@@ -84,6 +84,7 @@ def test_padding_values_never_change_any_output(name, batch, fill):
 @pytest.mark.parametrize("name", ["seq_is_rs", "geo_rs_token_tis", "k3_rs_seq_tis", "outlier_token_mask"])
 @settings(max_examples=25, deadline=None)
 @given(batch=batches())
+@pytest.mark.slow  # 38 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_sequence_decisions_are_constant_over_valid_tokens(name, batch):
     lp, adv, mask, old, roll, ref = batch
     config = CONFIGS[name]
@@ -101,6 +102,7 @@ def test_sequence_decisions_are_constant_over_valid_tokens(name, batch):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @settings(max_examples=8, deadline=None)
 @given(batch=batches())
+@pytest.mark.slow  # 46 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_weights_carry_no_gradient(name, batch):
     lp, adv, mask, old, roll, ref = batch
     config = CONFIGS[name]
@@ -115,6 +117,7 @@ def test_weights_carry_no_gradient(name, batch):
 
 @settings(max_examples=20, deadline=None)
 @given(batch=batches())
+@pytest.mark.slow  # 16 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_bypass_reinforce_gradient_treats_weights_as_constants(batch):
     lp, adv, mask, old, roll, _ = batch
     config = corrections.preset("bypass_pg_is", importance={"level": "token", "high": 2.0})
@@ -128,6 +131,7 @@ def test_bypass_reinforce_gradient_treats_weights_as_constants(batch):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @settings(max_examples=4, deadline=None)
 @given(batch=batches())
+@pytest.mark.slow  # 58 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_all_rejected_batch_gives_finite_metrics_zero_loss_zero_gradient(name, batch):
     lp, adv, mask, old, _, _ = batch
     roll = (old - 3.0).astype(np.float32)  # ratio e^3 ~ 20 on every token: outside the geometric bounds below

@@ -520,6 +520,16 @@ def test_verl_and_skyrl_group_advantages(estimator):
         close(np.asarray(got, np.float64), want[:, 0], atol=1e-5, what=estimator)
 
 
+def test_grpo_over_the_scored_samples_is_verls_over_the_samples_left_after_a_filter():
+    """verl groups by uid whatever is left in the batch: its advantages of the scored samples alone (groups of 4, 3
+    and 2 here) are Tether's with ``scored``."""
+    scores, token, mask, index = _rewards(groups=3, size=4)
+    scored = np.array([1, 1, 1, 1, 1, 0, 1, 1, 0, 1, 0, 1], bool)
+    got = corrections.grpo_advantages(np.where(scored, scores, np.nan), 4, scored=scored)
+    want = verl.compute_grpo_outcome_advantage(token[scored], mask[scored], index[scored])[0][:, 0]
+    close(np.asarray(got, np.float64)[scored], want, atol=1e-5)
+
+
 def test_singleton_groups_differ_from_verl():
     """A group of one: Tether gives 0 (GRPO, RLOO; SkyRL's RLOO too); verl's GRPO gives s / (1 + eps) (mean 0,
     std 1) and verl's RLOO keeps the raw score. No Tether setting reproduces these verl quirks."""

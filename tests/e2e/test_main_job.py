@@ -35,11 +35,18 @@ def train_env() -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
 
 
-def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 240) -> str:
+# A safety net, not a speed check: on the shared 2-core machine at load ~20 a 4-step run took 334 s (its server compiles
+# every program before it serves: 135 s of it).
+def run_training(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 600) -> str:
+    return run_training_output(run_dir, *overrides, timeout_s=timeout_s)[0]
+
+
+def run_training_output(run_dir: pathlib.Path, *overrides: str, timeout_s: float = 600) -> tuple[str, str]:
+    """stdout and stderr of a run that must succeed."""
     result = subprocess.run(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(), capture_output=True,
                             text=True, timeout=timeout_s)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout
+    return result.stdout, result.stderr
 
 
 def dataset_prompts(run_dir: pathlib.Path, *overrides: str) -> list[list[tuple[int, ...]]]:
@@ -71,6 +78,8 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
         assert record["rollout/samples"] == 16
         assert record["buffer/stale_dropped"] == 0
         assert 0.0 <= record["rollout_corr/staleness_mean"] <= 1.0
+        if "rollout.partial=true" not in overrides:  # a publish waits for the samples in flight: one version each
+            assert (record["rollout/partial_fraction"], record["rollout/versions_per_sample_max"]) == (0.0, 1.0)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "learning_curves.png").stat().st_size > 10_000
 
@@ -85,6 +94,7 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
         versions = batch.policy_version[batch.loss_mask > 0]
         trained_version = WARMUP_STEPS + batch.step - 1  # the learner's version when it trained this batch
         assert versions.max() <= trained_version and versions.min() >= trained_version - 1
+        assert batch.learner_version.tolist() == [trained_version] * len(batch.rewards)
         assert set(np.unique(batch.rewards)) <= {0.0, 1.0}
         np.testing.assert_allclose(batch.rewards.mean(), record["reward/mean"], rtol=1e-6)
         assert logged_prompts(batch) == sorted(set(expected_prompts[batch.step - 1]))
@@ -93,11 +103,36 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
 
 def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    stdout = run_training(run_dir, "loop.steps=4", "checkpoints.every=2")
+    stdout, stderr = run_training_output(run_dir, "loop.steps=4", "checkpoints.every=2")
     check_run(run_dir, 4, "loop.steps=4")
     assert re.search(r"^train state: [\d,]+ parameters built in \d+\.\d s$", stdout, re.MULTILINE), stdout[:2000]
+    # Never silent: each wait of the start-up is announced before it starts, in order, then where the time went.
+    announced = ["building the train state ...", "warm-up: 2 steps of cross entropy; compiling its update step ...",
+                 f"starting the tether engine (log: {run_dir / 'server.log'}) and publishing the weights ...",
+                 "waiting for the first rollouts (the engine compiles its sampling programs on first use) ...",
+                 "compiling the RL update step ..."]
+    lines = stdout.splitlines()
+    assert all(line in lines for line in announced), stdout[:3000]
+    assert [lines.index(line) for line in announced] == sorted(lines.index(line) for line in announced)
+    assert re.search(r"^start-up: [\d.]+ s to the end of the first step: train state [\d.]+ s, warm-up [\d.]+ s, "
+                     r"engine start [\d.]+ s, first rollouts [\d.]+ s, first update [\d.]+ s, other -?[\d.]+ s$",
+                     stdout, re.MULTILINE), stdout[:3000]
+    # The warm-up's bar and the RL bar (a line per step at most every 5 s off a terminal: the first and last at least)
+    assert re.search(r"^warm-up \[#+\] 2/2 loss \d+\.\d{3} [\d.]+ step/s$", stderr, re.MULTILINE), stderr[-3000:]
+    assert re.search(r"^\[#+\.*\] 1/4 reward ", stderr, re.MULTILINE), stderr[-3000:]
+    assert re.search(r"^\[#+\] 4/4 reward ", stderr, re.MULTILINE), stderr[-3000:]
     assert any(line.startswith("| policy version learner / server") and "| 6 / 6 " in line
                for line in stdout.splitlines())
+    # Where the start-up went: its phases add up to its total, in step 1's metrics.
+    records = read_metrics(run_dir / "metrics.jsonl")
+    phases = [value for key, value in records[0].items() if key.startswith("startup/") and key.endswith("_s")
+              and key not in ("startup/total_s", "startup/compile_s")]  # the phases and "other"
+    assert {"startup/engine_start_s", "startup/warmup_s", "startup/first_update_s"} <= set(records[0])
+    assert abs(sum(phases) - records[0]["startup/total_s"]) < 1e-3 * records[0]["startup/total_s"] + 1e-3
+    assert records[0]["startup/compiled_programs"] > 0 and "startup/total_s" not in records[1]
+    # Every program is built by the end of step 2: the server's before it served, the learner's in steps 1-2.
+    for key in ("compile/programs", "server/compiled_programs"):
+        assert records[1][key] > 0 and [r[key] for r in records[1:]] == [records[1][key]] * 3, key
     agreement = json.loads((run_dir / "process_0.json").read_text())
     assert agreement["steps"] == [1, 2, 3, 4] and agreement["policy_version"] == 6
 

@@ -4,6 +4,8 @@ import json
 import socket
 import subprocess
 
+import pytest
+
 from tests.e2e.test_main_job import REPO_ROOT, check_run, train_command, train_env
 
 STEPS = 2
@@ -15,6 +17,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow  # 56 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_two_processes_train_the_same_batches_to_the_same_policy_version(tmp_path):
     run_dir = tmp_path / "run"
     port = _free_port()

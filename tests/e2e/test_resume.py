@@ -12,9 +12,21 @@ STEPS = 8
 OVERRIDES = (f"loop.steps={STEPS}", "checkpoints.every=2")
 
 
+@pytest.mark.slow  # 46 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off(tmp_path):
-    run_dir = tmp_path / "run"
-    first = subprocess.Popen(train_command(run_dir, *OVERRIDES), cwd=REPO_ROOT, env=train_env(),
+    kill_mid_run_then_rerun(tmp_path / "run", OVERRIDES)
+
+
+@pytest.mark.slow  # two real runs: ~40 s
+def test_partial_rollouts_keep_the_resume_guarantees(tmp_path):
+    """With rollout.partial = true (samples run on across publishes): the same kill and rerun, the same checks."""
+    kill_mid_run_then_rerun(tmp_path / "run", (*OVERRIDES, "rollout.partial=true"))
+
+
+def kill_mid_run_then_rerun(run_dir, overrides) -> None:
+    """SIGKILL after step 5 (checkpoints every 2 steps), rerun: steps 1..8 once each, in the data order of an
+    uninterrupted run, the server's version continuing the learner's (`check_run`)."""
+    first = subprocess.Popen(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     give_up = time.monotonic() + 180
     try:
@@ -30,8 +42,8 @@ def test_sigkill_mid_run_then_rerun_continues_where_the_last_checkpoint_left_off
     committed = sorted(int(path.name) for path in (run_dir / "checkpoints").iterdir() if path.name.isdigit())
     assert committed, "no checkpoint was committed before the kill"
 
-    stdout = run_training(run_dir, *OVERRIDES)
-    records = check_run(run_dir, STEPS, f"loop.steps={STEPS}")  # steps 1..8 once each, data order, versions
+    stdout = run_training(run_dir, *overrides)
+    records = check_run(run_dir, STEPS, *overrides)  # steps 1..8 once each, data order, versions
     resumed_from = int(stdout.split("| steps")[1].split("|")[1].split("-")[0]) - 1
     assert resumed_from == committed[-1] and 2 <= resumed_from <= killed_at
     assert records[resumed_from]["policy/server_version"] == records[resumed_from - 1]["policy/learner_version"] + 1

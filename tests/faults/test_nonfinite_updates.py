@@ -38,6 +38,7 @@ def _host(tree):
     return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow  # 41 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_run_stops_after_max_consecutive_skips_and_its_checkpoint_is_finite(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "train", _nan_advantages_from(2))
     # 3 in a row (not the default 10) keeps the run short; tests/learner/test_optimizer.py skips 12 in a row at a
@@ -78,6 +79,7 @@ def test_run_stops_after_max_consecutive_skips_and_its_checkpoint_is_finite(tmp_
     assert sorted(p.name for p in directory.iterdir()) == ["2", "3"]  # no 4
 
 
+@pytest.mark.slow  # 20 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_a_run_whose_every_update_was_skipped_never_finishes(tmp_path, monkeypatch):
     """Fewer steps than max_consecutive_skips, all skipped: the last step raises (no checkpoint of it, so a rerun
     does not report the run finished), naming what was non-finite."""
@@ -89,6 +91,7 @@ def test_a_run_whose_every_update_was_skipped_never_finishes(tmp_path, monkeypat
             run.train()
 
 
+@pytest.mark.slow  # 17 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_a_plugin_tasks_reward_beyond_the_bound_is_skipped_and_counted(tmp_path):
     """A task computing its own rewards (no RewardSet) returns 1e300 for one sample a step: its group is left out,
     the sample counted in reward/skipped_samples, and the update trains on finite rewards."""

@@ -3,12 +3,15 @@ start's checkpoint 0: no second save of step 0 (orbax's StepAlreadyExistsError),
 
 import subprocess
 
+import pytest
+
 from learner.reporting.metrics_writers import read_metrics
 from tests.e2e.test_main_job import REPO_ROOT, run_training, train_command, train_env
 
 STEPS = 2
 
 
+@pytest.mark.slow  # 47 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_a_reward_that_raised_at_step_1_then_the_same_command_resumes(tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "raised"
     overrides = ("warmup.steps=0", f"loop.steps={STEPS}", "checkpoints.every=50",

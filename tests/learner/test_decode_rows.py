@@ -110,3 +110,27 @@ def test_decode_programs_stay_few(model):
         generator.remove(index)
         generator.step()
     assert generator._decode._cache_size() == 4
+
+
+@pytest.mark.parametrize("max_batch_size, max_seq_len", [(16, 64), (12, 100), (1, 8)])
+def test_compile_all_covers_every_prefill_length_and_decode_row_count_a_request_can_need(model, max_batch_size,
+                                                                                          max_seq_len):
+    generator = ModelGenerator(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    lengths, row_counts = generator.prefill_lengths(), generator.decode_row_counts()
+    assert {model_generator.prefill_bucket(n, max_seq_len) for n in range(1, max_seq_len)} == set(lengths)
+    rng = np.random.default_rng(0)
+    masks = [rng.random(max_batch_size) < p for p in (0.1, 0.5, 1.0) for _ in range(50)]
+    assert {model_generator.decode_rows(mask) for mask in masks} <= set(row_counts)
+    assert row_counts[-1] == max_batch_size and all(b == 2 * a for a, b in zip(row_counts, row_counts[1:-1]))
+
+
+def test_a_batch_invariant_generator_precompiles_its_one_decode_program(model):
+    """batch_invariant decodes every row at every step: compile_all builds that one row count, and a step with one
+    active row runs the program it built (no compile on first use)."""
+    generator = ModelGenerator(model, max_batch_size=4, max_seq_len=32, batch_invariant=True)
+    assert generator.decode_row_counts() == [4]
+    built = generator.compile_all()
+    assert built == len(generator.prefill_lengths()) + 1 + 1  # the prefills, the one decode, the row move
+    generator.add(0, spec(0, 8))
+    generator.step()
+    assert generator._decode._cache_size() == 0  # the step ran compile_all's program, not the jitted function's

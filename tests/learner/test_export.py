@@ -6,8 +6,12 @@ float32 log-probabilities must equal Tether's to 1e-5 (two float32 implementatio
 ~1e-6: summation order).
 """
 
+import dataclasses
 import importlib
 import json
+import os
+import pathlib
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +24,13 @@ from flax import nnx
 
 from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
-from learner.checkpoints.safetensors_io import load_safetensors
+from learner.checkpoints.safetensors_io import load_safetensors, write_safetensors
 from learner.export import export_run, main, read_checkpoint_params
+from learner.model.lora import LoraConfig, LoRAParam
 from learner.model.param_paths import named_leaves, parameter_names
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 from learner.rl.config import load_config, to_dict
+from learner.rl.prompt_stream import DataPosition
 from learner.update.train_state import create_train_state
 
 VOCAB = ["<pad>", "<s>", "</s>", "<|im_end|>"] + [f"w{i}" for i in range(60)]
@@ -263,3 +269,83 @@ def test_weights_by_path_and_model_write_the_same_tensors(tmp_path):
 def test_bad_dtype_is_refused(tmp_path, weights):
     with pytest.raises(ValueError, match="dtype='int8'"):
         write_hf_checkpoint(tmp_path / "ckpt", weights, CONFIG, dtype="int8")
+
+
+# --- exports that load anywhere (issue #39, item 5) ---------------------------------------------------------------
+
+
+@pytest.fixture()
+def lora_run(tmp_path, tokenizer):
+    """A LoRA run as the CLI leaves it: ``model.hf_path`` relative to the run's working directory (``tmp_path``), and
+    checkpoints with a ``data`` item (the prompt stream's position)."""
+    base = write_hf_checkpoint(tmp_path / "base", Transformer(CONFIG, rngs=nnx.Rngs(0)), CONFIG, tokenizer=tokenizer,
+                               eos_token_ids=(EOS,), bos_token_id=BOS)
+    lora = LoraConfig(rank=4, alpha=8.0)
+    model = Transformer(dataclasses.replace(CONFIG, lora=lora), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(2)  # non-zero B, so the adapter changes the base's output
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.1, x.dtype),
+                                   nnx.state(model, LoRAParam)))
+    run_config = to_dict(load_config(None, ["model.hf_path='base'", "model.lora.rank=4", "model.lora.alpha=8.0"]))
+    with Checkpointer(CheckpointConfig(str(tmp_path / "run" / "checkpoints"), async_save=False)) as saver:
+        saver.save(2, create_train_state(model, optax.adam(1e-3)), policy_version=2, config=run_config,
+                   data_iterator=DataPosition({"epoch": 0, "index": 8}))
+    return tmp_path, base, model
+
+
+def _modes(directory: pathlib.Path) -> dict[str, str]:
+    return {path.name: oct(stat.S_IMODE(path.stat().st_mode)) for path in directory.iterdir()}
+
+
+def test_exports_load_from_anywhere_are_0644_and_log_no_warning(lora_run, caplog, monkeypatch):
+    """A PEFT export names its base by absolute path (the run's relative ``model.hf_path`` resolved where the export
+    runs), every file of either export is 0644 under umask 022 (safetensors 0.8 writes 0600 by itself), and reading
+    a checkpoint with a ``data`` item logs nothing (orbax warned twice of the item it had no handler for)."""
+    tmp_path, base, _ = lora_run
+    monkeypatch.chdir(tmp_path)
+    umask = os.umask(0o022)
+    try:
+        with caplog.at_level("WARNING"):
+            main(["run", "peft"])
+            main(["run", "merged", "--merged"])
+            main(["run", "named", "--base-model", "Qwen/Qwen2.5-0.5B"])
+    finally:
+        os.umask(umask)
+    assert [record.getMessage() for record in caplog.records if record.levelname != "INFO"] == []
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == (
+        "Qwen/Qwen2.5-0.5B")
+    assert _modes(tmp_path / "peft") == {"adapter_config.json": "0o644", "adapter_model.safetensors": "0o644"}
+    merged = _modes(tmp_path / "merged")
+    assert {"model.safetensors", "config.json", "generation_config.json"} <= merged.keys()
+    assert set(merged.values()) == {"0o644"}, merged
+
+
+def test_an_existing_safetensors_file_keeps_its_mode_and_memory_mapped_source(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    write_safetensors({"w": np.arange(6, dtype=np.float32)}, path)
+    path.chmod(0o640)
+    loaded = safetensors.numpy.load_file(str(path))
+    write_safetensors({"w": loaded["w"] * 2}, path)
+    assert oct(stat.S_IMODE(path.stat().st_mode)) == "0o640"
+    np.testing.assert_array_equal(safetensors.numpy.load_file(str(path))["w"], np.arange(6) * 2)
+
+
+def test_peft_loads_the_adapter_from_another_working_directory(lora_run, monkeypatch):
+    """PEFT's own loader (``AutoPeftModelForCausalLM``, with torch) reads the export from a directory that is neither
+    the run's nor the export's, and computes the merged export's logits."""
+    peft = pytest.importorskip("peft")
+    torch = pytest.importorskip("torch")
+    transformers = importlib.import_module("transformers")
+    tmp_path, _, _ = lora_run
+    monkeypatch.chdir(tmp_path)
+    main(["run", "peft"])
+    main(["run", "merged", "--merged"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "peft")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        ids = torch.tensor(TOKENS[None].astype(np.int64))
+        np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)

@@ -183,6 +183,7 @@ def update_on_2x2x2():
     return _lora_update(make_mesh(2, 2, 2), KL)
 
 
+@pytest.mark.slow  # 21 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_lora_update_trains_adapters_against_the_base_as_reference(update_on_2x2x2):
     """One jitted update on a (2, 2, 2) mesh: the base is unchanged, the adapters move, and ``actor/kl_loss`` is the
     float64 token mean of ``lp - ref`` where ``ref`` are the logprobs of a model built without LoRA."""
@@ -213,6 +214,7 @@ def test_lora_update_is_the_same_on_every_mesh(update_on_2x2x2):
     CorrectionConfig(importance=ImportanceWeights("token", high=2.0, batch_normalize=True), kl_coef=0.1,
                      kl_estimator="k3", entropy_coef=0.01),
 ], ids=["bypass_sequence_is", "decoupled_token_is_normalized_kl_entropy"])
+@pytest.mark.slow  # 29 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_objectives_and_corrections_run_unchanged_on_a_fresh_lora_model(corrections):
     """b = 0: a LoRA update sees the base's logprobs, so every metric of its first update (loss, weights, masks, KL,
     entropy) equals that of a full fine-tuning update of the same base, whatever the corrections. One device: the
@@ -235,3 +237,24 @@ def test_objectives_and_corrections_run_unchanged_on_a_fresh_lora_model(correcti
     for name in expected:
         if name != "actor/grad_norm":  # the gradients are of other parameters
             np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_start_up_line_counts_the_trained_adapters_not_the_base():
+    """``rank x (in + out)`` per projection of the seven default targets in each layer, counted by hand from the
+    model's widths; the base's own count follows as the frozen part (a run without LoRA prints the base's count:
+    tests/e2e/test_main_job.py)."""
+    from learner.model.transformer import count_params
+    from learner.rl.trainer import describe_train_state
+
+    base = model_config("tiny")
+    model = nnx.eval_shape(lambda: Transformer(model_config("tiny", lora=LoraConfig(rank=4)), rngs=nnx.Rngs(0)))
+    d, f, q, kv = base.hidden_size, base.intermediate_size, base.num_heads * base.head_dim, \
+        base.num_kv_heads * base.head_dim
+    widths = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]  # q k v o gate up down: (in, out)
+    adapters = base.num_layers * sum(4 * (n_in + n_out) for n_in, n_out in widths)
+    line = describe_train_state(nnx.state(model, LoRAParam), model.config, 1.25)
+    assert line == (f"train state: {adapters:,} trained parameters (LoRA rank 4 adapters; frozen base "
+                    f"{count_params(base):,}) built in 1.2 s"), line
+    plain = nnx.eval_shape(lambda: Transformer(base, rngs=nnx.Rngs(0)))
+    assert describe_train_state(nnx.state(plain, nnx.Param), base, 1.25) == (
+        f"train state: {count_params(base):,} parameters built in 1.2 s")

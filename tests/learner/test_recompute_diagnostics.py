@@ -14,6 +14,8 @@ from tests.learner.test_rollout_log import make_batch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "recompute_diagnostics.py"
 PRESET = "decoupled_token_is"
+VERSION_KEYS = {"rollout/partial_fraction", "rollout/versions_per_sample_max", "rollout_corr/staleness_mean",
+                "rollout_corr/staleness_max"}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +45,11 @@ def test_mismatch_metrics_equal_the_corrections(script, run_dir, capsys):
     mismatch_metrics = jax.jit(corrections.mismatch_metrics)
     for record, batch in zip(records, batches):
         expected = mismatch_metrics(batch.proximal_logprobs, batch.rollout_logprobs, batch.loss_mask)
-        assert set(record) == {"step", *expected}
+        assert set(record) == {"step", *expected, *VERSION_KEYS}
         np.testing.assert_allclose([record[k] for k in expected], [float(v) for v in expected.values()], rtol=1e-6)
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["step", "kl", "k3_kl", "chi2_tok", "chi2_seq", "lp_diff"]
+    assert table[0].split() == ["step", "kl", "k3_kl", "chi2_tok", "chi2_seq", "lp_diff", "partial", "versions",
+                                "stale"]
     assert [line.split()[0] for line in table[1:]] == ["10", "11"]
     assert float(table[1].split()[1]) == pytest.approx(records[0]["rollout_corr/kl"], rel=1e-3)
 
@@ -64,3 +67,17 @@ def test_preset_metrics_equal_compute(script, run_dir):
         expected = expected_metrics(batch.proximal_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.advantages)
         assert "rollout_corr/rollout_is_mean" in expected
         np.testing.assert_allclose([record[k] for k in expected], [float(v) for v in expected.values()], rtol=1e-6)
+
+
+def test_partial_rollout_statistics_equal_a_float64_reference(script, run_dir):
+    """The logged batches' rows hold tokens of up to three versions (`make_batch`): the share of rows drawn by more
+    than one, the most versions in a row, and the trained tokens' staleness (learner version - token version)."""
+    path, batches = run_dir
+    for record, batch in zip(script.recompute(path), batches):
+        mask = batch.loss_mask.astype(np.float64)
+        trained = [np.unique(v[m > 0]) for v, m in zip(batch.policy_version, mask) if m.any()]
+        lag = (batch.learner_version - batch.policy_version.astype(np.float64)) * mask
+        assert record["rollout/partial_fraction"] == pytest.approx(np.mean([v.size > 1 for v in trained]), rel=1e-12)
+        assert record["rollout/versions_per_sample_max"] == max(v.size for v in trained)
+        assert record["rollout_corr/staleness_mean"] == pytest.approx(lag.sum() / mask.sum(), rel=1e-6)
+        assert record["rollout_corr/staleness_max"] == lag[mask > 0].max()

@@ -22,6 +22,7 @@ def make_batch(step: int, rows: int, length: int, seed: int = 0) -> LoggedBatch:
         rewards=rng.random(rows).astype(np.float32),
         advantages=np.where(loss_mask > 0, rng.normal(size=(rows, 1)), 0).astype(np.float32),
         policy_version=np.where(loss_mask > 0, step - rng.integers(0, 3, size=(rows, length)), 0).astype(np.int32),
+        learner_version=step,
     )
 
 
@@ -31,6 +32,9 @@ def assert_batches_equal(actual: LoggedBatch, expected: LoggedBatch):
         got, want = getattr(actual, name), np.asarray(getattr(expected, name))
         assert got.dtype == want.dtype, name
         np.testing.assert_array_equal(got, want, err_msg=name)
+    assert actual.learner_version.dtype == np.int32
+    np.testing.assert_array_equal(actual.learner_version,
+                                  np.broadcast_to(expected.learner_version, expected.rewards.shape))
 
 
 def test_round_trip_of_batches_of_varied_length(tmp_path):
@@ -55,7 +59,8 @@ def test_round_trip_of_batches_of_varied_length(tmp_path):
 
 def test_accepts_jax_arrays(tmp_path):
     batch = make_batch(5, 2, 6)
-    as_jax = LoggedBatch(step=5, **{name: jnp.asarray(getattr(batch, name)) for name in (*TOKEN_FIELDS, "rewards")})
+    as_jax = LoggedBatch(step=5, **{name: jnp.asarray(getattr(batch, name))
+                                    for name in (*TOKEN_FIELDS, "rewards", "learner_version")})
     with RolloutLogWriter(tmp_path, max_length=8) as writer:
         writer.append(as_jax)
     assert_batches_equal(RolloutLogReader(tmp_path).read(5), batch)
@@ -112,3 +117,22 @@ def test_errors(tmp_path):
         RolloutLogWriter(tmp_path, max_length=8)
     with pytest.raises(KeyError, match="step 3"):
         RolloutLogReader(tmp_path).read(3)
+
+
+def test_a_log_written_before_learner_versions_reads_them_as_unknown_and_continues(tmp_path):
+    """A log without the ``learner_version`` array (written before it was kept): a reader gives None and adds
+    nothing; a writer adds the array, the old rows -1 (unknown), the new ones their version."""
+    import shutil
+
+    old = make_batch(0, 3, 5)
+    with RolloutLogWriter(tmp_path, max_length=8) as writer:
+        writer.append(old)
+    shutil.rmtree(tmp_path / "learner_version")
+    assert RolloutLogReader(tmp_path).read(0).learner_version is None
+    assert not (tmp_path / "learner_version").exists()
+    new = make_batch(1, 2, 5)
+    with RolloutLogWriter(tmp_path) as writer:
+        writer.append(new)
+    reader = RolloutLogReader(tmp_path)
+    assert reader.read(0).learner_version.tolist() == [-1, -1, -1]
+    assert_batches_equal(reader.read(1), new)

@@ -216,6 +216,7 @@ def learner_pass(model, batch, sampling):
     return token_logprobs(model, tokens, positions, jnp.ones(tokens.shape, bool), chunk_size=8, sampling=sampling)
 
 
+@pytest.mark.slow  # 19 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_processed_logprobs_equal_server_and_unreplayed_ones_do_not(server_client, model):
     batch = rollouts(server_client, LogprobMode.PROCESSED, temperatures=(0.8, 1.0))
     mask = batch.loss_mask
@@ -268,6 +269,7 @@ def test_raw_logprobs_are_rebuilt_as_the_servers_processed_ones(server_client, m
     assert float(metrics["sampler/log_kept_mass_min"]) <= float(metrics["sampler/log_kept_mass_mean"])
 
 
+@pytest.mark.slow  # 25 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_update_step_replays_the_servers_processed_logprobs(server_client):
     """Inside the update (proximal recompute, decoupled mode), the train/rollout mismatch is ~0 with the replay."""
     collated = rollouts(server_client, LogprobMode.PROCESSED, temperatures=(0.8, 1.0))

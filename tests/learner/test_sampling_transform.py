@@ -75,6 +75,7 @@ def test_top_candidates_are_the_sorted_prefix(seed, vocab, count, levels):
 @given(seed=st.integers(0, 2**31 - 1), vocab=st.sampled_from([7, 64, 65, 128, 300, NETWORK_MAX_VOCAB, 1500, 4000]),
        levels=st.sampled_from([2, 5, 40, 0]), scale=st.floats(0.3, 6.0), top_k=st.integers(0, 100),
        top_p=st.floats(0.05, 1.0), min_p=st.sampled_from([0.0, 0.001, 0.05, 0.3]))
+@pytest.mark.slow  # 31 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_replayed_threshold_keeps_the_full_sort_set(seed, vocab, levels, scale, top_k, top_p, min_p):
     """All paths (up to 64 tokens: all sorted; up to `NETWORK_MAX_VOCAB`: the bitonic network's 64 largest; above:
     `jax.lax.top_k`'s; the last two falling back to the full sort when the candidates do not decide), with ties at

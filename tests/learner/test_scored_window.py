@@ -144,6 +144,7 @@ def updates():
     return results
 
 
+@pytest.mark.slow  # 23 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_update_with_a_scored_window_equals_the_update_without(updates):
     before, want_params, want_metrics, want_proximal = updates[None]
     _, params, metrics, proximal = updates[WINDOW]

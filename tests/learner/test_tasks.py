@@ -234,7 +234,7 @@ def test_user_task_instance_loads_without_args(user_tasks):
     ("user_tasks:Copy", {"n": 5, "m": 1}, "task.args: Copy() got an unexpected keyword argument 'm'; valid: n"),
     ("user_tasks:Copy", None, "task.args: Copy() missing a required argument: 'n'"),
     ("sort_digits", {"digits": 3}, "task.args: sort_digits() got an unexpected keyword argument 'digits'; valid: "
-                                    "min_length, max_length, num_prompts, seed"),
+                                    "min_length, max_length, num_prompts, seed, length_exponent"),
     ("user_tasks:COPY_3", {"n": 5}, "task.args: 'user_tasks:COPY_3' is a task instance, which takes no args; "
                                     "got ['n']"),
     ("user_tasks:NoRewards", {"n": 5}, "task.name='user_tasks:NoRewards': NoRewards is not a Task: it lacks rewards"),

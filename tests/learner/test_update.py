@@ -142,6 +142,7 @@ def test_minibatch_scan_equals_the_same_updates_one_by_one():
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 4])
+@pytest.mark.slow  # 23 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_on_policy_update_takes_the_proximal_logprobs_from_its_training_pass(monkeypatch, num_microbatches):
     """One epoch of one mini-batch (shuffled, 1 or 4 micro-batches): no separate proximal pass is traced, and the
     update equals the same update given the separately recomputed proximal logprobs (two compiled programs compute
@@ -166,7 +167,7 @@ def test_on_policy_update_takes_the_proximal_logprobs_from_its_training_pass(mon
     assert none is None  # given proximal logprobs are not handed back
 
     recomputes = []
-    monkeypatch.setattr("learner.update.recompute_logprobs", lambda *args: recomputes.append(args))
+    monkeypatch.setattr("learner.update.step.recompute_logprobs", lambda *args: recomputes.append(args))
     step = functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, config=config)
     got_state, got_metrics, got_proximal = jax.jit(step, compiler_options=FAST_COMPILE)(state, batch)
     assert recomputes == []
@@ -188,6 +189,12 @@ def test_only_on_policy_decoupled_updates_skip_the_proximal_pass():
     assert not proximal_from_training_pass(UpdateConfig(corrections=decoupled, ppo_epochs=2))
     assert not proximal_from_training_pass(UpdateConfig(corrections=decoupled, num_minibatches=2))
     assert not proximal_from_training_pass(UpdateConfig(corrections=corrections.preset("bypass_ppo_clip")))
+    assert not proximal_from_training_pass(UpdateConfig(corrections=decoupled, fuse_proximal=False))  # a study's
+
+
+def test_donation_choices_are_checked_before_anything_is_built():
+    with pytest.raises(ValueError, match=r"make_update_fn\(donate='all'\): must be one of \('none', 'state'"):
+        make_update_fn(None, None, UpdateConfig(), None, None, donate="all")
 
 
 BANDIT_ARMS = 12  # one prompt, 12 distinct one-token completions, the first half rewarded.
@@ -338,6 +345,7 @@ def _by_hand(sampling):
     return jax.device_get(metrics), jax.device_get(nnx.to_pure_dict(grads))
 
 
+@pytest.mark.slow  # 21 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_update_replays_the_sampling_params_in_every_logprob_pass(replayed):
     """Proximal, reference and current logprobs all replayed: loss, corrections metrics and gradient by hand."""
     grads, loss = _grads_and_loss(replayed)

@@ -66,11 +66,11 @@ def global_batch(batch: TrainBatch, mesh) -> TrainBatch:
 
 
 def run_update(mesh, num_microbatches: int = 1, batch: TrainBatch | None = None,
-               corrections: CorrectionConfig = CORRECTIONS):
-    """One update call on ``mesh`` (of `rollout_batch` by default); returns host ``(params_before, params_after,
-    metrics)`` as pure dicts."""
-    graphdef, state, shardings = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=0)
-    _, reference, _ = create_sharded_train_state(MODEL, OPTIMIZER, mesh, seed=1)
+               corrections: CorrectionConfig = CORRECTIONS, model=MODEL):
+    """One update call of ``model`` (a `ModelConfig`) on ``mesh`` (of `rollout_batch` by default); returns host
+    ``(params_before, params_after, metrics)`` as pure dicts."""
+    graphdef, state, shardings = create_sharded_train_state(model, OPTIMIZER, mesh, seed=0)
+    _, reference, _ = create_sharded_train_state(model, OPTIMIZER, mesh, seed=1)
     gather = multihost_utils.process_allgather
     before = gather(nnx.to_pure_dict(state.params), tiled=True)
     update = make_update_fn(graphdef, OPTIMIZER, update_config(num_microbatches, corrections), mesh, shardings,

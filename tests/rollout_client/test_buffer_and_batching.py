@@ -1,5 +1,6 @@
 """The in-flight buffer (real server), batch collation and validation (in process)."""
 
+import concurrent.futures
 import itertools
 
 import numpy as np
@@ -148,3 +149,35 @@ def test_batch_from_server_passes_corrections_checks(client):
                                  policy_lag=policy_lag)
     assert np.isfinite(float(result.loss))
     np.testing.assert_array_equal(np.asarray(result.mask), batch.loss_mask)
+
+
+class _DoneClient:
+    """Answers each request at once with the samples given for it."""
+
+    def __init__(self, answers):
+        self.answers = iter(answers)
+
+    def submit(self, request):
+        future = concurrent.futures.Future()
+        future.set_result(next(self.answers))
+        return future
+
+
+def mixed_sample(versions) -> Sample:
+    """A sample of a partial rollout: its tokens drawn by the given versions."""
+    count = len(versions)
+    return Sample(request_id="r", sample_index=0, prompt_token_ids=np.array([5, 6], np.int32),
+                  completion_token_ids=np.arange(count, dtype=np.int32), logprobs=np.full(count, -1.0, np.float32),
+                  policy_versions=np.asarray(versions, np.int64), finish_reason=FinishReason.LENGTH, sampling=PARAMS,
+                  logprob_mode=LogprobMode.PROCESSED)
+
+
+def test_a_mixed_version_sample_is_as_stale_as_its_oldest_token():
+    """Partial rollouts: the staleness limit applies per token, so the oldest token decides (a sample that began
+    under version 3 and ended under 5 is 2 versions old at learner version 5, however new its last tokens)."""
+    fresh, old = mixed_sample([4, 4, 5, 5]), mixed_sample([3, 3, 4, 5])
+    buffer = RolloutBuffer(_DoneClient([[fresh, old]]), requests(), max_in_flight=1, max_staleness=1,
+                           prefetch=False)
+    (kept,) = buffer.get(learner_version=5)
+    assert kept is fresh
+    assert buffer.metrics()["buffer/stale_dropped"] == 1

@@ -85,6 +85,7 @@ def generate_batch(client, sampling, mode):
 
 
 @pytest.mark.parametrize("sampling, mode", [(RAW, LogprobMode.RAW), (PROCESSED, LogprobMode.PROCESSED)])
+@pytest.mark.slow  # 27 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_float32_server_logprobs_equal_learner_recomputation(float32_server, learner_model, sampling, mode):
     batch = generate_batch(float32_server, sampling, mode)
     assert batch.loss_mask.sum() == 4 * 24 and (batch.policy_versions[batch.loss_mask == 1] == 1).all()

@@ -27,11 +27,13 @@ class AsyncSmgClient(AsyncRolloutClient):
       config: how to reach it (``auth_token`` and TLS as for rollout.v1).
       dialect: its proto.
       check_alive: raises if a launched engine's process exited (`rollout_client.EngineProcess.check_alive`).
+      continue_interrupted: continue samples a publish interrupts from their tokens (`rollout_client.engines.smg.stub`).
     """
 
-    def __init__(self, config: ClientConfig, dialect: SmgDialect, check_alive: Callable[[], None] | None = None):
+    def __init__(self, config: ClientConfig, dialect: SmgDialect, check_alive: Callable[[], None] | None = None,
+                 continue_interrupted: bool = False):
         super().__init__(config)
-        self._stub = SmgStub(self._channel, dialect, check_alive)
+        self._stub = SmgStub(self._channel, dialect, check_alive, continue_interrupted)
         self._health = SmgHealth(self._stub)
 
     @property
@@ -55,13 +57,14 @@ class AsyncSmgClient(AsyncRolloutClient):
         return await self._stub.call(method, request, self.config.control_deadline_s, self._metadata)
 
     def metrics(self) -> dict[str, int]:
-        return {**super().metrics(), "generate/engine_calls": self._stub.engine_calls}
+        return {**super().metrics(), "generate/engine_calls": self._stub.engine_calls,
+                "generate/continuations": self._stub.continuations}
 
     def _no_control_plane(self, method: str) -> NotImplementedError:
         return NotImplementedError(f"{method}: the {self._stub.dialect.name} engine's proto has no pause or weight "
                                    "RPCs; its engine object publishes weights (Engine.publish)")
 
-    async def pause(self, mode=None) -> int:
+    async def pause(self, mode=None, kv_cache=None) -> int:
         raise self._no_control_plane("pause")
 
     async def resume(self) -> int:
@@ -84,12 +87,13 @@ class SmgClient(RolloutClient):
       EngineExitedError: ``check_alive`` found the launched engine dead.
     """
 
-    def __init__(self, config: ClientConfig, dialect: SmgDialect, check_alive: Callable[[], None] | None = None):
-        self._dialect, self._check_alive = dialect, check_alive
+    def __init__(self, config: ClientConfig, dialect: SmgDialect, check_alive: Callable[[], None] | None = None,
+                 continue_interrupted: bool = False):
+        self._dialect, self._check_alive, self._continue = dialect, check_alive, continue_interrupted
         super().__init__(config)
 
     async def _create(self, config: ClientConfig) -> AsyncSmgClient:
-        return AsyncSmgClient(config, self._dialect, self._check_alive)
+        return AsyncSmgClient(config, self._dialect, self._check_alive, self._continue)
 
     @property
     def model_info(self):

@@ -13,6 +13,11 @@ deadlines, validation drops and `Sample` assembly apply to these engines unchang
 - Policy versions: the engines report none. Each sample's tokens carry the version the engine served when the
   request was admitted (`policy_version`); while the engine changes weights, admission is held (`hold`,
   `release`), so no request is stamped with a version it was not sampled by.
+- Partial rollouts (``continue_interrupted``): a sample that a publish interrupted (its stream ended without a
+  finish, or with "abort", after a `hold`) is continued once admission is released: one more engine request whose
+  prompt is the prompt and the exact token ids received so far (token in, token out, as multi-turn episodes do),
+  for the tokens still allowed; its tokens carry the new version (one version span per segment). A sample of a
+  request aborted by `Abort` is not continued.
 - A stream that ends without the engine's final message (aborted, or the engine stopping) is an ABORT sample with
   the tokens received; the client keeps it if it asked for the abort, and drops and counts it otherwise.
 - A failed call to a launched engine first asks ``check_alive``, which raises a clear error if the engine's process
@@ -22,6 +27,7 @@ deadlines, validation drops and `Sample` assembly apply to these engines unchang
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -70,16 +76,31 @@ def echoed_sampling(asked: pb.SamplingParams, sent: EngineSampling) -> pb.Sampli
 
 
 class _SampleState:
-    """One sample's tokens and logprobs as they stream in."""
+    """One sample's tokens, logprobs and version spans as they stream in."""
 
     def __init__(self):
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.spans: list[list[int]] = []  # [start, end, policy version], one per engine request (segment)
         self.finish_reason: str | None = None
+        self.holds = 0  # `SmgStub.holds` when the current segment began
+
+    def start_segment(self, version: int, holds: int) -> None:
+        """The tokens that follow are sampled by ``version``; ``holds``: the stub's `SmgStub.holds` now."""
+        self.spans.append([len(self.token_ids), len(self.token_ids), version])
+        self.finish_reason = None
+        self.holds = holds
 
     def add(self, part, token_ids) -> None:
         self.token_ids.extend(token_ids)
         self.logprobs.extend(part.output_logprobs.token_logprobs)
+        self.spans[-1][1] = len(self.token_ids)
+
+    def clear_segment(self) -> None:
+        """Drops the current segment's tokens (a final message that repeats them follows)."""
+        start = self.spans[-1][0]
+        del self.token_ids[start:], self.logprobs[start:]
+        self.spans[-1][1] = start
 
 
 class SmgStub:
@@ -91,20 +112,26 @@ class SmgStub:
       check_alive: raises if a launched engine's process has exited; None for an external engine.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, dialect: SmgDialect, check_alive: Callable[[], None] | None):
+    def __init__(self, channel: grpc.aio.Channel, dialect: SmgDialect, check_alive: Callable[[], None] | None,
+                 continue_interrupted: bool = False):
         self.dialect = dialect
         self.engine = dialect.stub(channel)
         self.check_alive = check_alive
+        self.continue_interrupted = continue_interrupted
+        self.holds = 0  # `hold` calls so far: a stream that ends aborted across one was interrupted by a publish
+        self.continuations = 0  # engine requests that continued an interrupted sample
         self.policy_version = 0  # the version the engine serves; stamped on the tokens of requests admitted now
         self.model_info = None  # the engine's GetModelInfoResponse, once fetched
         self.engine_calls = 0  # Generate calls sent to the engine
         self._admission = asyncio.Event()
         self._admission.set()
         self._in_flight: dict[str, set[str]] = {}  # rollout.v1 request id -> its engine request ids now running
+        self._aborted: set[str] = set()  # rollout.v1 request ids `Abort` asked for (never continued)
         self._background: set[asyncio.Task] = set()
 
     def hold(self) -> None:
         """Admits no new engine request until `release` (the engine is changing weights)."""
+        self.holds += 1
         self._admission.clear()
 
     def release(self, policy_version: int) -> None:
@@ -135,6 +162,7 @@ class SmgStub:
     async def Abort(self, request: pb.AbortRequest, timeout: float, metadata=()) -> pb.AbortResponse:
         """Aborts every engine request of the given rollout.v1 requests; returns those that were running."""
         running = [request_id for request_id in request.request_ids if self._in_flight.get(request_id)]
+        self._aborted.update(running)
         engine_ids = [engine_id for request_id in running for engine_id in self._in_flight[request_id]]
         for message in self.dialect.abort_requests(engine_ids) if engine_ids else ():
             await self.call("Abort", message, timeout, metadata)
@@ -198,15 +226,40 @@ class _FanOut:
             self.cancel()
 
     async def _sample(self, indices: list[int], prompt: list[int], version: int, finals: asyncio.Queue) -> None:
-        """One engine request for ``indices``; puts one final message per index on ``finals`` (None if it failed)."""
+        """One engine request for ``indices`` (and one more per sample a publish interrupted, with
+        ``continue_interrupted``); puts one final message per index on ``finals`` (None if it failed)."""
         stub, request = self._stub, self._request
         engine_id = f"{request.request_id}/{indices[0]}" if len(indices) == 1 else request.request_id
         sent = resolve_sampling(request.sampling, len(prompt), stub.model_info, n=len(indices))
         states = [_SampleState() for _ in indices]
         running = stub._in_flight.setdefault(request.request_id, set())
-        running.add(engine_id)
         started = time.monotonic()
         delivered = False
+        try:
+            await self._segment(engine_id, prompt, sent, version, states, running)
+            if stub.continue_interrupted:
+                await asyncio.gather(*(self._continue(f"{request.request_id}/{index}", prompt, sent, state, running)
+                                       for index, state in zip(indices, states)))
+            elapsed = time.monotonic() - started
+            for index, state in zip(indices, states):
+                finals.put_nowait(self._final(index, state, len(prompt), sent, elapsed))
+            delivered = True
+        finally:
+            if not running:
+                stub._in_flight.pop(request.request_id, None)
+                stub._aborted.discard(request.request_id)
+            if not delivered:
+                for _ in indices:
+                    finals.put_nowait(None)
+
+    async def _segment(self, engine_id: str, prompt: list[int], sent: EngineSampling, version: int,
+                       states: list[_SampleState], running: set[str]) -> None:
+        """One engine request: its tokens are appended to ``states`` (one per index of ``sent.n``) as sampled by
+        ``version``; a state whose stream ends without a final keeps finish reason None."""
+        stub = self._stub
+        running.add(engine_id)
+        for state in states:
+            state.start_segment(version, stub.holds)
         try:
             stub.engine_calls += 1
             message = stub.dialect.generate_request(engine_id, prompt, sent)
@@ -224,13 +277,9 @@ class _FanOut:
                     state.add(part, part.token_ids)
                     continue
                 if stub.dialect.complete_repeats_chunks:
-                    state.token_ids, state.logprobs = [], []
+                    state.clear_segment()
                 state.add(part, part.output_ids)
                 state.finish_reason = part.finish_reason
-            elapsed = time.monotonic() - started
-            for index, state in zip(indices, states):
-                finals.put_nowait(self._final(index, state, len(prompt), version, sent, elapsed))
-            delivered = True
         except grpc.aio.AioRpcError as error:
             stub._raise_if_dead(error)
             raise
@@ -239,19 +288,36 @@ class _FanOut:
             raise
         finally:
             running.discard(engine_id)
-            if not running:
-                stub._in_flight.pop(request.request_id, None)
-            if not delivered:
-                for _ in indices:
-                    finals.put_nowait(None)
 
-    def _final(self, index: int, state: _SampleState, prompt_tokens: int, version: int, sent: EngineSampling,
+    async def _continue(self, sample_id: str, prompt: list[int], sent: EngineSampling, state: _SampleState,
+                        running: set[str]) -> None:
+        """Continues ``state`` for as long as a publish (a `hold` since its segment began) interrupted it: one engine
+        request of the prompt and its tokens so far, for the tokens left, sampled by the version served once
+        admission is released. A sample that ended at a stop token or its length needs no more."""
+        stub, request = self._stub, self._request
+        while (state.finish_reason in (None, "abort") and stub.holds != state.holds
+               and request.request_id not in stub._aborted):
+            left = sent.max_new_tokens - len(state.token_ids)
+            if state.token_ids and state.token_ids[-1] in sent.stop_token_ids:
+                state.finish_reason = "stop"
+            elif left <= 0:
+                state.finish_reason = "length"
+            else:
+                await stub._admission.wait()
+                stub.continuations += 1
+                await self._segment(f"{sample_id}/{len(state.spans)}", prompt + state.token_ids,
+                                    dataclasses.replace(sent, n=1, max_new_tokens=left), stub.policy_version, [state],
+                                    running)
+
+    def _final(self, index: int, state: _SampleState, prompt_tokens: int, sent: EngineSampling,
                elapsed: float) -> pb.GenerateResponse:
-        """The sample as rollout.v1's final message; no final from the engine: ABORT with the tokens received."""
+        """The sample as rollout.v1's final message (a version span per segment that sampled tokens); no final from
+        the engine: ABORT with the tokens received."""
         count = len(state.token_ids)
         finish = pb.FINISH_REASON_ABORT if state.finish_reason is None else _FINISH_REASONS.get(
             state.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
-        spans = [pb.VersionSpan(start=0, end=count, policy_version=version)] if count else []
+        spans = [pb.VersionSpan(start=start, end=end, policy_version=version) for start, end, version in state.spans
+                 if end > start]
         return pb.GenerateResponse(sample_index=index, final=pb.SampleResult(
             token_ids=pack(np.asarray(state.token_ids, np.int64), TOKEN_ID_DTYPE),
             logprobs=pack(np.asarray(state.logprobs, np.float32), LOGPROB_DTYPE), version_spans=spans,

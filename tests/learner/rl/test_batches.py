@@ -1,5 +1,7 @@
 """Batch assembly and the multi-host payload spec, in process: hand-made samples, values checked by hand."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ def test_groups_become_a_fixed_shape_batch_with_grpo_advantages():
     right = [record["answer"] for record in records]
     groups = [
         [_sample(records[0], right[0], "a", 0), _sample(records[0], "x", "a", 1)],  # rewards 1, 0
-        [_sample(records[1], right[1], "b", 0)],  # one sample of two was dropped: the group is left out
+        [_sample(records[1], right[1], "b", 0)],  # one sample of two was dropped: one left, the group is dropped
         [_sample(records[2], "y", "c", 0), _sample(records[2], "z", "c", 1)],  # rewards 0, 0: advantage 0
     ]
     spec = PayloadSpec(rows=8, length=16, sampling=False, raw=False)
@@ -59,21 +61,39 @@ class _SkipsAnswer7:
         return np.where([TOKENIZER.decode(c[:-1]) == "7" for c in completions], np.nan, rewards).astype(np.float32)
 
 
-def test_groups_with_a_skipped_reward_are_left_out():
-    records = [TASK.prompts()[i] for i in range(3)]
+def test_a_skipped_reward_costs_its_sample_not_its_group():
+    """Groups of 3: a skipped reward or a missing sample leaves the group's other two to train, with advantages over
+    them (a NumPy float64 GRPO of the two); a group with one scored sample left is dropped and counted."""
+    records = [TASK.prompts()[i] for i in range(4)]
     right = [record["answer"] for record in records]
-    groups = [[_sample(records[0], right[0], "a", 0), _sample(records[0], "7", "a", 1)],  # one skipped: left out
-              [_sample(records[1], right[1], "b", 0), _sample(records[1], "x", "b", 1)],  # rewards 1, 0
-              [_sample(records[2], "7", "c", 0), _sample(records[2], "7", "c", 1)]]  # all skipped: left out
-    spec = PayloadSpec(rows=4, length=16, sampling=False, raw=False)
-    payload, collated = assemble_payload(groups, records, _SkipsAnswer7(), spec, num_samples=2,
-                                         logprob_mode="processed")
-    assert int(payload.real_rows) == 2 and collated.tokens.shape[0] == 2
-    np.testing.assert_array_equal(payload.rewards, [1, 0, 0, 0])
-    np.testing.assert_array_equal(collated.tokens[0, :len(records[1]["prompt_ids"])], records[1]["prompt_ids"])
-    with pytest.raises(RuntimeError, match="no group of this rollout batch could be scored: 0 lost samples "
-                                           r"\(stale or invalid\), 1 had a skipped reward"):
-        assemble_payload(groups[2:], records[2:], _SkipsAnswer7(), spec, 2, "processed")
+    groups = [[_sample(records[0], right[0], "a", 0), _sample(records[0], "7", "a", 1),
+               _sample(records[0], "x", "a", 2)],  # rewards 1, skipped, 0: trains 1, 0
+              [_sample(records[1], right[1], "b", 0), _sample(records[1], "x", "b", 1),
+               _sample(records[1], right[1], "b", 2)],  # rewards 1, 0, 1
+              [_sample(records[2], "7", "c", 0), _sample(records[2], "7", "c", 1),
+               _sample(records[2], right[2], "c", 2)],  # one scored: dropped
+              [_sample(records[3], "x", "d", 0), _sample(records[3], right[3], "d", 2)]]  # one lost: trains 0, 1
+    spec = PayloadSpec(rows=12, length=16, sampling=False, raw=False)
+    drops = collections.Counter()
+    payload, collated = assemble_payload(groups, records, _SkipsAnswer7(), spec, num_samples=3,
+                                         logprob_mode="processed", drops=drops)
+    assert int(payload.real_rows) == 7 and collated.tokens.shape[0] == 7 and drops == {"groups_dropped": 1}
+    np.testing.assert_array_equal(payload.rewards[:7], [1, 0, 1, 0, 1, 0, 1])
+    trained = [s for g in (0, 1, 3) for s in groups[g] if TOKENIZER.decode(s.completion_token_ids[:-1]) != "7"]
+    assert [(s.request_id, s.sample_index) for s in trained] == [
+        (collated.request_ids[row], collated.sample_indices[row]) for row in range(7)]
+
+    def grpo(rewards):  # float64
+        rewards = np.asarray(rewards, np.float64)
+        return (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
+
+    expected = np.concatenate([grpo([1, 0]), grpo([1, 0, 1]), grpo([0, 1])])
+    batch = payload.batch
+    advantages = (batch.advantages[:7] * batch.loss_mask[:7]).sum(1) / batch.loss_mask[:7].sum(1)
+    np.testing.assert_allclose(advantages, expected, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="no group of this rollout batch had 2 scored samples: 1 lost samples "
+                                           r"\(stale or invalid\), 2 had a skipped reward"):
+        assemble_payload([groups[2][:2], groups[2][2:]], records[2:4], _SkipsAnswer7(), spec, 2, "processed")
 
 
 class _HugeOn7:
@@ -112,7 +132,9 @@ def test_a_plugin_tasks_rewards_beyond_the_bound_are_skipped_named_and_counted(c
 def test_a_batch_whose_groups_were_all_dropped_is_an_error():
     record = TASK.prompts()[0]
     spec = PayloadSpec(rows=4, length=16, sampling=False, raw=False)
-    with pytest.raises(RuntimeError, match="every group of this rollout batch was dropped"):
+    with pytest.raises(RuntimeError, match="every sample of this rollout batch was dropped"):
+        assemble_payload([[], []], [record, record], TASK, spec, 2, "processed")
+    with pytest.raises(RuntimeError, match="no group of this rollout batch had 2 scored samples: 1 lost samples"):
         assemble_payload([[_sample(record, "1", "a", 0)]], [record], TASK, spec, 2, "processed")
 
 

@@ -43,11 +43,24 @@ from learner.rl.config import (
     ("checkpoints.every=0", "checkpoints.every=0: must be > 0"),
     # Types, unknown keys, corrections.
     ("loop.steps=1.5", "loop.steps=1.5: expected int"),
-    ("loop.checkpoint_every=2", "loop.checkpoint_every: unknown field; known: steps, seed"),
+    ("loop.checkpoint_every=2", "loop.checkpoint_every: unknown field;"),
     ("corrections.preset='nope'", "corrections.preset='nope': not one of corrections.PRESETS"),
     ("corrections.overrides={clip=3}", "corrections.overrides:"),
 ])
 def test_each_error_names_the_key_the_user_wrote(override, message):
+    with pytest.raises(ValueError) as error:
+        load_config(None, [override])
+    assert str(error.value).startswith(message), str(error.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loop.stepz=3", "loop.stepz: unknown field; did you mean 'steps'? known: steps, seed,"),
+    ("rollout.temprature=0.5", "rollout.temprature: unknown field; did you mean 'temperature'? known:"),
+    ("model.lora.rnak=4", "model.lora.rnak: unknown field; did you mean 'rank'? known: rank, alpha,"),
+    ("lop.steps=3", "lop: unknown field; did you mean 'loop'? known: run_dir, model,"),
+    ("optimizer.zzz=1", "optimizer.zzz: unknown field; known: learning_rate,"),  # nothing close: no guess
+])
+def test_an_unknown_field_names_the_nearest_known_one(override, message):
     with pytest.raises(ValueError) as error:
         load_config(None, [override])
     assert str(error.value).startswith(message), str(error.value)

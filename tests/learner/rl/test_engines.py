@@ -48,10 +48,12 @@ VLLM_LIKE = EngineCapabilities(frozenset(LogprobMode), ("temperature", "top_k", 
     (["rollout.temperature=0.7"], ("temperature",)),
     (["rollout.top_k=5", "rollout.top_p=0.9", "rollout.min_p=0.05"], ("top_k", "top_p", "min_p")),
 ])
-def test_requirements_follow_the_rollout_section(overrides, steps):
-    needs = requirements(load_config(None, [*overrides, "rollout.max_staleness=2"]))
-    assert (needs.logprob_mode, needs.sampler_steps, needs.pause_mode, needs.max_staleness) == (
-        LogprobMode.PROCESSED, steps, PauseMode.KEEP, 2)
+@pytest.mark.parametrize("partial, pause_mode", [(False, PauseMode.WAIT), (True, PauseMode.KEEP)])
+def test_requirements_follow_the_rollout_section(overrides, steps, partial, pause_mode):
+    needs = requirements(load_config(None, [*overrides, "rollout.max_staleness=2", f"rollout.partial={partial}"
+                                            .lower()]))
+    assert (needs.logprob_mode, needs.sampler_steps, needs.pause_mode, needs.max_staleness, needs.partial) == (
+        LogprobMode.PROCESSED, steps, pause_mode, 2, partial)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -82,6 +84,19 @@ def test_engine_wide_versions_refuse_requests_kept_across_an_update():
     with pytest.raises(EngineCapabilityError, match="max_staleness=2: .* reports one per engine"):
         check_capabilities("vllm", VLLM_LIKE, requirements(load_config(None, ["rollout.max_staleness=2"])))
     check_capabilities("vllm", VLLM_LIKE, requirements(load_config(None, ["rollout.max_staleness=0"])))
+
+
+def test_partial_rollouts_need_an_engine_that_continues_a_request_across_an_update():
+    partial = requirements(load_config(None, ["rollout.max_staleness=2", "rollout.partial=true"]))
+    for engine in ("tether", "sglang", "vllm"):  # in the engine (rollout.v1), or continued from the tokens
+        check_capabilities(engine, ENGINES[engine].capabilities, partial)
+    with pytest.raises(EngineCapabilityError, match="rollout.partial=true: this engine cannot keep a request running "
+                                                    "across a weight update"):
+        check_capabilities("mlx", MLX_LIKE, partial)
+    with pytest.raises(EngineCapabilityError, match=r"reports one per engine \(set rollout.max_staleness=0, or "
+                                                    r"rollout.partial=true\)"):
+        check_capabilities("sglang", ENGINES["sglang"].capabilities,
+                           requirements(load_config(None, ["rollout.max_staleness=2"])))
 
 
 def test_a_refused_engine_is_refused_before_any_process_starts(tmp_path, monkeypatch):

@@ -256,7 +256,7 @@ def test_a_failed_reset_gives_an_episode_without_policy_tokens_that_the_buffer_a
     groups = [buffer.get(3), buffer.get(3)]
     assert [len(g) for g in groups] == [2, 2] and engine.requests == []
     assert all(np.isnan(e.reward) for g in groups for e in g)
-    with pytest.raises(RuntimeError, match="could be scored"):
+    with pytest.raises(RuntimeError, match="no group of this rollout batch had 2 scored samples"):
         assemble_payload(groups, [{}, {}], task, PayloadSpec(rows=4, length=16, sampling=False, raw=False), 2,
                          "processed")
 
@@ -485,7 +485,7 @@ def test_a_short_calculator_run_trains_on_episodes_and_logs_their_masks_and_metr
     config = load_config("configs/tool_calculator.toml", [
         "warmup.steps=2", "warmup.batch_size=8", "rollout.prompts_per_step=2", "rollout.num_samples=2",
         "server.max_batch_size=8", "update.fast_compile=true", "loop.steps=2", "update.num_minibatches=1",
-        "update.ppo_epochs=1", f"run_dir={json.dumps(str(tmp_path))}"])
+        "update.ppo_epochs=1", "optimizer.warmup_steps=0", f"run_dir={json.dumps(str(tmp_path))}"])
     with Run(config) as run:
         records = list(run.steps())
     assert [r.step for r in records] == [1, 2]

@@ -151,3 +151,25 @@ def test_eval_hook_is_inactive_for_tasks_without_validation(tmp_path):
     record = _record(5, 0.0)
     hook.on_step(run, record)
     assert not any(key.startswith("eval/") for key in record.metrics)
+
+
+def test_the_plot_refresh_draws_on_a_thread_and_the_end_waits_for_its_own(tmp_path, monkeypatch):
+    import threading
+
+    from learner.rl import PlotHook
+    from learner.rl import hooks as hooks_module
+
+    release, drawn = threading.Event(), []
+
+    def slow_plot(metrics_path, png_path, panels):
+        release.wait(60)
+        drawn.append(png_path)
+
+    monkeypatch.setattr(hooks_module, "plot_learning_curves", slow_plot)
+    hook, run = PlotHook(every=2, num_samples=4), types.SimpleNamespace(run_dir=tmp_path)
+    hook.on_step(run, types.SimpleNamespace(step=2))  # returns while the refresh still draws
+    hook.on_step(run, types.SimpleNamespace(step=4))  # due while the last one draws: skipped
+    assert drawn == [] and hook._drawing.is_alive()
+    release.set()
+    hook.on_end(run)  # waits for the refresh in flight, then draws the end's
+    assert drawn == [tmp_path / "learning_curves.png"] * 2

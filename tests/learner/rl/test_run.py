@@ -94,6 +94,7 @@ def test_three_steps_from_a_notebook_then_a_finished_rerun_then_a_refused_resume
             pass
 
 
+@pytest.mark.slow  # 45 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoint_and_a_killed_engine_is_relaunched(
         tmp_path):
     config = short_config(tmp_path / "run", "loop.steps=4")
@@ -120,6 +121,7 @@ def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoin
     assert all(r.server_version == r.policy_version == 2 + r.step for r in records)
 
 
+@pytest.mark.slow  # 45 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_kl_to_the_reference_policy_trains_reports_kl_loss_and_survives_a_resume(tmp_path):
     # Clean demonstrations give a policy right often enough that the first step has groups with mixed rewards (a
     # gradient), so the policy moves away from the reference; one optimizer update per step, so the first step's

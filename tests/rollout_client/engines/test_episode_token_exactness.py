@@ -240,7 +240,7 @@ class IdsEnvironment:
 
 class IdsTask:
     name, max_prompt_tokens, max_completion_tokens = "ids", 8, 48
-    tokenizer = types.SimpleNamespace(eos_ids=(VOCAB - 1,), pad_id=0, decode=lambda ids: " ".join(map(str, ids)))
+    tokenizer = types.SimpleNamespace(eos_ids=(VOCAB - 1,), pad_id=0, vocab_size=VOCAB, decode=lambda ids: " ".join(map(str, ids)))
     limits = EpisodeLimits(max_turns=3, max_turn_tokens=5, max_observation_tokens=8, stop_strings=("</call>",))
 
     def prompts(self):

@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-rollout_client/proto/rollout/v1/rollout.proto\x12\nrollout.v1\"\xbf\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x34\n\x0estop_token_ids\x18\x06 \x01(\x0b\x32\x17.rollout.v1.TokenIdListH\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x14\n\x0cstop_strings\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x11\n\x0f_max_new_tokensB\x11\n\x0f_stop_token_idsB\x07\n\x05_seed\" \n\x0bTokenIdList\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x01(\x0c\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x18\n\x0bnum_samples\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0esample_indices\x18\x05 \x03(\r\x12-\n\x0clogprob_mode\x18\x06 \x01(\x0e\x32\x17.rollout.v1.LogprobMode\x12\x1f\n\x12min_policy_version\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x13stream_chunk_tokens\x18\x08 \x01(\rB\x0e\n\x0c_num_samplesB\x15\n\x13_min_policy_versionJ\x04\x08\x02\x10\x03\"A\n\x0bVersionSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\".\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\"n\n\x0bSampleChunk\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\x12.\n\rversion_spans\x18\x03 \x03(\x0b\x32\x17.rollout.v1.VersionSpanJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\xa6\x02\n\x0cSampleResult\x12\x11\n\ttoken_ids\x18\t \x01(\x0c\x12\x10\n\x08logprobs\x18\n \x01(\x0c\x12.\n\rversion_spans\x18\x03 \x03(\x0b\x32\x17.rollout.v1.VersionSpan\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.rollout.v1.Timings\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.rollout.v1.SamplingParamsJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x88\x01\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rollout.v1.SampleChunkH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.rollout.v1.SampleResultH\x00\x42\t\n\x07payload\"\x16\n\x14GetServerInfoRequest\"\x9e\x01\n\nServerInfo\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x11model_config_hash\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\r\x12\x0e\n\x06paused\x18\x07 \x01(\x08\"=\n\x16PauseGenerationRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.rollout.v1.PauseMode\"1\n\x17PauseGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x19\n\x17ResumeGenerationRequest\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"g\n\x14UpdateWeightsRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12)\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x19.rollout.v1.WeightsFormat\"/\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"<\n\rWeightsHeader\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"q\n\x0cWeightsChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.rollout.v1.WeightsHeaderH\x00\x12)\n\x06tensor\x18\x02 \x01(\x0b\x32\x17.rollout.v1.TensorChunkH\x00\x42\t\n\x07payload\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t*]\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x01\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x03*i\n\rWeightsFormat\x12\x1e\n\x1aWEIGHTS_FORMAT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aWEIGHTS_FORMAT_SAFETENSORS\x10\x01\x12\x18\n\x14WEIGHTS_FORMAT_ORBAX\x10\x02\x32\xc3\x04\n\x0eRolloutService\x12G\n\x08Generate\x12\x1b.rollout.v1.GenerateRequest\x1a\x1c.rollout.v1.GenerateResponse0\x01\x12I\n\rGetServerInfo\x12 .rollout.v1.GetServerInfoRequest\x1a\x16.rollout.v1.ServerInfo\x12Z\n\x0fPauseGeneration\x12\".rollout.v1.PauseGenerationRequest\x1a#.rollout.v1.PauseGenerationResponse\x12]\n\x10ResumeGeneration\x12#.rollout.v1.ResumeGenerationRequest\x1a$.rollout.v1.ResumeGenerationResponse\x12T\n\rUpdateWeights\x12 .rollout.v1.UpdateWeightsRequest\x1a!.rollout.v1.UpdateWeightsResponse\x12N\n\rStreamWeights\x12\x18.rollout.v1.WeightsChunk\x1a!.rollout.v1.UpdateWeightsResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-rollout_client/proto/rollout/v1/rollout.proto\x12\nrollout.v1\"\xbf\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x34\n\x0estop_token_ids\x18\x06 \x01(\x0b\x32\x17.rollout.v1.TokenIdListH\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x06\x88\x01\x01\x12\x14\n\x0cstop_strings\x18\x08 \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x11\n\x0f_max_new_tokensB\x11\n\x0f_stop_token_idsB\x07\n\x05_seed\" \n\x0bTokenIdList\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xb9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x01(\x0c\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x18\n\x0bnum_samples\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0esample_indices\x18\x05 \x03(\r\x12-\n\x0clogprob_mode\x18\x06 \x01(\x0e\x32\x17.rollout.v1.LogprobMode\x12\x1f\n\x12min_policy_version\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x13stream_chunk_tokens\x18\x08 \x01(\rB\x0e\n\x0c_num_samplesB\x15\n\x13_min_policy_versionJ\x04\x08\x02\x10\x03\"A\n\x0bVersionSpan\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\".\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\"n\n\x0bSampleChunk\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\x12.\n\rversion_spans\x18\x03 \x03(\x0b\x32\x17.rollout.v1.VersionSpanJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\xa6\x02\n\x0cSampleResult\x12\x11\n\ttoken_ids\x18\t \x01(\x0c\x12\x10\n\x08logprobs\x18\n \x01(\x0c\x12.\n\rversion_spans\x18\x03 \x03(\x0b\x32\x17.rollout.v1.VersionSpan\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.rollout.v1.Timings\x12,\n\x08sampling\x18\x08 \x01(\x0b\x32\x1a.rollout.v1.SamplingParamsJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03\"\x88\x01\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.rollout.v1.SampleChunkH\x00\x12)\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x18.rollout.v1.SampleResultH\x00\x42\t\n\x07payload\"\x16\n\x14GetServerInfoRequest\"\xb9\x01\n\nServerInfo\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x19\n\x11model_config_hash\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\r\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x19\n\x11\x63ompiled_programs\x18\x08 \x01(\x04\"d\n\x16PauseGenerationRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.rollout.v1.PauseMode\x12%\n\x08kv_cache\x18\x02 \x01(\x0e\x32\x13.rollout.v1.KvCache\"1\n\x17PauseGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x19\n\x17ResumeGenerationRequest\"2\n\x18ResumeGenerationResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"g\n\x14UpdateWeightsRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0c\n\x04path\x18\x02 \x01(\t\x12)\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x19.rollout.v1.WeightsFormat\"/\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"<\n\rWeightsHeader\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"q\n\x0cWeightsChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.rollout.v1.WeightsHeaderH\x00\x12)\n\x06tensor\x18\x02 \x01(\x0b\x32\x17.rollout.v1.TensorChunkH\x00\x42\t\n\x07payload\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t*]\n\x0bLogprobMode\x12\x1c\n\x18LOGPROB_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10LOGPROB_MODE_RAW\x10\x01\x12\x1a\n\x16LOGPROB_MODE_PROCESSED\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x03*N\n\x07KvCache\x12\x18\n\x14KV_CACHE_UNSPECIFIED\x10\x00\x12\x16\n\x12KV_CACHE_RECOMPUTE\x10\x01\x12\x11\n\rKV_CACHE_KEEP\x10\x02*i\n\rWeightsFormat\x12\x1e\n\x1aWEIGHTS_FORMAT_UNSPECIFIED\x10\x00\x12\x1e\n\x1aWEIGHTS_FORMAT_SAFETENSORS\x10\x01\x12\x18\n\x14WEIGHTS_FORMAT_ORBAX\x10\x02\x32\xc3\x04\n\x0eRolloutService\x12G\n\x08Generate\x12\x1b.rollout.v1.GenerateRequest\x1a\x1c.rollout.v1.GenerateResponse0\x01\x12I\n\rGetServerInfo\x12 .rollout.v1.GetServerInfoRequest\x1a\x16.rollout.v1.ServerInfo\x12Z\n\x0fPauseGeneration\x12\".rollout.v1.PauseGenerationRequest\x1a#.rollout.v1.PauseGenerationResponse\x12]\n\x10ResumeGeneration\x12#.rollout.v1.ResumeGenerationRequest\x1a$.rollout.v1.ResumeGenerationResponse\x12T\n\rUpdateWeights\x12 .rollout.v1.UpdateWeightsRequest\x1a!.rollout.v1.UpdateWeightsResponse\x12N\n\rStreamWeights\x12\x18.rollout.v1.WeightsChunk\x1a!.rollout.v1.UpdateWeightsResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollout_client.proto.rollout.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LOGPROBMODE']._serialized_start=2277
-  _globals['_LOGPROBMODE']._serialized_end=2370
-  _globals['_FINISHREASON']._serialized_start=2372
-  _globals['_FINISHREASON']._serialized_end=2492
-  _globals['_PAUSEMODE']._serialized_start=2494
-  _globals['_PAUSEMODE']._serialized_end=2597
-  _globals['_WEIGHTSFORMAT']._serialized_start=2599
-  _globals['_WEIGHTSFORMAT']._serialized_end=2704
+  _globals['_LOGPROBMODE']._serialized_start=2343
+  _globals['_LOGPROBMODE']._serialized_end=2436
+  _globals['_FINISHREASON']._serialized_start=2438
+  _globals['_FINISHREASON']._serialized_end=2558
+  _globals['_PAUSEMODE']._serialized_start=2560
+  _globals['_PAUSEMODE']._serialized_end=2663
+  _globals['_KVCACHE']._serialized_start=2665
+  _globals['_KVCACHE']._serialized_end=2743
+  _globals['_WEIGHTSFORMAT']._serialized_start=2745
+  _globals['_WEIGHTSFORMAT']._serialized_end=2850
   _globals['_SAMPLINGPARAMS']._serialized_start=62
   _globals['_SAMPLINGPARAMS']._serialized_end=381
   _globals['_TOKENIDLIST']._serialized_start=383
@@ -58,29 +60,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSERVERINFOREQUEST']._serialized_start=1396
   _globals['_GETSERVERINFOREQUEST']._serialized_end=1418
   _globals['_SERVERINFO']._serialized_start=1421
-  _globals['_SERVERINFO']._serialized_end=1579
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1581
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1642
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1644
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1693
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1695
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1720
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1722
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1772
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1774
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1877
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1879
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1926
-  _globals['_WEIGHTSHEADER']._serialized_start=1928
-  _globals['_WEIGHTSHEADER']._serialized_end=1988
-  _globals['_TENSORCHUNK']._serialized_start=1990
-  _globals['_TENSORCHUNK']._serialized_end=2077
-  _globals['_WEIGHTSCHUNK']._serialized_start=2079
-  _globals['_WEIGHTSCHUNK']._serialized_end=2192
-  _globals['_ABORTREQUEST']._serialized_start=2194
-  _globals['_ABORTREQUEST']._serialized_end=2229
-  _globals['_ABORTRESPONSE']._serialized_start=2231
-  _globals['_ABORTRESPONSE']._serialized_end=2275
-  _globals['_ROLLOUTSERVICE']._serialized_start=2707
-  _globals['_ROLLOUTSERVICE']._serialized_end=3286
+  _globals['_SERVERINFO']._serialized_end=1606
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1608
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1708
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1710
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1759
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1761
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1786
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1788
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1838
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1840
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1943
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1945
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1992
+  _globals['_WEIGHTSHEADER']._serialized_start=1994
+  _globals['_WEIGHTSHEADER']._serialized_end=2054
+  _globals['_TENSORCHUNK']._serialized_start=2056
+  _globals['_TENSORCHUNK']._serialized_end=2143
+  _globals['_WEIGHTSCHUNK']._serialized_start=2145
+  _globals['_WEIGHTSCHUNK']._serialized_end=2258
+  _globals['_ABORTREQUEST']._serialized_start=2260
+  _globals['_ABORTREQUEST']._serialized_end=2295
+  _globals['_ABORTRESPONSE']._serialized_start=2297
+  _globals['_ABORTRESPONSE']._serialized_end=2341
+  _globals['_ROLLOUTSERVICE']._serialized_start=2853
+  _globals['_ROLLOUTSERVICE']._serialized_end=3432
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,12 @@ class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAUSE_MODE_WAIT: _ClassVar[PauseMode]
     PAUSE_MODE_KEEP: _ClassVar[PauseMode]
 
+class KvCache(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_CACHE_UNSPECIFIED: _ClassVar[KvCache]
+    KV_CACHE_RECOMPUTE: _ClassVar[KvCache]
+    KV_CACHE_KEEP: _ClassVar[KvCache]
+
 class WeightsFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WEIGHTS_FORMAT_UNSPECIFIED: _ClassVar[WeightsFormat]
@@ -43,6 +49,9 @@ PAUSE_MODE_UNSPECIFIED: PauseMode
 PAUSE_MODE_ABORT: PauseMode
 PAUSE_MODE_WAIT: PauseMode
 PAUSE_MODE_KEEP: PauseMode
+KV_CACHE_UNSPECIFIED: KvCache
+KV_CACHE_RECOMPUTE: KvCache
+KV_CACHE_KEEP: KvCache
 WEIGHTS_FORMAT_UNSPECIFIED: WeightsFormat
 WEIGHTS_FORMAT_SAFETENSORS: WeightsFormat
 WEIGHTS_FORMAT_ORBAX: WeightsFormat
@@ -156,7 +165,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("policy_version", "vocab_size", "eos_token_ids", "model_config_hash", "dtype", "max_seq_len", "paused")
+    __slots__ = ("policy_version", "vocab_size", "eos_token_ids", "model_config_hash", "dtype", "max_seq_len", "paused", "compiled_programs")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +173,7 @@ class ServerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    COMPILED_PROGRAMS_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -171,13 +181,16 @@ class ServerInfo(_message.Message):
     dtype: str
     max_seq_len: int
     paused: bool
-    def __init__(self, policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_config_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., paused: _Optional[bool] = ...) -> None: ...
+    compiled_programs: int
+    def __init__(self, policy_version: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_config_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., paused: _Optional[bool] = ..., compiled_programs: _Optional[int] = ...) -> None: ...
 
 class PauseGenerationRequest(_message.Message):
-    __slots__ = ("mode",)
+    __slots__ = ("mode", "kv_cache")
     MODE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     mode: PauseMode
-    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+    kv_cache: KvCache
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ..., kv_cache: _Optional[_Union[KvCache, str]] = ...) -> None: ...
 
 class PauseGenerationResponse(_message.Message):
     __slots__ = ("policy_version",)

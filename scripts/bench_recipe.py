@@ -1,0 +1,149 @@
+"""The GSM8K recipe (`configs/gsm8k_qwen2.5.toml`) end to end on a random checkpoint of a real shape: per-phase
+split, tokens/s, start-up and compile counts.
+
+Nothing is downloaded: the checkpoint is written with `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`
+(`scripts/make_hf_tiny.write_checkpoint`: random weights, a small BPE tokenizer; random weights never emit EOS, so
+every completion runs to ``--new-tokens``), and the dataset is GSM8K-shaped jsonl (question, answer ending in
+``#### <number>``). The run is ``python -m learner.train --config configs/gsm8k_qwen2.5.toml`` with the paths and the
+sizes set on the command line (``--set`` passes more), its metrics summarised per step:
+
+- ``step_s`` = rollout wait + update + publish, and NeMo-RL's throughput: (prompt + generated tokens) / step time /
+  devices (``perf/all_tokens_per_s_per_device``);
+- the start-up phases of step 1 (``startup/*``) and the programs built (learner ``compile/programs``, server
+  ``server/compiled_programs``: constant after step 2 when nothing compiles mid-run).
+
+Shapes: ``qwen2-0.5b`` (Qwen2.5-0.5B's exact config: the accelerator check, issue 37) and ``17m`` (a Qwen2 of ~17M
+parameters: the loaded-CPU check of issue 39, with the recipe's ``server.max_batch_size`` 512).
+
+    python scripts/bench_recipe.py --shape qwen2-0.5b --prompts 16 --samples 8 --new-tokens 512 --steps 3   # GPU
+    python scripts/bench_recipe.py --shape 17m --prompts 4 --samples 4 --new-tokens 32 --steps 3             # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
+
+PHASES = ("perf/step_s", "perf/rollout_wait_s", "perf/update_s", "perf/publish_s")
+
+
+def shape_config(shape: str, max_seq_len: int):
+    """The `ModelConfig` of ``shape``: ``qwen2-0.5b`` (Qwen2.5-0.5B's) or ``17m`` (a small Qwen2)."""
+    from learner.model import model_config
+
+    if shape == "17m":  # 50k x 256 tied embedding + 4 layers: ~17M parameters
+        return model_config("qwen2-0.5b", vocab_size=50_000, hidden_size=256, intermediate_size=1024, num_layers=4,
+                            num_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=max_seq_len)
+    return model_config(shape, max_seq_len=max_seq_len)
+
+
+def gsm8k_rows(count: int, seed: int) -> list[dict]:
+    """GSM8K-shaped rows: a word problem and a worked answer ending in ``#### <number>``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for a, b in rng.integers(2, 99, (count, 2)):
+        rows.append({"question": f"Natalia sold clips to {a} of her friends in April, and then she sold {b} clips "
+                                 "in May. How many clips did Natalia sell altogether in April and May?",
+                     "answer": f"Natalia sold {a} + {b} = {a + b} clips altogether.\n#### {a + b}"})
+    return rows
+
+
+def write_inputs(out_dir: pathlib.Path, shape: str, max_seq_len: int) -> dict[str, pathlib.Path]:
+    """The checkpoint and the train / test jsonl files under ``out_dir``."""
+    from make_hf_tiny import write_checkpoint
+
+    files = {"model": out_dir / "model", "train": out_dir / "train.jsonl", "test": out_dir / "test.jsonl"}
+    for name, count in (("train", 256), ("test", 16)):
+        rows = gsm8k_rows(count, seed=len(name))
+        files[name].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    texts = [row["question"] + " " + row["answer"] for row in gsm8k_rows(256, seed=0)]
+    write_checkpoint(files["model"], texts, shape_config(shape, max_seq_len), overwrite=True)
+    return files
+
+
+def recipe_command(files: dict, run_dir: pathlib.Path, args) -> list[str]:
+    sets = {"model.hf_path": files["model"], "task.args.path": files["train"],
+            "task.args.validation.path": files["test"], "task.args.validation.max_prompts": args.prompts,
+            "rollout.prompts_per_step": args.prompts, "rollout.num_samples": args.samples,
+            "rollout.max_new_tokens": args.new_tokens, "loop.steps": args.steps, "checkpoints.every": 1000,
+            "optimizer.warmup_steps": 0}  # the recipe's 10 need more updates than a few steps make
+    command = [sys.executable, "-m", "learner.train", "--config", str(REPO_ROOT / "configs" / "gsm8k_qwen2.5.toml"),
+               "--run-dir", str(run_dir)]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={json.dumps(value if isinstance(value, int) else str(value))}"]
+    for extra in args.set:
+        command += ["--set", extra]
+    return command
+
+
+def summarize(run_dir: pathlib.Path) -> dict:
+    """Per step: the phases and throughput; step 1's start-up record; the compile counts."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [{key: record.get(key, math.nan) for key in
+              (*PHASES, "perf/all_tokens_per_s_per_device", "perf/tokens_per_s", "compile/programs",
+               "server/compiled_programs")} | {"step": record["step"]} for record in records]
+    steady = steps[1:] or steps
+    return {"steps": steps,
+            "steady_median": {key: statistics.median(step[f"perf/{key}"] for step in steady) for key in
+                              ("step_s", "rollout_wait_s", "update_s", "publish_s", "all_tokens_per_s_per_device")},
+            "startup": {key: value for key, value in records[0].items() if key.startswith("startup/")},
+            "eval": {key: value for key, value in records[-1].items() if key.startswith("eval/")}}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2-0.5b", choices=("qwen2-0.5b", "17m"))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_recipe"))
+    parser.add_argument("--set", action="append", default=[], help="more run overrides (key=value)")
+    parser.add_argument("--summarize", type=pathlib.Path, metavar="RUN_DIR",
+                        help="only print the per-step summary of an existing run directory (any config)")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        return report(summarize(args.summarize))
+    args.out.mkdir(parents=True, exist_ok=True)
+    files = write_inputs(args.out, args.shape, max_seq_len=2048)
+    run_dir = args.out / "run"
+    command = recipe_command(files, run_dir, args)
+    print(" ".join(command), flush=True)
+    result = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    if result.returncode:
+        sys.exit(f"the recipe run failed (exit {result.returncode}); its server log: {run_dir / 'server.log'}")
+    summary = summarize(run_dir) | {"shape": args.shape, "config": dataclasses.asdict(shape_config(args.shape, 2048))}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return report(summary)
+
+
+def report(summary: dict) -> dict:
+    """Prints `summarize`'s figures: one line per step, the steady medians, the start-up phases."""
+    for step in summary["steps"]:
+        print("step {step}: {step_s:.2f} s = rollout wait {rollout_wait_s:.2f} + update {update_s:.2f} + publish "
+              "{publish_s:.3f}; {all_tokens_per_s_per_device:,.0f} tokens/s/device (prompt + generated); programs "
+              "built: learner {programs}, server {compiled_programs}".format(**{
+                  key.split("/", 1)[-1]: value for key, value in step.items()}), flush=True)
+    steady = summary["steady_median"]
+    print("steady (median after step 1): {step_s:.3f} s/step ({steps_per_s:.2f} steps/s) = rollout wait "
+          "{rollout_wait_s:.3f} + update {update_s:.3f} + publish {publish_s:.3f}; {all_tokens_per_s_per_device:,.0f} "
+          "tokens/s/device".format(**steady, steps_per_s=1 / steady["step_s"]), flush=True)
+    print("start-up:", ", ".join(f"{key.removeprefix('startup/')} {value:.1f}"
+                                 for key, value in summary["startup"].items()), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
