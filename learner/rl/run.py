@@ -257,6 +257,13 @@ class Run:
             return contextlib.nullcontext()
         return self.startup_times.phase(phase, Waiting(what, enabled=self.leader))
 
+    def _first_rollouts_wait(self) -> str:
+        """What the first rollouts wait for, in words: the embedded server compiled its programs before it served."""
+        server = self.config.server
+        if server.engine == "tether" and server.address is None:
+            return "waiting for the first rollouts"
+        return "waiting for the first rollouts (an engine may compile its sampling programs on first use)"
+
     def _engine_wait(self) -> str:
         """What starting the engine waits for, in words."""
         server = self.config.server
@@ -343,8 +350,7 @@ class Run:
         trainer, rollout = self.trainer, self.config.rollout
         first = step == self.start_step + 1  # announced and timed: rollouts sampled by programs still compiling
         if self.leader:
-            with self._first("first rollouts", "waiting for the first rollouts (the engine compiles its sampling "
-                             "programs on first use)", first):
+            with self._first("first rollouts", self._first_rollouts_wait(), first):
                 groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped

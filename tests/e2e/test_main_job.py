@@ -109,7 +109,7 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     # Never silent: each wait of the start-up is announced before it starts, in order, then where the time went.
     announced = ["building the train state ...", "warm-up: 2 steps of cross entropy; compiling its update step ...",
                  f"starting the tether engine (log: {run_dir / 'server.log'}) and publishing the weights ...",
-                 "waiting for the first rollouts (the engine compiles its sampling programs on first use) ...",
+                 "waiting for the first rollouts ...",
                  "compiling the RL update step ..."]
     lines = stdout.splitlines()
     assert all(line in lines for line in announced), stdout[:3000]
