@@ -148,7 +148,8 @@ def test_a_calculator_run_whose_environment_fails_in_25_percent_of_steps_trains_
             "warmup.steps=150", "warmup.batch_size=32", "warmup.noise=0.0",  # right answers, and wrong ones
             "rollout.prompts_per_step=4", "rollout.num_samples=4",
             "server.max_batch_size=16", "update.fast_compile=true", "update.num_minibatches=1",
-            "update.ppo_epochs=1", "loop.steps=3", "checkpoints.every=3", f"run_dir={json.dumps(str(run_dir))}"]
+            "update.ppo_epochs=1", "loop.steps=3", "optimizer.warmup_steps=0", "checkpoints.every=3",
+            f"run_dir={json.dumps(str(run_dir))}"]
     command = [sys.executable, "-m", "learner.train", "--config", str(REPO_ROOT / "configs" / "tool_calculator.toml"),
                *[arg for value in sets for arg in ("--set", value)]]
     result = subprocess.run(command, cwd=REPO_ROOT, env=train_env(), capture_output=True, text=True, timeout=540)

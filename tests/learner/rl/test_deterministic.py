@@ -93,9 +93,10 @@ def test_evaluation_requests_are_seeded_per_step_prompt_and_mode_when_determinis
     assert seeds[False] == [None] * 8
 
 
-# Timings (perf/*) and the client's retries (a Generate that missed its deadline on a busy machine, resent with the
-# same seed) record the machine, not the training: every other metric must be equal.
-MACHINE_METRICS = ("perf/", "generate/retries")
+# Timings (perf/*, the start-up's phases), compiles (how many programs came from the shared persistent cache, and
+# how long the rest took) and the client's retries (a Generate that missed its deadline on a busy machine, resent
+# with the same seed) record the machine, not the training: every other metric must be equal.
+MACHINE_METRICS = ("perf/", "startup/", "compile/", "server/compiled_programs", "generate/retries")
 
 
 @pytest.mark.slow  # two whole runs (warm-up, compiles, engine process): 85 s at load ~4, 518 s at ~17

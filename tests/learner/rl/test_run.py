@@ -177,15 +177,17 @@ def test_a_model_context_too_short_for_prompt_and_completion_is_refused_at_start
 
 @pytest.mark.slow  # an in-process run of 2 steps
 def test_dropped_samples_show_as_the_kept_share_and_a_step_under_half_warns_once(tmp_path, monkeypatch):
-    """3 of 4 groups lose a sample to a failed reward (NaN): each step trains on 4 of 16 samples."""
+    """3 of 4 groups lose 3 of their 4 samples to a failed reward (NaN). A failed sample costs only itself, but a
+    group left with fewer than 2 scored samples is dropped: each step trains on the last group, 4 of 16 samples."""
     from learner.tasks._digit_tasks import Addition
 
     original = Addition.rewards
 
     def rewards(self, rows, completions):
         values = np.asarray(original(self, rows, completions), np.float32)
-        values[:len(values) - 4:4] = np.nan  # the first sample of every group but the last
-        return values
+        values = values.reshape(-1, 4)  # [groups, samples]
+        values[:-1, :3] = np.nan  # 3 samples of every group but the last
+        return values.reshape(-1)
 
     monkeypatch.setattr(Addition, "rewards", rewards)
     with pytest.warns(UserWarning, match=r"step 1 trained on 4 of 16 samples .* warned once") as warned:
