@@ -27,7 +27,7 @@ import numpy as np
 from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 from learner.checkpoints.peft_export import write_peft_adapter
 from learner.checkpoints.safetensors_io import config_to_hf
-from learner.rl.config import RunConfig, client_config, engine_addresses, publish_pause
+from learner.rl.config import RunConfig, client_config, embedded_server, engine_addresses, publish_pause
 from learner.rl.devices import engine_environment
 from rollout_client import (
     Engine,
@@ -100,8 +100,7 @@ def publish_dtype(config: RunConfig) -> str:
     """The dtype the run publishes weights in: the embedded server's serving dtype (the learner casts on its device,
     `learner.rl.trainer.Trainer.host_weights`), else the learner's parameter dtype (what an external rollout.v1
     server accepts by default, and what the checkpoint writers of the other engines convert from)."""
-    embedded = config.server.engine == "tether" and config.server.address is None
-    return config.server.dtype if embedded else config.model.param_dtype
+    return config.server.dtype if embedded_server(config) else config.model.param_dtype
 
 
 def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:

@@ -57,7 +57,7 @@ from learner.reporting.run_files import refuse_links
 from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
-from learner.rl.config import RunConfig, changed_keys, checkpoint_config, sampling_params, to_dict
+from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
 from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
@@ -195,7 +195,7 @@ class Run:
                           "to do", flush=True)
                 return
         launching = None
-        if fresh and self.leader and config.server.engine == "tether" and not config.server.address:
+        if fresh and self.leader and embedded_server(config):
             # The embedded server compiles its programs while the learner loads weights and warms up; it starts on
             # the seed's weights, and the publish below gives it the learner's.
             launching = _EngineStart(stack, config, self.trainer, stop_ids, self.run_dir, {})
@@ -259,8 +259,7 @@ class Run:
 
     def _first_rollouts_wait(self) -> str:
         """What the first rollouts wait for, in words: the embedded server compiled its programs before it served."""
-        server = self.config.server
-        if server.engine == "tether" and server.address is None:
+        if embedded_server(self.config):
             return "waiting for the first rollouts"
         return "waiting for the first rollouts (an engine may compile its sampling programs on first use)"
 

@@ -334,8 +334,9 @@ def test_an_existing_safetensors_file_keeps_its_mode_and_memory_mapped_source(tm
 def test_peft_loads_the_adapter_from_another_working_directory(lora_run, monkeypatch):
     """PEFT's own loader (``AutoPeftModelForCausalLM``, with torch) reads the export from a directory that is neither
     the run's nor the export's, and computes the merged export's logits."""
-    peft = pytest.importorskip("peft")
-    torch = pytest.importorskip("torch")
+    # peft needs torch, which the test extras leave out (a plain pip install pulls a CUDA build of several GB)
+    peft = pytest.importorskip("peft", reason="PEFT is optional; .ci/run installs it with torch's CPU build")
+    torch = pytest.importorskip("torch", reason="peft's dependency; .ci/run installs its CPU build")
     transformers = importlib.import_module("transformers")
     tmp_path, _, _ = lora_run
     monkeypatch.chdir(tmp_path)
