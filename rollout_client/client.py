@@ -41,6 +41,10 @@ class ClientConfig:
     ready_timeout_s: float = 60.0  # How long `wait_ready` waits for SERVING.
     deadline_base_s: float = 30.0  # Generate deadline = base + per_token * max_new_tokens.
     deadline_per_token_s: float = 0.05
+    # Each attempt after a missed deadline waits this many times longer than the one before: a server that is slow
+    # (a loaded machine) rather than hung then finishes on a retry, instead of every attempt restarting the same
+    # samples and missing the same deadline.
+    deadline_growth: float = 2.0
     control_deadline_s: float = 120.0  # Pause, resume, info, abort, weight updates.
     # Generate attempts on UNAVAILABLE, CANCELLED (ended by the server or the transport, e.g. a server shutting
     # down: this client's own cancels end its task instead) or DEADLINE_EXCEEDED; a retry asks only for the samples
@@ -65,6 +69,8 @@ class ClientConfig:
                 raise ValueError(f"{name}={value!r}: must be a finite number > 0")
         if not (math.isfinite(self.deadline_per_token_s) and self.deadline_per_token_s >= 0):
             raise ValueError(f"deadline_per_token_s={self.deadline_per_token_s!r}: must be a finite number >= 0")
+        if not (math.isfinite(self.deadline_growth) and self.deadline_growth >= 1):
+            raise ValueError(f"deadline_growth={self.deadline_growth!r}: must be a finite number >= 1")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts={self.max_attempts!r}: must be >= 1")
 
@@ -195,9 +201,11 @@ class AsyncRolloutClient:
                 failures = 0 if len(results) > received_before else failures + 1
                 if deadline and failures >= self.config.max_attempts:
                     raise errors.RolloutDeadlineError(
-                        f"Generate {request.request_id}: no result within {deadline_s:.1f}s in {failures} "
-                        f"attempts (max_new_tokens={request.sampling.max_new_tokens}); raise the deadline "
+                        f"Generate {request.request_id}: no result in {failures} attempts, the last within "
+                        f"{deadline_s:.1f}s (max_new_tokens={request.sampling.max_new_tokens}); raise the deadline "
                         f"(ClientConfig.deadline_base_s) if the server is just slow") from error
+                if deadline:
+                    deadline_s *= self.config.deadline_growth
                 if failures >= self.config.max_attempts:
                     raise errors.RolloutUnavailableError(
                         f"Generate {request.request_id}: server {self.config.target} unavailable after "

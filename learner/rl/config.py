@@ -149,7 +149,9 @@ class ServerSection:
     control_timeout_s: float = _positive(600.0)  # one control call (pause, load weights, resume).
     weights_dir: str | None = None  # HF checkpoints for mlx, sglang, vllm; None: run_dir/engine_weights.
     keep_weight_versions: int = _positive(2)  # published checkpoint directories kept there (older ones are deleted).
-    generate_deadline_s: float = 30.0  # one Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts.
+    # A Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts, each after a missed deadline twice
+    # as long as the one before (a slow server, not a hung one, then finishes).
+    generate_deadline_s: float = 30.0
     max_relaunches: int = _non_negative(3)  # a launched engine that dies is relaunched (current weights) this often.
     probe_interval_s: float = _positive(2.0)  # between attempts to reach an engine that is down.
     give_up_after_s: float = _positive(120.0)  # the run ends when no engine has served for this long.

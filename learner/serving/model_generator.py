@@ -135,10 +135,10 @@ class ModelGenerator(Generator):
         return sorted({min(1 << k, rows) for k in range(rows.bit_length() + 1)})
 
     def compile_all(self) -> int:
-        """Compiles every program a request can need (each prefill length, each decode row count, the row move),
-        several at a time, so that none compiles while requests wait (the server calls this before it serves);
-        returns how many. Without it, each compiles on first use; `recompute_cache` (partial rollouts only) still
-        does."""
+        """Compiles every program a request can need (each prefill length, each decode row count, the row move, the
+        sample key's), several at a time, so that none compiles while requests wait (the server calls this before it
+        serves); returns how many of the engine's own it built. Without it, each compiles on first use;
+        `recompute_cache` (partial rollouts only) still does."""
         firsts = (self._keys[0], self._temperature[0], self._top_k[0], self._top_p[0], self._min_p[0],
                   self._processed[0])
         lowered = {("prefill", length): self._prefill.lower(self._params, self._cache, self._valid, 0,
@@ -150,6 +150,7 @@ class ModelGenerator(Generator):
         lowered[("move",)] = self._move_row.lower(self._cache, self._valid, 0, 0)
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             self._compiled = dict(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
+        sample_key(0, 0)  # builds the few small programs that derive a sample's key, which every request runs
         return len(self._compiled)
 
     @property

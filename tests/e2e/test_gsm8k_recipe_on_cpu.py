@@ -2,8 +2,12 @@
 checkpoint (scripts/bench_recipe.py, the same inputs as the GPU check's), 4 prompts x 4 samples, 3 steps, with the
 config's server.max_batch_size of 512 and its evaluation at the last step.
 
-The embedded server compiles every prefill and decode program before it serves, so no Generate waits on a compile
-(no retry) and no program is built after step 2; evaluation requests go through the same retries as training's.
+The embedded server compiles every program a request runs before it serves, so no Generate waits on a compile: the
+server builds no program after step 1's record, the learner none after step 2. Evaluation requests go through the same
+retries as training's. On a loaded machine a Generate can still miss its first deadline because the machine is slow
+(not compiling): each retry waits twice as long (`ClientConfig.deadline_growth`), so the run finishes. With one fixed
+deadline, at load ~4 (two busy loops beside the run) every attempt restarted the same samples and missed the same
+33 s, and the first rollouts never came (an engine relaunched after 5 attempts; killed after 15 minutes).
 """
 
 import json
@@ -19,7 +23,7 @@ from tests.e2e.test_main_job import REPO_ROOT, train_env
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 
-@pytest.mark.slow  # ~6 min on the shared 2-core machine: 18 server programs at 512 rows and 1024 slots, 3 steps, eval
+@pytest.mark.slow  # 398 s at load ~4 on the 2-core machine: 18 server programs at 512 rows x 1024 slots, 3 steps, eval
 def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
     import bench_recipe
 
@@ -35,10 +39,11 @@ def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(r["generate/retries"] == 0 for r in records), [r["generate/retries"] for r in records]
-    for key in ("compile/programs", "server/compiled_programs"):
-        assert records[1][key] == records[2][key], key
+    assert records[0]["server/compiled_programs"] > 0
+    assert [r["server/compiled_programs"] for r in records] == [records[0]["server/compiled_programs"]] * 3
+    assert records[1]["compile/programs"] == records[2]["compile/programs"]
     assert "eval/reward_mean" in records[2] and records[2]["eval/dropped_samples"] == 0
     server_log = (tmp_path / "run" / "server.log").read_text()
     assert "prefill and decode programs in" in server_log
-    print(json.dumps({key: value for key, value in records[0].items() if key.startswith("startup/")}))
+    print(json.dumps({key: value for key, value in records[0].items() if key.startswith("startup/")}),
+          "generate/retries:", [r["generate/retries"] for r in records])

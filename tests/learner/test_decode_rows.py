@@ -124,6 +124,22 @@ def test_compile_all_covers_every_prefill_length_and_decode_row_count_a_request_
     assert row_counts[-1] == max_batch_size and all(b == 2 * a for a, b in zip(row_counts, row_counts[1:-1]))
 
 
+def test_requests_after_compile_all_build_no_program(model):
+    """What the server promises when it reports ready: requests (prefills of several lengths, decodes at several row
+    counts, rows moved, each sample's key derived from its seed) run compile_all's programs and build none."""
+    jax.clear_caches()  # programs built by earlier tests in this worker would hide a compile on first use
+    generator = ModelGenerator(model, max_batch_size=4, max_seq_len=32, decode_steps_per_call=STEPS_PER_CALL)
+    generator.compile_all()
+    built = generator.compiled_programs
+    for index in range(4):
+        generator.add(index, spec(index, 8))
+        generator.step()
+    for index in (0, 2, 1, 3):
+        generator.remove(index)
+        generator.step()
+    assert generator.compiled_programs == built
+
+
 def test_a_batch_invariant_generator_precompiles_its_one_decode_program(model):
     """batch_invariant decodes every row at every step: compile_all builds that one row count, and a step with one
     active row runs the program it built (no compile on first use)."""

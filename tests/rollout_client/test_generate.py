@@ -1,5 +1,6 @@
 """Generate against a real scripted-engine server: samples, chunks, errors, abort, deadlines."""
 
+import dataclasses
 import threading
 import time
 
@@ -149,10 +150,28 @@ def test_deadline_exceeded_is_retried_then_raises_deadline_error(scripted_server
                           max_attempts=2, initial_backoff_s=0.01)
     with RolloutClient(config) as short_deadline_client:
         start = time.monotonic()
-        with pytest.raises(RolloutDeadlineError, match="no result within 0.3s in 2 attempts"):
+        with pytest.raises(RolloutDeadlineError, match=r"no result in 2 attempts, the last within 0.6s"):
             short_deadline_client.generate(long_request())
-        assert time.monotonic() - start >= 0.6
+        assert time.monotonic() - start >= 0.3 + 0.6  # the second attempt waits twice as long (deadline_growth)
         assert short_deadline_client.metrics()["generate/retries"] == 1
+
+
+def test_a_slow_server_finishes_on_a_retry_with_a_longer_deadline(start_server):
+    """A server slower than the first deadline (a loaded machine), not hung: 100 steps of 20 ms take ~2 s against a
+    first deadline of 1 s. Each retry restarts the sample, so with the same deadline every attempt misses it; with
+    the deadline growing 4x per missed attempt, the second one (4 s) finishes it. Each step is mostly sleep, so a
+    loaded machine stretches it little: 2 s of slack."""
+    server = start_server("--engine", "scripted", "--step-delay-s", "0.02")
+    request = RolloutRequest([5, 6], SamplingParams(max_new_tokens=100, stop_token_ids=(), seed=1))
+    patient = ClientConfig(target=server.target, deadline_base_s=1.0, deadline_per_token_s=0.0, max_attempts=2,
+                           initial_backoff_s=0.01, deadline_growth=4.0)
+    with RolloutClient(patient) as rollout_client:
+        (sample,) = rollout_client.generate(request)
+        assert sample.completion_token_ids.size == 100
+        assert rollout_client.metrics()["generate/retries"] == 1
+    with RolloutClient(dataclasses.replace(patient, deadline_growth=1.0)) as rollout_client:
+        with pytest.raises(RolloutDeadlineError, match=r"no result in 2 attempts, the last within 1.0s"):
+            rollout_client.generate(request)
 
 
 def test_deadline_after_some_samples_retries_only_the_missing_ones(start_server):
