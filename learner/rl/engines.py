@@ -112,7 +112,8 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
             "--eos-ids", *map(str, eos_ids), "--max-batch-size", str(config.server.max_batch_size),
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
             "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision,
-            *(["--batch-invariant"] if config.loop.deterministic else [])]
+            *(["--batch-invariant"] if config.loop.deterministic else []),
+            *(["--partial"] if config.rollout.partial and config.rollout.partial_kv == "recompute" else [])]
 
 
 def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]

@@ -44,6 +44,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precompile", action="store_true",
                         help="compile every prefill and decode program before serving (what a run's embedded server "
                              "does), so that no request waits on a compile; else each compiles at its first use")
+    parser.add_argument("--partial", action="store_true",
+                        help="with --precompile, also compile the KV-cache recompute programs that a publish keeping "
+                             "sequences runs (partial rollouts), so that no publish waits on a compile")
     parser.add_argument("--matmul-precision", default="auto", choices=MATMUL_PRECISIONS,
                         help="precision of every matmul; auto: highest for float32 compute, else default")
 
@@ -79,11 +82,12 @@ def served_engine(args: argparse.Namespace) -> ModelGenerator:
     on a compile)."""
     generator = model_engine(args)
     if args.precompile:
-        print(f"compiling {len(generator.prefill_lengths()) + len(generator.decode_row_counts()) + 1} prefill and "
-              "decode programs", flush=True)
+        what = "prefill, decode and recompute" if args.partial else "prefill and decode"
+        count = len(generator.prefill_lengths()) + len(generator.decode_row_counts()) + 1
+        print(f"compiling {count + len(generator.refill_shapes()) * args.partial} {what} programs", flush=True)
         started = time.perf_counter()
-        programs = generator.compile_all()
-        print(f"compiled {programs} prefill and decode programs in {time.perf_counter() - started:.1f} s", flush=True)
+        programs = generator.compile_all(recompute=args.partial)
+        print(f"compiled {programs} {what} programs in {time.perf_counter() - started:.1f} s", flush=True)
     return generator
 
 

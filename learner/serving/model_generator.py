@@ -134,11 +134,14 @@ class ModelGenerator(Generator):
             return [rows]
         return sorted({min(1 << k, rows) for k in range(rows.bit_length() + 1)})
 
-    def compile_all(self) -> int:
+    def compile_all(self, recompute: bool = False) -> int:
         """Compiles every program a request can need (each prefill length, each decode row count, the row move, the
         sample key's), several at a time, so that none compiles while requests wait (the server calls this before it
-        serves); returns how many of the engine's own it built. Without it, each compiles on first use;
-        `recompute_cache` (partial rollouts only) still does."""
+        serves); returns how many of the engine's own it built. Without it, each compiles on first use.
+
+        ``recompute``: also every `recompute_cache` program (a row count by a length, `refill_shapes`), which partial
+        rollouts run at each publish that keeps sequences: else each compiles inside the publish that first needs it.
+        """
         firsts = (self._keys[0], self._temperature[0], self._top_k[0], self._top_p[0], self._min_p[0],
                   self._processed[0])
         lowered = {("prefill", length): self._prefill.lower(self._params, self._cache, self._valid, 0,
@@ -148,10 +151,22 @@ class ModelGenerator(Generator):
                                                          *(array[:rows] for array in self._row_arrays()))
                     for rows in self.decode_row_counts()}
         lowered[("move",)] = self._move_row.lower(self._cache, self._valid, 0, 0)
+        if recompute:
+            lowered |= {("refill", rows, length): self._refill.lower(
+                self._params, self._cache, self._valid, np.zeros((rows, length), np.int32), self._positions[:rows],
+                self._active[:rows]) for rows, length in self.refill_shapes()}
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             self._compiled = dict(zip(lowered, pool.map(lambda program: program.compile(), lowered.values())))
         sample_key(0, 0)  # builds the few small programs that derive a sample's key, which every request runs
         return len(self._compiled)
+
+    def refill_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, length) a `recompute_cache` runs at: every `decode_rows` count by every prefill length and
+        the whole row (a kept sequence can fill its row)."""
+        row_counts = sorted({decode_rows(np.arange(self._info.max_batch_size) < used)
+                             for used in range(1, self._info.max_batch_size + 1)})
+        lengths = sorted({*self.prefill_lengths(), self._info.max_seq_len})
+        return [(rows, length) for rows in row_counts for length in lengths]
 
     @property
     def info(self) -> GeneratorInfo:
@@ -248,8 +263,9 @@ class ModelGenerator(Generator):
         rows = decode_rows(self._active)
         lengths = np.minimum(self._positions[:rows], self._info.max_seq_len)  # the cache holds [0, position)
         bucket = prefill_bucket(int(lengths[self._active[:rows]].max()), self._info.max_seq_len)
-        self._cache, self._valid = self._refill(self._params, self._cache, self._valid, self._history[:rows, :bucket],
-                                                lengths, self._active[:rows])
+        refill = self._compiled.get(("refill", rows, bucket), self._refill)
+        self._cache, self._valid = refill(self._params, self._cache, self._valid, self._history[:rows, :bucket],
+                                          lengths, self._active[:rows])
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         check_weights_match(self._expected, weights)

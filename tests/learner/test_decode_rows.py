@@ -140,6 +140,47 @@ def test_requests_after_compile_all_build_no_program(model):
     assert generator.compiled_programs == built
 
 
+def test_recompute_after_compile_all_with_recompute_builds_no_program(model):
+    """Partial rollouts' server (``--partial``): each publish that keeps sequences recomputes their cache at a
+    (rows, length) of `refill_shapes`; compile_all(recompute=True) built them all, so the publishes build none. The
+    same calls on an engine without them (which compiles each on first use) give the same tokens and cache."""
+    jax.clear_caches()
+
+    def run(engine):
+        tokens = []
+        for index in range(3):
+            engine.add(index, spec(index, 30))
+            tokens.append(engine.step())
+            engine.recompute_cache()  # 1 to 3 rows (row counts 1, 2, 4) at lengths up to 32
+        for _ in range(4):
+            tokens.append(engine.step())
+            engine.recompute_cache()  # the longest row passes 32 slots: the whole row (40)
+        return tokens
+
+    def make():
+        return ModelGenerator(model, max_batch_size=4, max_seq_len=40, decode_steps_per_call=STEPS_PER_CALL)
+
+    reference = make()  # first, without the refills: the count sees them compile on first use
+    reference.compile_all()
+    built = reference.compiled_programs
+    reference_tokens = run(reference)
+    assert reference.compiled_programs > built
+    jax.clear_caches()
+    generator = make()
+    assert generator.refill_shapes() == [(r, n) for r in (1, 2, 4) for n in (16, 32, 40)]
+    assert generator.compile_all(recompute=True) == 3 + 3 + 1 + 9  # prefills, decodes, the row move, the refills
+    built = generator.compiled_programs
+    tokens = run(generator)
+    assert generator.compiled_programs == built
+    for got, want in zip(tokens, reference_tokens, strict=True):
+        assert got.keys() == want.keys()
+        for key in got:
+            np.testing.assert_array_equal(got[key][0], want[key][0])
+            np.testing.assert_allclose(got[key][1], want[key][1], rtol=1e-5, atol=1e-6)  # the same programs' math
+    for kept, rebuilt in zip(jax.tree.leaves(generator._cache), jax.tree.leaves(reference._cache), strict=True):
+        np.testing.assert_allclose(np.asarray(kept), np.asarray(rebuilt), rtol=1e-5, atol=1e-6)
+
+
 def test_a_batch_invariant_generator_precompiles_its_one_decode_program(model):
     """batch_invariant decodes every row at every step: compile_all builds that one row count, and a step with one
     active row runs the program it built (no compile on first use)."""

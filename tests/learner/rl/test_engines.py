@@ -165,6 +165,17 @@ def test_reference_server_is_built_from_the_hf_checkpoint_when_there_is_one():
         "2", "7"]
 
 
+def test_a_partial_run_has_its_server_compile_the_cache_recompute_programs_too():
+    """Partial rollouts that recompute the kept sequences' cache at a publish ask the server for those programs
+    before it serves (``--partial``); keeping the cache as it is needs none."""
+    trainer = types.SimpleNamespace(length=96)
+    partial = ["rollout.partial=true", "rollout.max_staleness=1"]
+    assert "--partial" in reference_server_args(load_config(None, partial), trainer, (2,))
+    assert "--partial" not in reference_server_args(load_config(None, [*partial, "rollout.partial_kv='keep'"]),
+                                                    trainer, (2,))
+    assert "--partial" not in reference_server_args(load_config(None), trainer, (2,))
+
+
 def test_adapter_publish_only_where_a_request_can_name_the_adapter():
     """vLLM's smg ``GenerateRequest`` has no LoRA field: a LoRA run asking it for adapter publish is refused, by key,
     citing the proto and its version; SGLang publishes the adapter when asked; "auto" publishes merged weights
