@@ -148,17 +148,17 @@ def test_recompute_after_compile_all_with_recompute_builds_no_program(model):
 
     def run(engine):
         tokens = []
-        for index in range(3):
-            engine.add(index, spec(index, 30))
+        for index in range(2):
+            engine.add(index, spec(index, 24))
             tokens.append(engine.step())
-            engine.recompute_cache()  # 1 to 3 rows (row counts 1, 2, 4) at lengths up to 32
-        for _ in range(4):
+            engine.recompute_cache()  # 1 row, then 2, at length 16
+        for _ in range(3):
             tokens.append(engine.step())
-            engine.recompute_cache()  # the longest row passes 32 slots: the whole row (40)
+            engine.recompute_cache()  # the longest row passes 16 slots: the whole row (32)
         return tokens
 
     def make():
-        return ModelGenerator(model, max_batch_size=4, max_seq_len=40, decode_steps_per_call=STEPS_PER_CALL)
+        return ModelGenerator(model, max_batch_size=2, max_seq_len=32, decode_steps_per_call=STEPS_PER_CALL)
 
     reference = make()  # first, without the refills: the count sees them compile on first use
     reference.compile_all()
@@ -167,8 +167,8 @@ def test_recompute_after_compile_all_with_recompute_builds_no_program(model):
     assert reference.compiled_programs > built
     jax.clear_caches()
     generator = make()
-    assert generator.refill_shapes() == [(r, n) for r in (1, 2, 4) for n in (16, 32, 40)]
-    assert generator.compile_all(recompute=True) == 3 + 3 + 1 + 9  # prefills, decodes, the row move, the refills
+    assert generator.refill_shapes() == [(1, 16), (1, 32), (2, 16), (2, 32)]
+    assert generator.compile_all(recompute=True) == 2 + 2 + 1 + 4  # prefills, decodes, the row move, the refills
     built = generator.compiled_programs
     tokens = run(generator)
     assert generator.compiled_programs == built
