@@ -23,7 +23,7 @@ from tests.e2e.test_main_job import REPO_ROOT, train_env
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 
-@pytest.mark.slow  # 471 s at load ~4, 807 s at ~5-6 (2-core): 18 server programs at 512 rows x 1024 slots, 3 steps, eval
+@pytest.mark.slow  # 471 s at load ~4, 807 s at ~5-6 (2-core): 18 server programs (512 rows x 1024 slots), 3 steps
 def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
     import bench_recipe
 
