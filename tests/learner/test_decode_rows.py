@@ -140,6 +140,7 @@ def test_requests_after_compile_all_build_no_program(model):
     assert generator.compiled_programs == built
 
 
+@pytest.mark.slow  # 21 s in a full default run on the 2-core machine (13 s alone): out of the default run's 15 minutes
 def test_recompute_after_compile_all_with_recompute_builds_no_program(model):
     """Partial rollouts' server (``--partial``): each publish that keeps sequences recomputes their cache at a
     (rows, length) of `refill_shapes`; compile_all(recompute=True) built them all, so the publishes build none. The
