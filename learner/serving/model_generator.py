@@ -129,9 +129,13 @@ class ModelGenerator(Generator):
     def decode_row_counts(self) -> list[int]:
         """The row counts a decode step runs at (`decode_rows` of every set of active rows; all rows when
         ``batch_invariant``)."""
-        rows = self._info.max_batch_size
         if self._batch_invariant:
-            return [rows]
+            return [self._info.max_batch_size]
+        return self._row_buckets()
+
+    def _row_buckets(self) -> list[int]:
+        """Every `decode_rows` value: the powers of two below ``max_batch_size``, and ``max_batch_size``."""
+        rows = self._info.max_batch_size
         return sorted({min(1 << k, rows) for k in range(rows.bit_length() + 1)})
 
     def compile_all(self, recompute: bool = False) -> int:
@@ -163,10 +167,8 @@ class ModelGenerator(Generator):
     def refill_shapes(self) -> list[tuple[int, int]]:
         """The (rows, length) a `recompute_cache` runs at: every `decode_rows` count by every prefill length and
         the whole row (a kept sequence can fill its row)."""
-        row_counts = sorted({decode_rows(np.arange(self._info.max_batch_size) < used)
-                             for used in range(1, self._info.max_batch_size + 1)})
         lengths = sorted({*self.prefill_lengths(), self._info.max_seq_len})
-        return [(rows, length) for rows in row_counts for length in lengths]
+        return [(rows, length) for rows in self._row_buckets() for length in lengths]
 
     @property
     def info(self) -> GeneratorInfo:
