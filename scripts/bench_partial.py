@@ -6,7 +6,8 @@ load (on a shared machine it changes over minutes). ``--repeats N`` does it N ti
 trained per second of the RL loop (over its steps' wall time, warm-up and start-up excluded; and the median of the
 steps' own rates, which a compile inside one step does not move), the reward of the first and last 20 steps,
 ``rollout/partial_fraction`` (mean), ``rollout/versions_per_sample_max`` (max), the per-token staleness (mean), the
-samples dropped as stale, and whether every metric was finite.
+samples dropped as stale, the mean seconds of a step's phases (update, publish, rollout wait), and whether every
+metric was finite.
 
     python scripts/bench_partial.py [--steps 80] [--repeats 1] [--out DIR] [--set KEY=VALUE ...]
 """
@@ -48,15 +49,19 @@ def summary(records: list[dict]) -> dict[str, float]:
             "versions_max": series("rollout/versions_per_sample_max").max() if series(
                 "rollout/versions_per_sample_max").size else 1.0,
             "staleness_mean": series("rollout_corr/staleness_mean").mean(),
-            "stale_dropped": series("buffer/stale_dropped")[-1], "all_finite": finite}
+            "stale_dropped": series("buffer/stale_dropped")[-1],
+            **{f"{phase}_s": series(f"perf/{phase}_s").mean() for phase in ("update", "publish", "rollout_wait")},
+            "all_finite": finite}
 
 
 def start(run_dir: pathlib.Path, partial: bool, steps: int, overrides: list[str]) -> subprocess.Popen:
-    """Starts one training run."""
+    """Starts one training run; its output (progress bars included) goes to ``run_dir``/train.log."""
     sets = [f"rollout.partial={str(partial).lower()}", f"loop.steps={steps}", *overrides]
     command = [sys.executable, "-m", "learner.train", "--config", str(CONFIG), "--run-dir", str(run_dir),
                *[arg for item in sets for arg in ("--set", item)]]
-    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "train.log", "wb") as log:
+        return subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,19 +73,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="bench-partial-"))
     columns = ("samples_per_s", "median_samples_per_s", "reward_first", "reward_last", "partial_fraction",
-               "versions_max", "staleness_mean", "stale_dropped", "loop_s", "all_finite")
-    print(f"{'run':>16}" + "".join(f"{name:>17}" for name in columns), flush=True)
+               "versions_max", "staleness_mean", "stale_dropped", "update_s", "publish_s", "rollout_wait_s", "loop_s",
+               "all_finite")
+    widths = {name: max(10, len(name) + 2) for name in columns}
+    print(f"{'run':>16}" + "".join(f"{name:>{widths[name]}}" for name in columns), flush=True)
     for repeat in range(args.repeats):
         runs = {partial: (out / f"partial={str(partial).lower()}-{repeat}") for partial in (True, False)}
         processes = {partial: start(run_dir, partial, args.steps, args.set) for partial, run_dir in runs.items()}
         for partial, process in processes.items():
             if process.wait():
                 raise SystemExit(f"the run with rollout.partial={str(partial).lower()} failed "
-                                 f"(exit {process.returncode})")
+                                 f"(exit {process.returncode}; its output: {runs[partial] / 'train.log'})")
         for partial, run_dir in runs.items():
             result = summary(read_metrics(run_dir / "metrics.jsonl"))
             print(f"{'partial=' + str(partial).lower():>16}" + "".join(
-                f"{str(result[c]):>17}" if isinstance(result[c], bool) else f"{result[c]:>17.4g}" for c in columns),
+                f"{str(result[c]):>{widths[c]}}" if isinstance(result[c], bool) else f"{result[c]:>{widths[c]}.4g}"
+                for c in columns),
                 flush=True)
 
 

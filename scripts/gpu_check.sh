@@ -4,7 +4,7 @@
 # benchmarks (scripts/bench_gpu.py: Tether vs tunix at qwen2-0.5b; scripts/bench_lora.py: LoRA vs full fine-tuning
 # at llama-1b; bench_gpu.py: MFU at llama-1b), then issue 37's loop checks (scripts/bench_recipe.py: the GSM8K recipe
 # on a random Qwen2.5-0.5B-shaped checkpoint, cold and warm; bench_publish.py; bench_decode.py; the main job's
-# steps/s), each step under its own timeout,
+# steps/s), then issue 41's partial rollouts side by side (scripts/bench_partial.py), each step under its own timeout,
 # with JAX_PLATFORMS=cuda so that a CPU fallback cannot pass. A failing or timed-out step does not stop the later
 # ones. Everything is written under OUT_DIR (default: $OUT, the device tool's output folder, else ./gpu_check_out);
 # the summary (each step's status, the tests' key numbers, the benchmark tables) is printed at the end.
@@ -81,6 +81,8 @@ if [[ $MODE == gpu ]]; then
   PUBLISH=(--model qwen2-0.5b --dtype bfloat16 --repeats 4)
   DECODE=(--model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512)
   MAIN_JOB_STEPS=60
+  # issue 41: the two runs share the GPU at once (learner 0.3 + server 0.15 of its memory each)
+  PARTIAL=(--steps 60 --set mesh.device_memory_fraction=0.3 --set server.device_memory_fraction=0.15)
 else
   export JAX_PLATFORMS=cpu TETHER_ACCELERATOR_TESTS_ON_CPU=1
   BENCH_COMPARE=(--compare tiny --mfu "" --rows 2 --length 64 --rounds 1 --calls 1)
@@ -95,6 +97,7 @@ else
   PUBLISH=(--model tiny --repeats 3)
   DECODE=(--model tiny --rows 4 --prompt-tokens 8 --new-tokens 16 --steps-per-call 4)
   MAIN_JOB_STEPS=4
+  PARTIAL=(--steps 3 --set warmup.steps=5 --set checkpoints.every=1000)
 fi
 export JAX_ENABLE_COMPILATION_CACHE=false  # every compile is measured as a user's first one
 
@@ -155,6 +158,10 @@ wanted main_job_speed && step main_job_speed 150 "$PYTHON" -m learner.train --co
   --run-dir "$OUT_DIR/main_job_speed" --set loop.steps=$MAIN_JOB_STEPS --set checkpoints.every=1000 \
   && step main_job_summary 30 "$PYTHON" scripts/bench_recipe.py --summarize "$OUT_DIR/main_job_speed" \
   && summary_lines main_job_summary "^(steady|start-up)"
+# Issue 41: partial rollouts side by side with rollout.partial = false, where generation, not the update, is the
+# bottleneck (on a CPU the update is: docs/benchmarks.md)
+wanted bench_partial && step bench_partial 300 "$PYTHON" scripts/bench_partial.py "${PARTIAL[@]}" \
+  --out "$OUT_DIR/bench_partial" && summary_lines bench_partial "run|partial="
 for table in "$OUT_DIR"/bench_{compare,mfu,long,remat,passes}/bench_gpu.md; do
   [[ -f $table ]] && tee -a "$SUMMARY" < "$table"
 done
