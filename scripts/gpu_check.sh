@@ -160,8 +160,9 @@ wanted main_job_speed && step main_job_speed 150 "$PYTHON" -m learner.train --co
   && summary_lines main_job_summary "^(steady|start-up)"
 # Issue 41: partial rollouts side by side with rollout.partial = false, where generation, not the update, is the
 # bottleneck (on a CPU the update is: docs/benchmarks.md)
+# (the two run directories stay out of OUT_DIR: their checkpoints and logs are many files; the table is the result)
 wanted bench_partial && step bench_partial 300 "$PYTHON" scripts/bench_partial.py "${PARTIAL[@]}" \
-  --out "$OUT_DIR/bench_partial" && summary_lines bench_partial "run|partial="
+  --out "$(mktemp -d)" && summary_lines bench_partial "run|partial="
 for table in "$OUT_DIR"/bench_{compare,mfu,long,remat,passes}/bench_gpu.md; do
   [[ -f $table ]] && tee -a "$SUMMARY" < "$table"
 done
