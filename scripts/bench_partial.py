@@ -38,16 +38,16 @@ def summary(records: list[dict]) -> dict[str, float]:
         return np.array([r[key] for r in records if key in r], np.float64)
 
     samples, step_s = series("rollout/samples"), series("perf/step_s")
+    # a run without partial rollouts logs neither key: none of its samples holds two versions
+    partial, versions = series("rollout/partial_fraction"), series("rollout/versions_per_sample_max")
     seconds = step_s.sum()
     finite = all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
     return {"steps": len(records), "samples": samples.sum(), "loop_s": seconds,
             "samples_per_s": samples.sum() / seconds,
             "median_samples_per_s": np.median(samples / step_s),
             "reward_first": series("reward/mean")[:LAST].mean(), "reward_last": series("reward/mean")[-LAST:].mean(),
-            "partial_fraction": series("rollout/partial_fraction").mean() if series("rollout/partial_fraction").size
-            else 0.0,
-            "versions_max": series("rollout/versions_per_sample_max").max() if series(
-                "rollout/versions_per_sample_max").size else 1.0,
+            "partial_fraction": partial.mean() if partial.size else 0.0,
+            "versions_max": versions.max(initial=1.0),
             "staleness_mean": series("rollout_corr/staleness_mean").mean(),
             "stale_dropped": series("buffer/stale_dropped")[-1],
             **{f"{phase}_s": series(f"perf/{phase}_s").mean() for phase in ("update", "publish", "rollout_wait")},

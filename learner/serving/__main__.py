@@ -83,8 +83,7 @@ def served_engine(args: argparse.Namespace) -> ModelGenerator:
     generator = model_engine(args)
     if args.precompile:
         what = "prefill, decode and recompute" if args.partial else "prefill and decode"
-        count = len(generator.prefill_lengths()) + len(generator.decode_row_counts()) + 1
-        print(f"compiling {count + len(generator.refill_shapes()) * args.partial} {what} programs", flush=True)
+        print(f"compiling {generator.program_count(recompute=args.partial)} {what} programs", flush=True)
         started = time.perf_counter()
         programs = generator.compile_all(recompute=args.partial)
         print(f"compiled {programs} {what} programs in {time.perf_counter() - started:.1f} s", flush=True)

@@ -164,6 +164,12 @@ class ModelGenerator(Generator):
         sample_key(0, 0)  # builds the few small programs that derive a sample's key, which every request runs
         return len(self._compiled)
 
+    def program_count(self, recompute: bool = False) -> int:
+        """How many programs ``compile_all(recompute)`` builds: each prefill length, each decode row count, the row
+        move and, with ``recompute``, each `refill_shapes`."""
+        return (len(self.prefill_lengths()) + len(self.decode_row_counts()) + 1
+                + (len(self.refill_shapes()) if recompute else 0))
+
     def refill_shapes(self) -> list[tuple[int, int]]:
         """The (rows, length) a `recompute_cache` runs at: every `decode_rows` count by every prefill length and
         the whole row (a kept sequence can fill its row)."""

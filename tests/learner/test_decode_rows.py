@@ -129,7 +129,7 @@ def test_requests_after_compile_all_build_no_program(model):
     counts, rows moved, each sample's key derived from its seed) run compile_all's programs and build none."""
     jax.clear_caches()  # programs built by earlier tests in this worker would hide a compile on first use
     generator = ModelGenerator(model, max_batch_size=4, max_seq_len=32, decode_steps_per_call=STEPS_PER_CALL)
-    generator.compile_all()
+    assert generator.compile_all() == generator.program_count()  # what the server announces before it compiles
     built = generator.compiled_programs
     for index in range(4):
         generator.add(index, spec(index, 8))
@@ -169,7 +169,8 @@ def test_recompute_after_compile_all_with_recompute_builds_no_program(model):
     jax.clear_caches()
     generator = make()
     assert generator.refill_shapes() == [(1, 16), (1, 32), (2, 16), (2, 32)]
-    assert generator.compile_all(recompute=True) == 2 + 2 + 1 + 4  # prefills, decodes, the row move, the refills
+    assert generator.program_count(recompute=True) == 2 + 2 + 1 + 4  # prefills, decodes, the row move, the refills
+    assert generator.compile_all(recompute=True) == 2 + 2 + 1 + 4
     built = generator.compiled_programs
     tokens = run(generator)
     assert generator.compiled_programs == built
