@@ -53,7 +53,7 @@ def _step_dirs(checkpoints: pathlib.Path) -> dict[int, pathlib.Path]:
     return {int(path.name): path for path in checkpoints.iterdir() if path.is_dir() and path.name.isdigit()}
 
 
-def _choose_step(checkpoints: pathlib.Path, step: int | None) -> pathlib.Path:
+def choose_checkpoint(checkpoints: pathlib.Path, step: int | None) -> pathlib.Path:
     """Checkpoint ``step`` (verified if it has a manifest), or the newest one whose manifest verifies."""
     steps = _step_dirs(checkpoints)
     if step is not None:
@@ -129,7 +129,7 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
     Returns:
         ``out_dir``.
     """
-    step_dir = _choose_step(pathlib.Path(run_dir) / "checkpoints", step)
+    step_dir = choose_checkpoint(pathlib.Path(run_dir) / "checkpoints", step)
     run_config = read_step(step_dir)[0].get("config") or {}
     model = run_config.get("model") or {}
     hf_path = model.get("hf_path")

@@ -6,10 +6,17 @@ load (on a shared machine it changes over minutes). ``--repeats N`` does it N ti
 trained per second of the RL loop (over its steps' wall time, warm-up and start-up excluded; and the median of the
 steps' own rates, which a compile inside one step does not move), the reward of the first and last 20 steps,
 ``rollout/partial_fraction`` (mean), ``rollout/versions_per_sample_max`` (max), the per-token staleness (mean), the
-samples dropped as stale, the mean seconds of a step's phases (update, publish, rollout wait), and whether every
-metric was finite.
+samples dropped as stale, the mean seconds of a step's phases (update, publish, rollout wait), whether every
+metric was finite, and the policy's reward: the exact expected reward of the run's last checkpoint on 4,096 fixed
+prompts of the task (`policy_reward`).
+
+The reward columns are noisy: two runs of one config differ by up to 0.06 in reward of the last 20 steps, which
+samples the policy on the same 160 prompts. ``policy_reward`` is computed, not sampled: on an exact-match task
+(reward 1 for the answer then eos, the `TextTask` rule) a sample's expected reward is the probability of that
+completion, `learner.logprobs.completions`. Two runs of one config differ there by ~0.01.
 
     python scripts/bench_partial.py [--steps 80] [--repeats 1] [--out DIR] [--set KEY=VALUE ...]
+    python scripts/bench_partial.py --summarize DIR   # the table again, from the run directories in DIR
 """
 
 from __future__ import annotations
@@ -22,14 +29,26 @@ import sys
 import tempfile
 
 import numpy as np
+from flax import nnx
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from learner.checkpoints.checkpointer import read_step  # noqa: E402
+from learner.export import choose_checkpoint, read_checkpoint_params  # noqa: E402
+from learner.logprobs.completions import completion_logprobs  # noqa: E402
+from learner.model.param_paths import update_named  # noqa: E402
+from learner.model.transformer import Transformer, model_config  # noqa: E402
 from learner.reporting.metrics_writers import read_metrics  # noqa: E402
+from learner.tasks import load_task  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs" / "partial_rollouts.toml"
 LAST = 20  # steps averaged for the reward at the start and at the end
+EVAL_PROMPTS = 4096  # prompts of the exact policy reward, drawn as the task draws its prompts,
+EVAL_SEED = 20261128  # from this seed: the same in every run
+COLUMNS = ("samples_per_s", "median_samples_per_s", "reward_first", "reward_last", "policy_reward", "partial_fraction",
+           "versions_max", "staleness_mean", "stale_dropped", "update_s", "publish_s", "rollout_wait_s", "loop_s",
+           "all_finite")
 
 
 def summary(records: list[dict]) -> dict[str, float]:
@@ -54,6 +73,34 @@ def summary(records: list[dict]) -> dict[str, float]:
             "all_finite": finite}
 
 
+def policy_reward(run_dir: pathlib.Path) -> float:
+    """The exact expected reward of the run's newest verified checkpoint on `EVAL_PROMPTS` prompts: the mean
+    probability of each prompt's demonstration (answer then eos) at the run's temperature. Exact for a task whose
+    reward is 1 for that completion alone (`TextTask`) and a sampler without top-k, top-p or min-p."""
+    step_dir = choose_checkpoint(run_dir / "checkpoints", None)
+    config = read_step(step_dir)[0]["config"]
+    rollout = config["rollout"]
+    if rollout["top_k"] or rollout["top_p"] < 1 or rollout["min_p"]:
+        raise SystemExit(f"{run_dir}: policy_reward needs a sampler without top-k, top-p or min-p (it is the "
+                         "probability of the answer under softmax(logits / temperature))")
+    task = load_task(config["task"]["name"], config["task"]["args"])
+    max_new_tokens = rollout["max_new_tokens"] or task.max_completion_tokens
+    model = Transformer(model_config(config["model"]["name"]), rngs=nnx.Rngs(0))
+    update_named(model, read_checkpoint_params(step_dir))
+    rng = np.random.default_rng(EVAL_SEED)
+    prompts = [task.make_prompt(rng)[0] for _ in range(EVAL_PROMPTS)]
+    answers = [task.demonstration(prompt) for prompt in prompts]
+    probabilities = np.exp(completion_logprobs(model, prompts, answers, temperature=rollout["temperature"]))
+    fits = np.array([answer.size <= max_new_tokens for answer in answers])  # a longer answer is cut: reward 0
+    return float(np.mean(np.where(fits, probabilities, 0.0)))
+
+
+def print_row(name: str, result: dict, widths: dict) -> None:
+    print(f"{name:>16}" + "".join(
+        f"{str(result[c]):>{widths[c]}}" if isinstance(result[c], bool) else f"{result[c]:>{widths[c]}.4g}"
+        for c in COLUMNS), flush=True)
+
+
 def start(run_dir: pathlib.Path, partial: bool, steps: int, overrides: list[str]) -> subprocess.Popen:
     """Starts one training run; its output (progress bars included) goes to ``run_dir``/train.log."""
     sets = [f"rollout.partial={str(partial).lower()}", f"loop.steps={steps}", *overrides]
@@ -70,13 +117,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="alternate the two settings this many times")
     parser.add_argument("--out", type=pathlib.Path, help="where the run directories go (default: a temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for both runs")
+    parser.add_argument("--summarize", type=pathlib.Path, metavar="DIR",
+                        help="run nothing: print the table of the run directories (partial=*) in DIR")
     args = parser.parse_args(argv)
+    widths = {name: max(10, len(name) + 2) for name in COLUMNS}
+    print(f"{'run':>16}" + "".join(f"{name:>{widths[name]}}" for name in COLUMNS), flush=True)
+    if args.summarize:
+        run_dirs = sorted(path for path in args.summarize.glob("partial=*") if path.is_dir())
+        if not run_dirs:
+            raise SystemExit(f"{args.summarize}: no run directory partial=* in it")
+        for run_dir in run_dirs:
+            print_row(run_dir.name, summary(read_metrics(run_dir / "metrics.jsonl")) | {
+                "policy_reward": policy_reward(run_dir)}, widths)
+        return
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="bench-partial-"))
-    columns = ("samples_per_s", "median_samples_per_s", "reward_first", "reward_last", "partial_fraction",
-               "versions_max", "staleness_mean", "stale_dropped", "update_s", "publish_s", "rollout_wait_s", "loop_s",
-               "all_finite")
-    widths = {name: max(10, len(name) + 2) for name in columns}
-    print(f"{'run':>16}" + "".join(f"{name:>{widths[name]}}" for name in columns), flush=True)
     for repeat in range(args.repeats):
         runs = {partial: (out / f"partial={str(partial).lower()}-{repeat}") for partial in (True, False)}
         processes = {partial: start(run_dir, partial, args.steps, args.set) for partial, run_dir in runs.items()}
@@ -85,11 +139,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"the run with rollout.partial={str(partial).lower()} failed "
                                  f"(exit {process.returncode}; its output: {runs[partial] / 'train.log'})")
         for partial, run_dir in runs.items():
-            result = summary(read_metrics(run_dir / "metrics.jsonl"))
-            print(f"{'partial=' + str(partial).lower():>16}" + "".join(
-                f"{str(result[c]):>{widths[c]}}" if isinstance(result[c], bool) else f"{result[c]:>{widths[c]}.4g}"
-                for c in columns),
-                flush=True)
+            print_row(f"partial={str(partial).lower()}", summary(read_metrics(run_dir / "metrics.jsonl")) | {
+                "policy_reward": policy_reward(run_dir)}, widths)
 
 
 if __name__ == "__main__":

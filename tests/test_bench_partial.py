@@ -1,14 +1,25 @@
-"""scripts/bench_partial.py's summary of one run's metrics records, against the same numbers computed by hand."""
+"""scripts/bench_partial.py: its summary of one run's metrics records against the same numbers computed by hand, and
+its exact policy reward of a checkpoint against a float64 NumPy reference."""
 
 import math
 import pathlib
 import sys
 
+import numpy as np
+import optax
 import pytest
+from flax import nnx
+
+from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
+from learner.model.transformer import Transformer, model_config
+from learner.rl.config import load_config, to_dict
+from learner.tasks import load_task
+from learner.update.train_state import create_train_state
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from bench_partial import LAST, summary  # noqa: E402
+import bench_partial  # noqa: E402
+from bench_partial import CONFIG, EVAL_SEED, LAST, policy_reward, summary  # noqa: E402
 
 
 def records(steps: int, partial: bool) -> list[dict]:
@@ -49,3 +60,47 @@ def test_a_run_without_partial_metrics_reads_as_one_version_and_a_nan_is_flagged
     broken = records(25, partial=False)
     broken[7]["perf/update_s"] = math.nan
     assert summary(broken)["all_finite"] is False
+
+
+def saved_run(tmp_path, overrides=()):
+    """A run directory of configs/partial_rollouts.toml whose one checkpoint holds a tiny model of seed 4."""
+    run_dir = tmp_path / "partial=true-0"
+    config = to_dict(load_config(str(CONFIG), [f"run_dir={run_dir}", *overrides]))
+    model = Transformer(model_config("tiny"), rngs=nnx.Rngs(4))
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"), keep_last=None, async_save=False)) as saver:
+        saver.save(60, create_train_state(model, optax.adam(1e-3)), policy_version=60, config=config)
+    return run_dir, model, config
+
+
+def answer_probability(model, prompt, answer, temperature):
+    """float64: the product over the answer's tokens of softmax(logits / temperature), from the full logits."""
+    tokens = np.concatenate([prompt, answer])[None].astype(np.int32)
+    logits = np.asarray(model.logits(model(tokens, np.arange(tokens.shape[1])[None])), np.float64)[0] / temperature
+    logits -= logits.max(axis=-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return np.exp(sum(logp[prompt.size - 1 + t, token] for t, token in enumerate(answer)))
+
+
+@pytest.mark.parametrize("overrides", [(), ("rollout.temperature=0.5", "rollout.max_new_tokens=3")])
+def test_the_policy_reward_is_the_mean_probability_of_the_answers(tmp_path, monkeypatch, overrides):
+    monkeypatch.setattr(bench_partial, "EVAL_PROMPTS", 48)
+    run_dir, model, config = saved_run(tmp_path, overrides)
+    task = load_task(config["task"]["name"], config["task"]["args"])
+    temperature = config["rollout"]["temperature"]
+    rng = np.random.default_rng(EVAL_SEED)
+    want = []
+    for _ in range(48):
+        prompt = task.make_prompt(rng)[0]
+        answer = task.demonstration(prompt)
+        # a completion cut at rollout.max_new_tokens has no eos: reward 0
+        fits = answer.size <= (config["rollout"]["max_new_tokens"] or task.max_completion_tokens)
+        want.append(answer_probability(model, prompt, answer, temperature) if fits else 0.0)
+    assert 0 < np.count_nonzero(want) < 48 if overrides else np.count_nonzero(want) == 48
+    # float32 logits on the device: each answer's logprob within ~1e-5 of the float64 one
+    assert policy_reward(run_dir) == pytest.approx(np.mean(want), rel=1e-4)
+
+
+def test_the_policy_reward_refuses_a_truncating_sampler(tmp_path):
+    run_dir, _, _ = saved_run(tmp_path, ["rollout.top_k=5"])
+    with pytest.raises(SystemExit, match="needs a sampler without top-k, top-p or min-p"):
+        policy_reward(run_dir)

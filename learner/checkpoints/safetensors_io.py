@@ -25,14 +25,13 @@ import pathlib
 import stat
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
-from learner.model.param_paths import named_leaves, parameter_names
+from learner.model.param_paths import named_leaves, update_named
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer
 
 __all__ = [
@@ -144,9 +143,7 @@ def load_safetensors(model: Transformer, path: str | pathlib.Path) -> None:
     missing = sorted(name for name, param_path in name_map.items() if param_path not in arrays)
     if missing:
         raise KeyError(f"tensor {missing[0]!r} missing from {path} ({len(missing)} missing in all)")
-    state = nnx.state(model, nnx.Param)
-    names, treedef = parameter_names(state)
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(arrays[name]) for name in names]))
+    update_named(model, arrays)
 
 
 def hf_tensors(weights: Mapping[str, np.ndarray], config: ModelConfig, dtype: str | None = None

@@ -9,6 +9,8 @@ the state round-trips through an orbax checkpoint, and either way the path ends 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 _VARIABLE_VALUE = jax.tree_util.DictKey("value")
 
@@ -62,3 +64,16 @@ def named_leaves(state) -> dict:
     """
     names, _ = parameter_names(state)
     return dict(zip(names, jax.tree.leaves(state), strict=True))
+
+
+def update_named(model, weights) -> None:
+    """Sets every parameter of the nnx ``model`` from ``{parameter path: array}`` (the inverse of `named_leaves`).
+
+    Raises:
+        KeyError: a parameter of the model has no array in ``weights`` (named, with the count missing).
+    """
+    names, treedef = parameter_names(nnx.state(model, nnx.Param))
+    missing = [name for name in names if name not in weights]
+    if missing:
+        raise KeyError(f"parameter {missing[0]!r} has no array in the weights ({len(missing)} missing in all)")
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(weights[name]) for name in names]))

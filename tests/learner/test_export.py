@@ -27,7 +27,7 @@ from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint, writ
 from learner.checkpoints.safetensors_io import load_safetensors, write_safetensors
 from learner.export import export_run, main, read_checkpoint_params
 from learner.model.lora import LoraConfig, LoRAParam
-from learner.model.param_paths import named_leaves, parameter_names
+from learner.model.param_paths import named_leaves, update_named
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 from learner.rl.config import load_config, to_dict
 from learner.rl.prompt_stream import DataPosition
@@ -55,8 +55,7 @@ def _weights(model: Transformer) -> dict[str, np.ndarray]:
 def _logprobs(config: ModelConfig, weights: dict[str, np.ndarray]) -> np.ndarray:
     """Tether's float32 log-probabilities of TOKENS under ``weights``."""
     model = Transformer(config, rngs=nnx.Rngs(0))
-    names, treedef = parameter_names(nnx.state(model, nnx.Param))
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(weights[name]) for name in names]))
+    update_named(model, weights)
     logits = model.logits(model(jnp.asarray(TOKENS[None]), jnp.arange(TOKENS.size)[None]))[0]
     return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 

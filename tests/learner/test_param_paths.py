@@ -7,7 +7,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from learner.model.param_paths import parameter_names
+from learner.model.param_paths import named_leaves, parameter_names, update_named
 from learner.model.transformer import Transformer, model_config
 from learner.serving import read_orbax
 
@@ -35,3 +35,22 @@ def test_orbax_checkpoint_of_nnx_state_reads_back_under_the_same_names(state, tm
 def test_optimizer_moments_are_named_like_their_parameters():
     names, _ = parameter_names(optax.adam(0.1).init({"mlp": {"kernel": jnp.zeros(2)}}))
     assert names == ["0", "0/mlp/kernel", "0/mlp/kernel"]  # count, mu, nu: attribute keys are not part of a path
+
+
+def test_update_named_sets_every_parameter_from_named_leaves(state):
+    source = Transformer(model_config("tiny"), rngs=nnx.Rngs(7))
+    target = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+    weights = {name: np.asarray(leaf) for name, leaf in named_leaves(nnx.state(source, nnx.Param)).items()}
+    update_named(target, weights)
+    got = named_leaves(nnx.state(target, nnx.Param))
+    assert got.keys() == weights.keys()
+    for name, array in weights.items():
+        np.testing.assert_array_equal(got[name], array, err_msg=name)
+
+
+def test_update_named_names_a_missing_parameter():
+    model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+    weights = {name: np.asarray(leaf) for name, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
+    del weights["final_norm/scale"]
+    with pytest.raises(KeyError, match="'final_norm/scale' has no array in the weights \\(1 missing in all\\)"):
+        update_named(model, weights)
