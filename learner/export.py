@@ -38,10 +38,12 @@ from learner.checkpoints.hf_checkpoint import TOKENIZER_FILES, model_config_from
 from learner.checkpoints.peft_export import write_peft_adapter
 from learner.checkpoints.safetensors_io import load_safetensors
 from learner.model.lora import LoraConfig, merge_adapters, split_adapters
-from learner.model.param_paths import named_leaves
+from learner.model.param_paths import named_leaves, update_named
 from learner.model.transformer import ModelConfig, Transformer, model_config
 
 __all__ = [
+    "checkpoint_policy",
+    "choose_checkpoint",
     "export_run",
     "read_checkpoint_params",
 ]
@@ -87,6 +89,26 @@ def read_checkpoint_params(step_dir: str | pathlib.Path) -> dict[str, np.ndarray
     tree = read_step(step_dir, params_only)[1]
     tree = tree.get("train", tree)
     return {name: np.asarray(array) for name, array in named_leaves(tree["params"]).items()}
+
+
+def checkpoint_policy(step_dir: str | pathlib.Path) -> tuple[Transformer, dict]:
+    """One checkpoint's policy as a `Transformer` holding its parameters, and the run's config from its metadata.
+
+    The model is ``model.hf_path``'s architecture or the named ``model.name``, in the checkpoint's parameter dtype.
+
+    Raises:
+        ValueError: a LoRA run (its checkpoints hold the adapters alone; export it ``--merged`` and load that).
+    """
+    config = read_step(step_dir)[0].get("config") or {}
+    model = config.get("model") or {}
+    if (model.get("lora") or {}).get("rank", 0) > 0:
+        raise ValueError(f"{step_dir}: a LoRA run's checkpoint holds its adapters, not the policy; export it with "
+                         "`python -m learner.export RUN OUT --merged` and load OUT")
+    architecture = (model_config_from_checkpoint(model["hf_path"]) if model.get("hf_path")
+                    else model_config(model.get("name", "tiny")))
+    policy = nnx.eval_shape(lambda: Transformer(architecture, rngs=nnx.Rngs(0)))
+    update_named(policy, read_checkpoint_params(step_dir))
+    return policy, config
 
 
 def _read_json(path: pathlib.Path) -> dict:

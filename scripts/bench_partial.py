@@ -28,19 +28,17 @@ import subprocess
 import sys
 import tempfile
 
+import jax
 import numpy as np
-from flax import nnx
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from learner.checkpoints.checkpointer import read_step  # noqa: E402
-from learner.export import choose_checkpoint, read_checkpoint_params  # noqa: E402
+from learner.export import checkpoint_policy, choose_checkpoint  # noqa: E402
 from learner.logprobs.completions import completion_logprobs  # noqa: E402
-from learner.model.param_paths import update_named  # noqa: E402
-from learner.model.transformer import Transformer, model_config  # noqa: E402
+from learner.logprobs.sampler_replay import truncates  # noqa: E402
 from learner.reporting.metrics_writers import read_metrics  # noqa: E402
-from learner.tasks import load_task  # noqa: E402
+from learner.tasks import TextTask, load_task  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs" / "partial_rollouts.toml"
 LAST = 20  # steps averaged for the reward at the start and at the end
@@ -75,18 +73,18 @@ def summary(records: list[dict]) -> dict[str, float]:
 
 def policy_reward(run_dir: pathlib.Path) -> float:
     """The exact expected reward of the run's newest verified checkpoint on `EVAL_PROMPTS` prompts: the mean
-    probability of each prompt's demonstration (answer then eos) at the run's temperature. Exact for a task whose
-    reward is 1 for that completion alone (`TextTask`) and a sampler without top-k, top-p or min-p."""
-    step_dir = choose_checkpoint(run_dir / "checkpoints", None)
-    config = read_step(step_dir)[0]["config"]
+    probability of each prompt's demonstration (answer then eos) at the run's temperature. Exact per prompt for a
+    `TextTask` (reward 1 for that completion alone) and a sampler without top-k, top-p or min-p; the prompts are a
+    sample of the task's (about 60% of them are one of the ten one-digit strings in configs/partial_rollouts.toml)."""
+    model, config = checkpoint_policy(choose_checkpoint(run_dir / "checkpoints", None))
     rollout = config["rollout"]
-    if rollout["top_k"] or rollout["top_p"] < 1 or rollout["min_p"]:
+    if truncates(rollout["top_k"], rollout["top_p"], rollout["min_p"]):
         raise SystemExit(f"{run_dir}: policy_reward needs a sampler without top-k, top-p or min-p (it is the "
                          "probability of the answer under softmax(logits / temperature))")
     task = load_task(config["task"]["name"], config["task"]["args"])
+    if not isinstance(task, TextTask):
+        raise SystemExit(f"{run_dir}: policy_reward needs an exact-match TextTask, not {type(task).__name__}")
     max_new_tokens = rollout["max_new_tokens"] or task.max_completion_tokens
-    model = Transformer(model_config(config["model"]["name"]), rngs=nnx.Rngs(0))
-    update_named(model, read_checkpoint_params(step_dir))
     rng = np.random.default_rng(EVAL_SEED)
     prompts = [task.make_prompt(rng)[0] for _ in range(EVAL_PROMPTS)]
     answers = [task.demonstration(prompt) for prompt in prompts]
@@ -96,6 +94,7 @@ def policy_reward(run_dir: pathlib.Path) -> float:
 
 
 def print_row(name: str, result: dict, widths: dict) -> None:
+    """One run's row of the table, its columns `COLUMNS`."""
     print(f"{name:>16}" + "".join(
         f"{str(result[c]):>{widths[c]}}" if isinstance(result[c], bool) else f"{result[c]:>{widths[c]}.4g}"
         for c in COLUMNS), flush=True)
@@ -120,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--summarize", type=pathlib.Path, metavar="DIR",
                         help="run nothing: print the table of the run directories (partial=*) in DIR")
     args = parser.parse_args(argv)
+    # this process computes policy_reward on the CPU: on an accelerator it would take memory the runs need
+    jax.config.update("jax_platforms", "cpu")
     widths = {name: max(10, len(name) + 2) for name in COLUMNS}
     print(f"{'run':>16}" + "".join(f"{name:>{widths[name]}}" for name in COLUMNS), flush=True)
     if args.summarize:

@@ -1,7 +1,7 @@
 """Token logprobs: chunked over tokens (never [B, T, V] in float32), the sampler's transforms and their replay.
 
-`learner.logprobs` re-exports `learner.logprobs.chunked`; `sampling_transform`, `sampler_replay` and
-`truncation_bias` are imported by name.
+`learner.logprobs` re-exports `learner.logprobs.chunked`; `sampling_transform`, `sampler_replay`,
+`truncation_bias` and `completions` (the log-likelihood of given completions) are imported by name.
 """
 
 from learner.logprobs.chunked import logprobs_from_hidden

@@ -67,13 +67,20 @@ def named_leaves(state) -> dict:
 
 
 def update_named(model, weights) -> None:
-    """Sets every parameter of the nnx ``model`` from ``{parameter path: array}`` (the inverse of `named_leaves`).
+    """Sets every parameter of the nnx ``model`` from ``{parameter path: array}`` (the inverse of `named_leaves`),
+    each array as it is (its dtype kept); names the model lacks are ignored.
 
     Raises:
         KeyError: a parameter of the model has no array in ``weights`` (named, with the count missing).
+        ValueError: an array's shape is not its parameter's.
     """
     names, treedef = parameter_names(nnx.state(model, nnx.Param))
     missing = [name for name in names if name not in weights]
     if missing:
         raise KeyError(f"parameter {missing[0]!r} has no array in the weights ({len(missing)} missing in all)")
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for name, leaf in zip(names, leaves):
+        if tuple(weights[name].shape) != tuple(leaf.shape):
+            raise ValueError(f"parameter {name!r}: the weights' array has shape {tuple(weights[name].shape)}, the "
+                             f"model's {tuple(leaf.shape)}")
     nnx.update(model, jax.tree_util.tree_unflatten(treedef, [jnp.asarray(weights[name]) for name in names]))

@@ -37,7 +37,7 @@ def test_optimizer_moments_are_named_like_their_parameters():
     assert names == ["0", "0/mlp/kernel", "0/mlp/kernel"]  # count, mu, nu: attribute keys are not part of a path
 
 
-def test_update_named_sets_every_parameter_from_named_leaves(state):
+def test_update_named_sets_every_parameter_from_named_leaves():
     source = Transformer(model_config("tiny"), rngs=nnx.Rngs(7))
     target = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
     weights = {name: np.asarray(leaf) for name, leaf in named_leaves(nnx.state(source, nnx.Param)).items()}
@@ -53,4 +53,13 @@ def test_update_named_names_a_missing_parameter():
     weights = {name: np.asarray(leaf) for name, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
     del weights["final_norm/scale"]
     with pytest.raises(KeyError, match="'final_norm/scale' has no array in the weights \\(1 missing in all\\)"):
+        update_named(model, weights)
+
+
+def test_update_named_names_a_parameter_of_another_shape():
+    model = Transformer(model_config("tiny"), rngs=nnx.Rngs(0))
+    weights = {name: np.asarray(leaf) for name, leaf in named_leaves(nnx.state(model, nnx.Param)).items()}
+    weights["final_norm/scale"] = np.ones(65, np.float32)
+    with pytest.raises(ValueError, match="'final_norm/scale': the weights' array has shape \\(65,\\), the model's "
+                                         "\\(64,\\)"):
         update_named(model, weights)
