@@ -121,7 +121,9 @@ def main(argv=None) -> dict:
     run_dir = args.out / "run"
     command = recipe_command(files, run_dir, args)
     print(" ".join(command), flush=True)
-    result = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    # the checkout first, then whatever the caller put on the path (gpu_check.sh: the carried wheels)
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    result = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": path})
     if result.returncode:
         sys.exit(f"the recipe run failed (exit {result.returncode}); its server log: {run_dir / 'server.log'}")
     summary = summarize(run_dir) | {"shape": args.shape, "config": dataclasses.asdict(shape_config(args.shape, 2048))}
