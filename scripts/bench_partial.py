@@ -93,8 +93,9 @@ def policy_reward(run_dir: pathlib.Path) -> float:
     return float(np.mean(np.where(fits, probabilities, 0.0)))
 
 
-def print_row(name: str, result: dict, widths: dict) -> None:
-    """One run's row of the table, its columns `COLUMNS`."""
+def print_run(name: str, run_dir: pathlib.Path, widths: dict) -> None:
+    """One run's row of the table, its columns `COLUMNS`: its metrics' `summary` and its `policy_reward`."""
+    result = summary(read_metrics(run_dir / "metrics.jsonl")) | {"policy_reward": policy_reward(run_dir)}
     print(f"{name:>16}" + "".join(
         f"{str(result[c]):>{widths[c]}}" if isinstance(result[c], bool) else f"{result[c]:>{widths[c]}.4g}"
         for c in COLUMNS), flush=True)
@@ -128,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         if not run_dirs:
             raise SystemExit(f"{args.summarize}: no run directory partial=* in it")
         for run_dir in run_dirs:
-            print_row(run_dir.name, summary(read_metrics(run_dir / "metrics.jsonl")) | {
-                "policy_reward": policy_reward(run_dir)}, widths)
+            print_run(run_dir.name, run_dir, widths)
         return
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="bench-partial-"))
     for repeat in range(args.repeats):
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"the run with rollout.partial={str(partial).lower()} failed "
                                  f"(exit {process.returncode}; its output: {runs[partial] / 'train.log'})")
         for partial, run_dir in runs.items():
-            print_row(f"partial={str(partial).lower()}", summary(read_metrics(run_dir / "metrics.jsonl")) | {
-                "policy_reward": policy_reward(run_dir)}, widths)
+            print_run(f"partial={str(partial).lower()}", run_dir, widths)
 
 
 if __name__ == "__main__":

@@ -74,12 +74,12 @@ def update_named(model, weights) -> None:
         KeyError: a parameter of the model has no array in ``weights`` (named, with the count missing).
         ValueError: an array's shape is not its parameter's.
     """
-    names, treedef = parameter_names(nnx.state(model, nnx.Param))
+    state = nnx.state(model, nnx.Param)
+    names, treedef = parameter_names(state)
     missing = [name for name in names if name not in weights]
     if missing:
         raise KeyError(f"parameter {missing[0]!r} has no array in the weights ({len(missing)} missing in all)")
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-    for name, leaf in zip(names, leaves):
+    for name, leaf in zip(names, jax.tree.leaves(state)):
         if tuple(weights[name].shape) != tuple(leaf.shape):
             raise ValueError(f"parameter {name!r}: the weights' array has shape {tuple(weights[name].shape)}, the "
                              f"model's {tuple(leaf.shape)}")
