@@ -130,5 +130,7 @@ class EngineProcess:
 
     def _fail(self, what: str) -> None:
         tail = self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        raise EngineExitedError(f"the engine server at {self.address} (python -m {self.module}) {what} (exit code "
-                                f"{self.returncode}); end of its log {self.log_path}:\n{tail}")
+        last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "")
+        command = f"python {self.module}" if self.module.endswith(".py") else f"python -m {self.module}"
+        raise EngineExitedError(f"the engine server at {self.address} ({command}) {what} (exit code "
+                                f"{self.returncode}; last line {last!r}); end of its log {self.log_path}:\n{tail}")
