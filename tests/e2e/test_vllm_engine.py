@@ -25,7 +25,7 @@ import pytest
 from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
 from learner.checkpoints.safetensors_io import _parameter_shapes
 from learner.reporting.metrics_writers import read_metrics
-from learner.rl import CheckpointHook, MetricsHook, Run, load_config
+from learner.rl import Run, load_config
 from learner.rl.engines import _checkpoint_writer, _launch_vllm
 from rollout_client import ClientConfig, FinishReason, LogprobMode, PauseMode, RolloutRequest, SamplingParams
 from rollout_client.engines.vllm import VllmEngine
@@ -105,7 +105,7 @@ def test_a_synchronous_run_of_the_tied_model_matches_the_learner_also_after_vllm
     config = load_config(CONFIG, _overrides(files, run_dir, f"loop.steps={steps}", "warmup.steps=20",
                                             "checkpoints.every=1", f"checkpoints.keep_last={steps + 1}"))
     records = []
-    with Run(config, hooks=[MetricsHook(), CheckpointHook(config.checkpoints.every)]) as run:
+    with Run(config) as run:  # the default hooks: metrics, checkpoints, the rollout log
         for record in run.steps():
             records.append(record)
             if record.step == 2:
@@ -133,7 +133,7 @@ def test_partial_rollouts_on_vllm_continue_interrupted_samples_under_the_new_ver
                                             "rollout.max_staleness=1", "rollout.partial=true",
                                             "rollout.max_new_tokens=48", "checkpoints.every=1",
                                             f"checkpoints.keep_last={steps + 1}"))
-    with Run(config, hooks=[MetricsHook(), CheckpointHook(config.checkpoints.every)]) as run:
+    with Run(config) as run:  # the default hooks: metrics, checkpoints, the rollout log
         records = list(run.steps())
     assert max(record.metrics["rollout/versions_per_sample_max"] for record in records) >= 2
     assert records[-1].metrics["generate/continuations"] > 0
