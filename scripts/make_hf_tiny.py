@@ -74,12 +74,13 @@ def reversal_rows() -> list[dict]:
 
 
 def model_config(vocab_size: int):
-    """The tiny Qwen2's `learner.model.ModelConfig`: q/k/v biases, tied embeddings, grouped-query attention, Qwen2's
-    rope base; ``vocab_size`` embedding rows."""
+    """The tiny Qwen2's `learner.model.ModelConfig`: q/k/v biases, tied embeddings, Qwen2's rope base; ``vocab_size``
+    embedding rows. Two heads of 32 (hidden 64): vLLM's CPU attention has no head size 16, and vLLM's Qwen2 takes
+    the head size as hidden_size // num_heads whatever config.json says."""
     from learner.model.transformer import ModelConfig
 
     return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                       num_kv_heads=1, head_dim=32, rope_theta=1_000_000.0, tie_embeddings=True, qkv_bias=True,
+                       num_kv_heads=2, head_dim=32, rope_theta=1_000_000.0, tie_embeddings=True, qkv_bias=True,
                        max_seq_len=128)
 
 

@@ -1,17 +1,19 @@
 """The vLLM engine: sampling over smg's vLLM proto, weights and pauses over vLLM's HTTP API.
 
 Data plane: ``vllm.grpc.engine.VllmEngine`` from ``smg-grpc-proto`` (served by ``vllm serve --grpc`` /
-``python -m vllm.entrypoints.grpc_server``): token ids in, streamed token ids and the sampled tokens' logprobs out
-(``logprobs=0``), ``n`` samples per request (``index``). Every sampling field is sent explicitly
+``python -m vllm.entrypoints.launchers.grpc_server``, or with the control plane on the same engine by
+`rollout_client.engines.vllm_server`, which a run launches): token ids in, streamed token ids and the sampled
+tokens' logprobs out (``logprobs=0``), ``n`` samples per request (``index``). Every sampling field is sent explicitly
 (`vllm_generate_request`); stops are exactly the request's (``ignore_eos`` with ``stop_token_ids``: vLLM honours
 stop ids with ``ignore_eos``).
 
-Control plane (`VllmControl`), vLLM's HTTP API (``vllm/entrypoints/serve/rlhf/api_router.py``,
+Control plane (`VllmControl`), vLLM's HTTP API (vLLM 0.32.0: ``vllm/entrypoints/rl/online/api_router.py``,
 ``vllm/entrypoints/serve/dev/rpc/api_router.py``; both need ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=
 abort|wait|keep&clear_cache=true`` (``{"status": "paused"}``; 400 ``{"error"}`` for a bad mode), ``POST
 /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path"}}`` (the worker reloads the checkpoint
-directory), ``POST /resume`` (``{"status": "resumed"}``), ``GET /is_paused`` (``{"is_paused"}``). vLLM's HTTP API
-has no weight version: the version is the one this client loaded (the reload answered 200 and the engine resumed).
+directory), ``POST /resume`` (``{"status": "resumed"}``), ``GET /is_paused`` (``{"is_paused"}``). The version is
+the one this client loaded (the reload answered 200 and the engine resumed); vLLM 0.32.0's ``/update_weight_version``
+and ``/weight_info`` are not used (smg's proto does not carry a version per output).
 vLLM's native gRPC control (``rust/proto/control.proto``) loads tensors over NCCL/IPC only, no checkpoint directory.
 
 Logprobs: a server flag, ``--logprobs-mode raw_logprobs`` (vLLM's default: RAW, ``log_softmax(logits)`` before any
@@ -124,7 +126,8 @@ class VllmEngine(HttpControlledEngine):
       logprob_mode: RAW (``--logprobs-mode raw_logprobs``, vLLM's default) or PROCESSED
         (``--logprobs-mode processed_logprobs``): must be the server's.
       pause_mode: WAIT (default: running requests finish on the old weights, every token is of the version
-        stamped) or ABORT (they end at once, keeping their tokens); ABORT whatever is given with ``partial``.
+        stamped) or ABORT (they end at once; the client drops and counts their samples, ``samples/dropped/aborted``);
+        ABORT whatever is given with ``partial``, whose client continues them instead.
       partial: continue the samples a publish aborts from their exact tokens under the new version
         (`HttpControlledEngine`).
       control_timeout_s: per HTTP call (a reload takes as long as reading the checkpoint).
