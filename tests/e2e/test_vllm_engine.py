@@ -128,14 +128,17 @@ def test_partial_rollouts_on_vllm_continue_interrupted_samples_under_the_new_ver
     exact token ids; samples span two versions, each token stamped, and every token's logprob is its version's."""
     steps = 4
     run_dir = tmp_path / "run"
-    # No warm-up: the random model rarely stops, so samples run to max_new_tokens, across publishes.
+    # No warm-up: the random model rarely stops, so samples run to max_new_tokens, across publishes. It earns no
+    # reward either: the entropy bonus makes every update change the weights, so that versions differ.
     config = load_config(CONFIG, _overrides(files, run_dir, f"loop.steps={steps}", "warmup.steps=0",
                                             "rollout.max_staleness=1", "rollout.partial=true",
                                             "rollout.max_new_tokens=48", "checkpoints.every=1",
-                                            f"checkpoints.keep_last={steps + 1}"))
+                                            f"checkpoints.keep_last={steps + 1}", "optimizer.learning_rate=1e-2",
+                                            "corrections.overrides={entropy_coef = 0.05}"))
     with Run(config) as run:  # the default hooks: metrics, checkpoints, the rollout log
         records = list(run.steps())
     assert max(record.metrics["rollout/versions_per_sample_max"] for record in records) >= 2
+    assert max(record.metrics["rollout_corr/k3_kl"] for record in records) > 1e-3  # one update lag: versions differ
     assert records[-1].metrics["generate/continuations"] > 0
     report = check_rollout_logprobs(run_dir)
     after_a_publish = next(line for line in report.splitlines() if "after a publish" in line).split()
