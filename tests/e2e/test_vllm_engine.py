@@ -58,6 +58,12 @@ def _overrides(files, run_dir, *extra) -> list[str]:
             "rollout.prompts_per_step=8", "rollout.num_samples=4", "update.fast_compile=true", *extra]
 
 
+def _train_command(files, run_dir, *extra) -> list[str]:
+    """``python -m learner.train`` on the config with `_overrides`, as a user runs it."""
+    return [sys.executable, "-m", "learner.train", "--config", str(CONFIG),
+            *(arg for override in _overrides(files, run_dir, *extra) for arg in ("--set", override))]
+
+
 def _launched_groups(run_dir: pathlib.Path) -> set[int]:
     """The process groups of the vLLM engines the run launched: each leads its own (``child.py --group``), with the
     id of its main process, which vLLM's log lines name."""
@@ -126,18 +132,24 @@ def test_a_synchronous_run_of_the_tied_model_matches_the_learner_also_after_vllm
 def test_partial_rollouts_on_vllm_continue_interrupted_samples_under_the_new_version(files, tmp_path):
     """``rollout.partial``: a publish aborts the samples vLLM is generating and the client continues each from its
     exact token ids; samples span two versions, each token stamped, and every token's logprob is its version's."""
-    steps = 4
+    steps = 12  # at most: the run stops at the first step with samples of two versions
     run_dir = tmp_path / "run"
-    # No warm-up: the random model rarely stops, so samples run to max_new_tokens, across publishes. It earns no
-    # reward either: the entropy bonus makes every update change the weights, so that versions differ.
+    # No warm-up: the random model rarely stops, so samples run to max_new_tokens, across publishes (whether a publish
+    # comes while samples run is timing: ~2 steps in 10 measured). It earns no reward either: the entropy bonus makes
+    # every update change the weights, so that versions differ.
     config = load_config(CONFIG, _overrides(files, run_dir, f"loop.steps={steps}", "warmup.steps=0",
+                                            "rollout.prompts_per_step=16", "rollout.num_samples=8",
                                             "rollout.max_staleness=1", "rollout.partial=true",
-                                            "rollout.max_new_tokens=48", "checkpoints.every=1",
+                                            "rollout.max_new_tokens=64", "checkpoints.every=1",
                                             f"checkpoints.keep_last={steps + 1}", "optimizer.learning_rate=1e-2",
                                             "corrections.overrides={entropy_coef = 0.05}"))
+    records = []
     with Run(config) as run:  # the default hooks: metrics, checkpoints, the rollout log
-        records = list(run.steps())
-    assert max(record.metrics["rollout/versions_per_sample_max"] for record in records) >= 2
+        for record in run.steps():
+            records.append(record)
+            if record.metrics["rollout/versions_per_sample_max"] >= 2:
+                break
+    assert records[-1].metrics["rollout/versions_per_sample_max"] == 2, f"no partial sample in {steps} steps"
     assert max(record.metrics["rollout_corr/k3_kl"] for record in records) > 1e-3  # one update lag: versions differ
     assert records[-1].metrics["generate/continuations"] > 0
     report = check_rollout_logprobs(run_dir)
@@ -148,10 +160,8 @@ def test_partial_rollouts_on_vllm_continue_interrupted_samples_under_the_new_ver
 
 def test_a_learner_killed_with_sigkill_leaves_no_vllm_process(files, tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "learner.train", "--config", str(CONFIG)]
-    for override in _overrides(files, run_dir, "loop.steps=1000", "warmup.steps=0"):
-        command += ["--set", override]
-    learner = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    learner = subprocess.Popen(_train_command(files, run_dir, "loop.steps=1000", "warmup.steps=0"), cwd=REPO_ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         give_up = time.monotonic() + 600
         while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir / "metrics.jsonl"):
@@ -167,10 +177,8 @@ def test_a_learner_killed_with_sigkill_leaves_no_vllm_process(files, tmp_path):
 
 def test_bad_vllm_flags_stop_the_run_with_one_error_line_naming_the_log(files, tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "learner.train", "--config", str(CONFIG)]
-    for override in _overrides(files, run_dir, "warmup.steps=0", "server.engine_args=['--no-such-flag']"):
-        command += ["--set", override]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_train_command(files, run_dir, "warmup.steps=0", "server.engine_args=['--no-such-flag']"),
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, done.stderr
