@@ -116,8 +116,13 @@ async def serve(args: argparse.Namespace, grpc_port: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import uvloop
-    from vllm.logger import configure_logging_from_args
+    try:
+        import smg_grpc_servicer.vllm.servicer  # noqa: F401 (imports vLLM too)
+        import uvloop
+        from vllm.logger import configure_logging_from_args
+    except ImportError as error:
+        sys.exit(f"vllm_server: {sys.executable} cannot import vLLM and smg-grpc-servicer ({error}); set "
+                 "server.python to the python of a vLLM environment (scripts/install_vllm_cpu.sh DIR makes one)")
 
     args, grpc_port = parse_args(argv)
     configure_logging_from_args(args)

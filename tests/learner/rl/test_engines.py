@@ -1,7 +1,9 @@
 """The engine plug-in point: capabilities, the run's requirements, and refusal before anything starts."""
 
 import dataclasses
+import importlib.util
 import re
+import sys
 import types
 
 import numpy as np
@@ -35,6 +37,7 @@ from rollout_client import (
     WeightTransport,
     check_capabilities,
 )
+from rollout_client.engines.process import EngineExitedError
 from rollout_client.engines.sglang import SGLangEngine
 from rollout_client.engines.vllm import VllmEngine
 
@@ -245,3 +248,18 @@ def test_untied_weights_write_the_embedding_as_an_explicit_lm_head(tmp_path):
     tensors = hf_tensors(untied_weights, untied_config)
     assert set(tensors) == set(hf_tensors(weights, config)) | {"lm_head.weight"}
     np.testing.assert_array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="this Python has vLLM: it would start")
+def test_a_launched_vllm_whose_python_lacks_vllm_stops_the_run_with_one_line_naming_the_fix_and_the_log(tmp_path):
+    """The launcher really runs (here under this Python, which has no vLLM) and exits at once; the error's first line,
+    the one a run prints, says why and names the log."""
+    config = load_config("configs/vllm_engine.toml", [f"model.hf_path='{tmp_path}'",
+                                                      f"server.python='{sys.executable}'"])
+    trainer = _tied_trainer()
+    trainer.task, trainer.lora = types.SimpleNamespace(tokenizer=None), None
+    with pytest.raises(EngineExitedError) as error:
+        build_engine(config, trainer=trainer, eos_ids=(2,), run_dir=tmp_path, weights={})
+    first = str(error.value).splitlines()[0]
+    assert "cannot import vLLM and smg-grpc-servicer" in first and "set server.python" in first
+    assert f"end of its log {tmp_path / 'server.log'}" in first and "exit code 1" in first
