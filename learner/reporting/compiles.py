@@ -4,9 +4,10 @@ JAX reports every program it builds through `jax.monitoring`: ``/jax/core/compil
 per program compiled or loaded from the persistent cache (with its seconds), ``/jax/compilation_cache/cache_hits``
 once per program loaded from it; ``/jax/core/compile/jaxpr_trace_duration`` and
 ``/jax/core/compile/jaxpr_to_mlir_module_duration`` per program traced and lowered, which every process pays even
-when the cache holds the program (its key is the lowered module). `compile_stats` reads a process-wide counter of them, installed once
-(`count_compiles`): a run puts the learner's figures in its metrics every step (``compile/*``) and the reference
-server its count in GetServerInfo, so a program compiled mid-run shows as a count that still grows.
+when the cache holds the program (its key is the lowered module). `compile_stats` reads a process-wide counter of
+them, installed once (`count_compiles`): a run puts the learner's figures in its metrics every step
+(``compile/*``) and the reference server its count in GetServerInfo, so a program compiled mid-run shows as a count
+that still grows.
 
 `enable_compilation_cache` points JAX at one cache directory for the learner and the servers it launches, so a
 rerun, a resumed run or another run of the same shapes loads its programs instead of compiling them. It caches every
