@@ -17,9 +17,9 @@ from learner.reporting.compiles import compile_stats, count_compiles, enable_com
 directory = enable_compilation_cache()
 count_compiles()
 jax.jit(lambda x: x * 2 + 1)(jax.numpy.arange(3.0)).block_until_ready()  # compiles in milliseconds
-debug = compiler.get_compile_options(num_replicas=1, num_partitions=1).executable_build_options.debug_options
-print(json.dumps({"directory": str(directory), "stats": compile_stats(),
-                  "autotune_dir": debug.xla_gpu_per_fusion_autotune_cache_dir}))
+options = compiler.get_compile_options(num_replicas=1, num_partitions=1)  # kept alive: its debug options live in it
+autotune_dir = str(options.executable_build_options.debug_options.xla_gpu_per_fusion_autotune_cache_dir)
+print(json.dumps({"directory": str(directory), "stats": compile_stats(), "autotune_dir": autotune_dir}))
 """
 
 
