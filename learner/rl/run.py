@@ -27,7 +27,13 @@ after it. The saved data position is that of the first batch not yet trained, so
 uninterrupted run. A resume that changes the task, corrections, group size or model is refused (naming the keys)
 unless ``loop.allow_config_change`` (checked against the checkpoint's metadata before any array is read); a run
 that already reached ``loop.steps`` is `finished`, says so, and yields nothing. A run killed before its first
-periodic checkpoint resumes from step 0 (the fresh start's checkpoint).
+periodic checkpoint resumes from step 0 (the fresh start's checkpoint). A resume says so: "resuming from step N
+(checkpoint of <time>)".
+
+Stop signals (one process): a first SIGINT or SIGTERM while the run is open raises `Interrupted` at the step reached
+(during a step's update and hooks: once they are done), and leaving the ``with`` block on it saves a checkpoint of
+that step, verified as a periodic one, before anything is closed; a second signal exits at once
+(`learner.rl.stop_signals`).
 
 Multi-host: every process makes the same calls. Process 0 owns the engine and the buffer and broadcasts each step's
 payload; every process runs the same update on the global mesh and writes checkpoints; process 0 publishes.
@@ -64,6 +70,7 @@ from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
 from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.run_lock import hold_run_dir
+from learner.rl.stop_signals import Interrupted, StopSignals
 from learner.rl.trainer import Trainer, model_context
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
 from learner.update.batch import TrainBatch
@@ -127,6 +134,7 @@ class Run:
         # `startup_times`'s phases: startup/compiled_programs, startup/compile_s, startup/compile_cache_hits (loaded
         # from the persistent cache).
         self._startup_compiles: dict[str, float] = {}
+        self._signals = StopSignals()  # SIGINT / SIGTERM: save the step reached, then stop
 
     @property
     def finished(self) -> bool:
@@ -139,8 +147,20 @@ class Run:
             self._stack = stack.pop_all()
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if isinstance(exc, Interrupted) and self._stack is not None:
+                self._save_on_stop(exc)
+        finally:
+            self.close()
+
+    def _save_on_stop(self, stop: Interrupted) -> None:
+        """A stop signal's checkpoint: the step reached (the state is that step's: `StopSignals.hold`), saved unless
+        it is the latest already, and committed with its manifest before the run closes."""
+        if self.checkpointer.latest_step() != self.step:
+            self.save_checkpoint(self.step)
+        self.checkpointer.wait_until_finished()
+        stop.saved_step = self.step
 
     def close(self) -> None:
         """Closes hooks, buffer, engine and checkpointer (completing a save in flight), in reverse order."""
@@ -151,6 +171,8 @@ class Run:
     def _set_up(self, stack: contextlib.ExitStack) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if jax.process_count() == 1:  # several processes would each stop at another step: no agreed save
+            stack.enter_context(self._signals.installed())
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
             refuse_links(self.run_dir, CHECKED_FOR_LINKS)
@@ -189,6 +211,9 @@ class Run:
         if not fresh:
             with self.startup_times.phase("restore"):
                 self.start_step = self.step = self._restore()
+            if self.leader and not self.finished:
+                saved = self.checkpointer.saved_at(self.step)
+                print(f"resuming from step {self.step} (checkpoint of {saved or 'unknown time'})", flush=True)
             if self.finished:
                 if self.leader:
                     print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
@@ -336,10 +361,15 @@ class Run:
         if self._stack is None:
             raise RuntimeError("Run.steps: enter the run first (`with Run(config) as run:`)")
         while self.step < self.config.loop.steps:
-            record = self._step(self.step + 1)
-            self.step = record.step
-            for hook in self.hooks:
-                hook.on_step(self, record)
+            try:
+                record = self._step(self.step + 1)  # holds stop signals from its update on
+                self.step = record.step
+                for hook in self.hooks:
+                    hook.on_step(self, record)
+            except BaseException:
+                self._signals.release(raise_pending=False)
+                raise
+            self._signals.release()  # a stop signal received during the update or the hooks: the step is complete
             yield record
         for hook in self.hooks:
             hook.on_end(self)
@@ -369,6 +399,7 @@ class Run:
         payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
+        self._signals.hold()  # from the update (it donates the state) to the step's hooks: `steps` releases
         with self._first("first update", "compiling the RL update step", first):
             metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
         limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
