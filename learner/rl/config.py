@@ -188,6 +188,9 @@ class UpdateSection:
     # multiple of 8) or "off" (every token). Batches whose trained tokens do not fit are refused, naming this key.
     scored_window: int | str = "auto"
     fast_compile: bool = False  # XLA backend optimisation level 0: faster compiles, slower steps (tests).
+    # Each batch trains at the shortest of a few lengths that holds its longest row (multiples of a quarter of the
+    # full length, from 128; every one compiled at start); false: every batch at the full length (one program).
+    length_buckets: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

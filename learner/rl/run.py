@@ -98,6 +98,9 @@ class StepRecord:
 CHECKED_FOR_LINKS = ("checkpoints", "rollout_log", "tensorboard", "engine_weights", "server.log")
 
 
+SLOW_PHASE_S = 15.0  # a step's rollout wait or update longer than this is announced while it lasts
+
+
 class ResumeConfigError(ValueError):
     """A resume would change what the checkpoint was trained for."""
 
@@ -229,6 +232,12 @@ class Run:
                 losses = self.trainer.start_fresh(on_warmup_step)
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        lengths = self.trainer.bucket_lengths
+        if len(lengths) > 1:  # every program a step runs, compiled now: no step compiles
+            what = (f"compiling the RL update step for lengths {', '.join(map(str, lengths))} (each batch trains at "
+                    "the shortest that holds its longest row)")
+            with self.startup_times.phase("update programs", Waiting(what, enabled=self.leader)):
+                self.trainer.compile_buckets(self.spec.zeros().batch, raw_logprobs=self.spec.raw)
         if self.leader:
             with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
                 weights = self._published()
@@ -276,10 +285,11 @@ class Run:
             compiling.stop()
             bar.close()
 
-    def _first(self, phase: str, what: str, first: bool):
-        """The first step's ``phase``, announced (process 0) and timed; nothing on later steps."""
+    def _first(self, phase: str, what: str, first: bool, later: str | None = None):
+        """The first step's ``phase``, announced (process 0) and timed; on later steps ``later`` is announced when
+        it lasts over `SLOW_PHASE_S` (a long step shows progress within it)."""
         if not first:
-            return contextlib.nullcontext()
+            return Waiting(later, enabled=self.leader, quiet_s=SLOW_PHASE_S) if later else contextlib.nullcontext()
         return self.startup_times.phase(phase, Waiting(what, enabled=self.leader))
 
     def _first_rollouts_wait(self) -> str:
@@ -379,7 +389,8 @@ class Run:
         trainer, rollout = self.trainer, self.config.rollout
         first = step == self.start_step + 1  # announced and timed: rollouts sampled by programs still compiling
         if self.leader:
-            with self._first("first rollouts", self._first_rollouts_wait(), first):
+            with self._first("first rollouts", self._first_rollouts_wait(), first,
+                             later=f"step {step}: waiting for rollouts"):
                 groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
@@ -397,10 +408,13 @@ class Run:
             self.stream.skip_batch()  # the batch process 0 issued; keeps this process's data position in step
             payload = self.spec.zeros()
         payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
+        payload = payload._replace(batch=trainer.fit(payload.batch))  # the shortest length that holds its rows
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
         self._signals.hold()  # from the update (it donates the state) to the step's hooks: `steps` releases
-        with self._first("first update", "compiling the RL update step", first):
+        with self._first("first update", "running the first RL update (its programs compiled at start)"
+                         if trainer.precompiled else "compiling the RL update step", first,
+                         later=f"step {step}: running the RL update"):
             metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
         limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
         if skipped >= limit or (step == self.config.loop.steps and skipped >= step - self.start_step):
