@@ -28,6 +28,7 @@ def main(argv=None) -> dict[str, pathlib.Path]:
     args = parser.parse_args(argv)
     from bench_recipe import write_inputs
 
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     files = write_inputs(args.out_dir, "17m", max_seq_len=2048)
     for name, path in files.items():
         print(f"{name}: {path}")
