@@ -4,8 +4,10 @@ Reads the parameters of one checkpoint of ``RUN_DIR/checkpoints`` (default: the 
 optimizer state is not read) and the run's model section from that checkpoint's metadata, and writes ``OUT_DIR``
 with `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`: safetensors (float32 or bfloat16), config.json with
 ``architectures`` and bos/eos ids, generation_config.json, and, when the run started from ``model.hf_path``, that
-checkpoint's tokenizer files, generation config, architecture and bos/eos ids. transformers, vLLM, SGLang and mlx-lm
-load the result. Nothing in the run directory is modified.
+checkpoint's tokenizer files, generation config, architecture and bos/eos ids; otherwise the tokenizer of the run's task
+(rebuilt from the checkpoint's ``task`` section: the synthetic tasks' character tokenizer, a ``dataset`` task's
+``task.args.tokenizer`` directory) and its bos/eos ids, or a one-line refusal saying why it cannot be written.
+transformers, vLLM, SGLang and mlx-lm load the result. Nothing in the run directory is modified.
 
 A LoRA run (``model.lora.rank > 0``; its checkpoints hold the adapters, not the base) is exported as a PEFT adapter
 (`learner.checkpoints.peft_export`: ``adapter_config.json`` + ``adapter_model.safetensors``, its
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -169,7 +172,8 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
         eos = _id_list(generation.get("eos_token_id", source_config.get("eos_token_id")))
     else:
         config = model_config(model.get("name", "tiny"))
-        tokenizer, model_type, bos, eos = None, None, None, ()
+        model_type = None
+        tokenizer, bos, eos = task_tokenizer(run_config.get("task") or {})
     params = read_checkpoint_params(step_dir)
     lora = model.get("lora") or {}
     if lora.get("rank", 0) > 0:
@@ -195,6 +199,31 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
     return write_hf_checkpoint(out_dir, params, config, tokenizer=tokenizer,
                                eos_token_ids=eos if eos_token_ids is None else eos_token_ids, bos_token_id=bos,
                                dtype=dtype, model_type=model_type, overwrite=overwrite)
+
+
+def task_tokenizer(task: dict) -> tuple[object, int | None, tuple[int, ...]]:
+    """The tokenizer a run without ``model.hf_path`` used, its task's, as `write_hf_checkpoint` takes it (an object
+    with ``save_pretrained``, or the directory it was read from), with its bos and eos ids.
+
+    Raises:
+        ValueError: the task does not load here, or its tokenizer cannot be written as Hugging Face files.
+    """
+    from learner.tasks import load_task
+
+    name = task.get("name")
+    try:
+        tokenizer = load_task(name, task.get("args")).tokenizer
+    except Exception as error:  # noqa: BLE001 -- whatever the task raises: the refusal names it
+        raise ValueError(f"the run's task {name!r} does not load here ({type(error).__name__}: {error}), so its "
+                         "tokenizer cannot be written; export from where the run's task loads") from None
+    if hasattr(tokenizer, "save_pretrained"):
+        source = tokenizer
+    elif (directory := pathlib.Path(getattr(tokenizer, "source", ""))).is_dir():
+        source = directory
+    else:
+        raise ValueError(f"the run's task {name!r} uses a {type(tokenizer).__name__}, which has no Hugging Face "
+                         "files to write (no save_pretrained, no source directory)")
+    return source, getattr(tokenizer, "bos_id", None), tuple(tokenizer.eos_ids)
 
 
 def _chosen_adapters(names: tuple[str, ...], adapter: str | None, merged: bool) -> tuple[str, ...]:
@@ -228,9 +257,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--adapter", help="LoRA runs of several adapters (model.lora.adapters): the one to export "
                                           "(required with --merged; default: every one, to OUT_DIR/<name>/)")
     args = parser.parse_args(argv)
-    out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, eos_token_ids=args.eos_ids,
-                     overwrite=args.overwrite, merged=args.merged, adapter=args.adapter,
-                     base_model=args.base_model)
+    try:
+        out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype, eos_token_ids=args.eos_ids,
+                         overwrite=args.overwrite, merged=args.merged, adapter=args.adapter,
+                         base_model=args.base_model)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        sys.exit(f"error: {error}")
     print(f"wrote {out}")
 
 

@@ -349,3 +349,42 @@ def test_peft_loads_the_adapter_from_another_working_directory(lora_run, monkeyp
     with torch.no_grad():
         ids = torch.tensor(TOKENS[None].astype(np.int64))
         np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
+
+
+def _named_model_run(tmp_path, *overrides):
+    """A run directory of the default config's named model (no model.hf_path) holding checkpoint 3."""
+    run_dir = tmp_path / "run"
+    run_config = load_config(REPO_ROOT_CONFIG, [f"run_dir={json.dumps(str(run_dir))}", *overrides])
+    model = Transformer(model_config(run_config.model.name), rngs=nnx.Rngs(0))
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"), async_save=False)) as saver:
+        saver.save(3, create_train_state(model, optax.adam(1e-3)), policy_version=3, config=to_dict(run_config))
+    return run_dir, run_config
+
+
+REPO_ROOT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.toml"
+
+
+def test_the_default_runs_export_round_trips_its_tasks_tokenizer_in_transformers(tmp_path):
+    """The README's run has no model.hf_path: the export writes its task's tokenizer (ids, eos), and transformers'
+    AutoTokenizer reads a prompt of the task to the ids the run trained on, and back."""
+    from learner.tasks import load_task
+
+    transformers = importlib.import_module("transformers")
+    run_dir, run_config = _named_model_run(tmp_path)
+    main([str(run_dir), str(tmp_path / "out")])
+    task = load_task(run_config.task.name, run_config.task.args)
+    prompt_ids = task.prompts()[0]["prompt_ids"]  # bos, the question, the separator
+    text = task.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert loaded.encode(text, add_special_tokens=False) == task.tokenizer.encode(text).tolist()
+    assert loaded.decode(prompt_ids.tolist()) == "<bos>" + text + "<sep>"
+    assert loaded.eos_token_id == task.tokenizer.eos_id
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == task.tokenizer.eos_id
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_an_export_whose_task_does_not_load_is_one_error_line(tmp_path, capsys):
+    run_dir, _ = _named_model_run(tmp_path, 'task.name="no_such_module:task"')
+    with pytest.raises(SystemExit, match=r"^error: the run's task 'no_such_module:task' does not load here "):
+        main([str(run_dir), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
