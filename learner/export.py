@@ -173,7 +173,7 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
     else:
         config = model_config(model.get("name", "tiny"))
         model_type = None
-        tokenizer, bos, eos = task_tokenizer(run_config.get("task") or {})
+        tokenizer, bos, eos = task_tokenizer(run_config)
     params = read_checkpoint_params(step_dir)
     lora = model.get("lora") or {}
     if lora.get("rank", 0) > 0:
@@ -201,21 +201,18 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, *, step
                                dtype=dtype, model_type=model_type, overwrite=overwrite)
 
 
-def task_tokenizer(task: dict) -> tuple[object, int | None, tuple[int, ...]]:
-    """The tokenizer a run without ``model.hf_path`` used, its task's, as `write_hf_checkpoint` takes it (an object
-    with ``save_pretrained``, or the directory it was read from), with its bos and eos ids.
+def task_tokenizer(run_config: dict) -> tuple[object, int | None, tuple[int, ...]]:
+    """The tokenizer a run without ``model.hf_path`` used, its task's (`learner.tasks.run_tokenizer`), as
+    `write_hf_checkpoint` takes it (an object with ``save_pretrained``, or the directory it was read from), with its
+    bos and eos ids.
 
     Raises:
         ValueError: the task does not load here, or its tokenizer cannot be written as Hugging Face files.
     """
-    from learner.tasks import load_task
+    from learner.tasks import run_tokenizer
 
-    name = task.get("name")
-    try:
-        tokenizer = load_task(name, task.get("args")).tokenizer
-    except Exception as error:  # noqa: BLE001 -- whatever the task raises: the refusal names it
-        raise ValueError(f"the run's task {name!r} does not load here ({type(error).__name__}: {error}), so its "
-                         "tokenizer cannot be written; export from where the run's task loads") from None
+    name = (run_config.get("task") or {}).get("name")
+    tokenizer = run_tokenizer(run_config)
     if hasattr(tokenizer, "save_pretrained"):
         source = tokenizer
     elif (directory := pathlib.Path(getattr(tokenizer, "source", ""))).is_dir():
