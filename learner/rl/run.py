@@ -179,7 +179,7 @@ class Run:
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
             refuse_links(self.run_dir, CHECKED_FOR_LINKS)
-            framework_config.report(config.corrections, self.run_dir)
+            framework_config.report(config.corrections, self.run_dir, config)
         try:
             self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
                                   model_context=model_context(config))
