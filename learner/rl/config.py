@@ -292,8 +292,10 @@ def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
     if framework_config.framework_file(config.corrections) is not None:
         return framework_config.correction_config(config.corrections)
     if config.corrections.preset not in corrections.PRESETS:
-        raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS "
-                         f"({', '.join(corrections.PRESETS)})")
+        near = difflib.get_close_matches(config.corrections.preset, corrections.PRESETS, n=3)
+        raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS"
+                         + (f"; did you mean {' or '.join(map(repr, near))}?" if near
+                            else f" ({', '.join(corrections.PRESETS)})"))
     try:
         return corrections.preset(config.corrections.preset, **config.corrections.overrides)
     except (TypeError, ValueError) as error:

@@ -69,7 +69,7 @@ from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
 from learner.rl.prompt_stream import DataPosition, PromptStream
-from learner.rl.run_lock import hold_run_dir
+from learner.rl.run_lock import LOCK_FILE, hold_run_dir
 from learner.rl.stop_signals import Interrupted, StopSignals
 from learner.rl.trainer import Trainer, model_context
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
@@ -145,9 +145,18 @@ class Run:
         return self.step >= self.config.loop.steps
 
     def __enter__(self) -> Run:
-        with contextlib.ExitStack() as stack:
-            self._set_up(stack)
-            self._stack = stack.pop_all()
+        created = not self.run_dir.exists()
+        try:
+            with contextlib.ExitStack() as stack:
+                self._set_up(stack)
+                self._stack = stack.pop_all()
+        except BaseException:
+            if created and self.leader:  # a run refused at its start leaves no directory holding only its lock
+                lock = self.run_dir / LOCK_FILE
+                if [path.name for path in self.run_dir.iterdir()] == [LOCK_FILE] and not lock.is_symlink():
+                    lock.unlink()
+                    self.run_dir.rmdir()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
