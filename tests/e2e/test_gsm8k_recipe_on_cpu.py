@@ -53,8 +53,7 @@ def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
 def test_the_cpu_recipe_finishes_three_steps_and_no_step_compiles(tmp_path):
     """configs/gsm8k_cpu.toml as docs/models.md tells a user to try it (scripts/make_gsm8k_tiny.py's inputs): 3 steps,
     every update program compiled at start (the first update is announced as running, not compiling), none built
-    after step 1, and a
-    reward of 0 at every step keeps its panel in learning_curves.png."""
+    after step 1, and a reward of 0 at every step keeps its panel in learning_curves.png."""
     import make_gsm8k_tiny
 
     from learner.reporting.plots import DEFAULT_PANELS, learning_curves_figure
