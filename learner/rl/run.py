@@ -19,8 +19,9 @@ order, by one ``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
-new weights, and call the hooks (`learner.rl.hooks`: metrics, rollout log, progress, plot, checkpoints). Batches have
-one fixed shape (`learner.rl.batch_assembly.PayloadSpec`), so the update compiles once.
+new weights, and call the hooks (`learner.rl.hooks`: metrics, rollout log, progress, plot, checkpoints). Payloads have
+one fixed shape (`learner.rl.batch_assembly.PayloadSpec`); each batch is cut to the shortest of a few lengths that holds
+its longest row (`Trainer.fit`), every one compiled at start, so no step compiles.
 
 Resume: entering a run whose ``run_dir`` has checkpoints restores the latest; metrics and rollout log drop the steps
 after it. The saved data position is that of the first batch not yet trained, so the prompt order is that of an
