@@ -3,7 +3,8 @@ the typed payload process 0 broadcasts to the other processes.
 
 Every step's payload has one shape (``rows`` x ``length``). `PayloadSpec` is that shape, derived from the config
 alone (the update then trains at the shortest of a few lengths that holds the batch's longest row: `Trainer.fit`):
-process 0 checks the payload it built against it, and the other processes receive into zeros of it (`jax.experimental.multihost_utils.broadcast_one_to_all` needs the same tree everywhere).
+process 0 checks the payload it built against it, and the other processes receive into zeros of it
+(`jax.experimental.multihost_utils.broadcast_one_to_all` needs the same tree everywhere).
 
 An update with a scored window (``update.scored_window``: `learner.update.UpdateConfig.scored_window`) computes
 logprobs only for each row's first ``W`` tokens from its first trained one; a trained token beyond them would
