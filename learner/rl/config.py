@@ -235,6 +235,16 @@ class CheckpointsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class CanarySection:
+    """The publish canary (learner.rl.canary; docs/engines/weight-updates.md): after a publish the engine samples
+    fixed prompts and the learner checks the logprobs it returns; a difference beyond the tolerance stops the run."""
+
+    every: int = _non_negative(50)  # verify the start's and step 1's publishes, then every this many steps; 0: off.
+    # Largest per-token |engine - learner| logprob; None: the engine's and dtype's (learner.rl.canary).
+    tolerance: float | None = _bounded(None, 0, strict_low=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopSection:
     """Length of the run, its seed, and what a resume may change."""
 
@@ -266,6 +276,7 @@ class RunConfig:
     distributed: DistributedSection = DistributedSection()
     checkpoints: CheckpointsSection = CheckpointsSection()
     loop: LoopSection = LoopSection()
+    canary: CanarySection = CanarySection()
 
     def __post_init__(self):
         for name, value, metadata in _bounded_fields(self):
