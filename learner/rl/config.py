@@ -240,7 +240,7 @@ class CanarySection:
     fixed prompts and the learner checks the logprobs it returns; a difference beyond the tolerance stops the run."""
 
     every: int = _non_negative(50)  # verify the start's and step 1's publishes, then every this many steps; 0: off.
-    # Largest per-token |engine - learner| logprob; None: the engine's and dtype's (learner.rl.canary).
+    # Mean per-token |engine - learner| logprob allowed; None: the engine's and dtype's (learner.rl.canary).
     tolerance: float | None = _bounded(None, 0, strict_low=True)
 
 

@@ -72,7 +72,8 @@ def test_completion_token_logprobs_match_a_float64_reference_and_sum_to_completi
 def test_compare_is_the_largest_and_mean_absolute_difference_and_nan_fails():
     result = compare([np.array([-1.0, -2.0]), np.array([-0.5])], [np.array([-1.0, -2.25]), np.array([-0.625])])
     assert (result.max_abs_diff, result.mean_abs_diff, result.tokens) == (0.25, 0.125, 3)
-    assert compare([np.array([np.nan])], [np.array([-1.0])]).max_abs_diff == np.inf
+    nan = compare([np.array([np.nan, -1.0])], [np.array([-1.0, -1.0])])
+    assert nan.max_abs_diff == nan.mean_abs_diff == np.inf
     with pytest.raises(ValueError, match="row 0: 2 engine logprobs but 1 learner"):
         compare([np.zeros(2)], [np.zeros(1)])
     with pytest.raises(ValueError, match="no token"):
@@ -146,19 +147,21 @@ def test_verify_passes_an_engine_serving_the_learners_weights(model):
     metrics = canary_of(model).verify(engine, policy_version=3, leader=True)
     assert metrics["canary/tokens"] == CANARY_PROMPTS * CANARY_NEW_TOKENS
     assert metrics["canary/max_abs_diff"] < 2e-5  # float32 learner vs float64 reference
+    assert metrics["canary/mean_abs_diff"] <= metrics["canary/max_abs_diff"]
     assert metrics["canary/seconds"] > 0
     request = engine.requests[0]  # never truncated or stopped: RAW = PROCESSED at temperature 1
     assert (request.sampling.temperature, request.sampling.top_k, request.sampling.top_p, request.sampling.min_p,
             request.sampling.stop_token_ids) == (1.0, 0, 1.0, 0.0, ())
 
 
-def test_verify_stops_on_a_difference_beyond_the_tolerance_naming_engine_version_and_difference(model):
+@pytest.mark.parametrize("offset", [1e-3, -1e-3])
+def test_verify_stops_on_a_difference_beyond_the_tolerance_naming_engine_version_and_difference(model, offset):
     with pytest.raises(CanaryMismatchError) as caught:
-        canary_of(model).verify(ReferenceEngine(model, version=3, offset=0.01), policy_version=3, leader=True)
+        canary_of(model).verify(ReferenceEngine(model, version=3, offset=offset), policy_version=3, leader=True)
     message = str(caught.value)
     assert "\n" not in message
-    assert "the tether engine at policy version 3" in message
-    assert "differ from the learner's by up to 0.01 " in message and "tolerance 0.001 for float32" in message
+    assert "the tether engine at policy version 3 serves other weights" in message
+    assert "differ from the learner's by 0.001 on average (max 0.001; tolerance 0.0001 for float32" in message
 
 
 def test_verify_compares_only_tokens_of_the_published_version(model):
