@@ -236,7 +236,8 @@ class Run:
         self.canary = publish_canary(config, self.trainer, broadcast)
         if self.leader:
             print(self.canary.describe(), flush=True)
-        self._start_canary = self._verify_publish(self.start_step)  # in the first step's metrics
+        with self.startup_times.phase("publish canary"):
+            self._start_canary = self._verify_publish(self.start_step)  # in the first step's metrics
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
