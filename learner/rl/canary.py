@@ -69,8 +69,9 @@ class CanaryResult:
     tokens: int  # tokens compared
 
     def metrics(self, seconds: float) -> dict[str, float]:
+        """``canary/*``, and the seconds it took as ``perf/canary_s`` (a timing: `learner.rl.run`'s step metrics)."""
         return {"canary/max_abs_diff": self.max_abs_diff, "canary/mean_abs_diff": self.mean_abs_diff,
-                "canary/tokens": float(self.tokens), "canary/seconds": seconds}
+                "canary/tokens": float(self.tokens), "perf/canary_s": seconds}
 
 
 def coarser_dtype(*dtypes: str) -> str:

@@ -442,7 +442,7 @@ class Run:
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)
             metrics.update({name.replace("canary/", "canary/start_"): value for name, value in
-                            (self._start_canary.items() if first else ())} | canary)
+                            (self._start_canary.items() if first else ()) if name.startswith("canary/")} | canary)
         else:
             self._verify_publish(step)
         return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
