@@ -14,8 +14,9 @@ serving the largest per-token difference of a healthy publish is heavy-tailed (0
 canaries), the mean is not (at most 0.024), and a stale or garbled tensor moves every token.
 
 Scoring generated tokens needs only the data plane every engine serves (rollout.v1, smg's MLX, vLLM and SGLang
-protos): no engine has to score prompts, so every engine is verified the same way. Only tokens the engine stamps
-with the published version are compared (all of them after a synchronous publish).
+protos): no engine has to score prompts, so every engine is verified the same way. The learner scores each sample
+whole; only tokens the engine stamps with the published version are compared (all of them after a publish that
+waited).
 
 When (``canary.every``): the start's publish, the first step's, then every step that is a multiple of ``every``; 0
 turns the canary off (said once at start). The tolerance on the mean per-token difference is ``canary.tolerance``,
@@ -174,8 +175,9 @@ class PublishCanary:
             CanaryMismatchError: the difference exceeds the tolerance (process 0).
         """
         started = time.monotonic()
-        completions = np.full((CANARY_PROMPTS, self.new_tokens), -1, np.int32)  # -1: not compared
+        completions = np.full((CANARY_PROMPTS, self.new_tokens), -1, np.int32)  # -1: past a sample's end
         engine_logprobs = np.zeros((CANARY_PROMPTS, self.new_tokens), np.float32)
+        compared = np.zeros((CANARY_PROMPTS, self.new_tokens), bool)  # the published version drew the token
         if leader:
             requests = canary_requests(self.prompts, self.new_tokens, self.logprob_mode)
             futures = [engine.submit(request) for request in requests]
@@ -184,18 +186,22 @@ class PublishCanary:
                 tokens = sample.completion_token_ids[:self.new_tokens]
                 completions[row, :tokens.size] = tokens
                 engine_logprobs[row, :tokens.size] = sample.logprobs[:tokens.size]
-                stale = np.asarray(sample.policy_versions[:tokens.size]) != policy_version
-                completions[row, np.flatnonzero(stale)] = -1  # drawn by another version: not the learner's weights
+                compared[row, :tokens.size] = np.asarray(sample.policy_versions[:tokens.size]) == policy_version
         completions = np.asarray(self._broadcast(completions, leader))
-        kept = [row[row >= 0] for row in completions]
-        rows = [index for index, row in enumerate(kept) if row.size]
-        learner = self._score([self.prompts[index] for index in rows], [kept[index] for index in rows])
+        rows = [index for index, row in enumerate(completions) if row[0] >= 0]
+        learner = self._score([self.prompts[index] for index in rows], [completions[index][completions[index] >= 0]
+                                                                        for index in rows])
         if not leader:
             return {}
-        if not rows:
+        engine_rows, learner_rows = [], []
+        for index, scored in zip(rows, learner):
+            mask = compared[index][:scored.size]
+            engine_rows.append(engine_logprobs[index][:scored.size][mask])
+            learner_rows.append(scored[mask])
+        if not sum(row.size for row in engine_rows):
             raise CanaryMismatchError(f"publish canary: the {self.engine_name} engine returned no canary token of "
                                       f"policy version {policy_version}, the version just published")
-        result = compare([engine_logprobs[index][completions[index] >= 0] for index in rows], learner)
+        result = compare(engine_rows, learner_rows)
         if not result.mean_abs_diff <= self.tolerance:
             raise CanaryMismatchError(
                 f"publish canary: the {self.engine_name} engine at policy version {policy_version} serves other "

@@ -114,10 +114,11 @@ def test_config_keys_are_validated_naming_the_key(key, value, message):
 
 class ReferenceEngine:
     """An engine stand-in (protocol level): samples each canary request's tokens from the float64 reference of
-    ``model`` and returns their logprobs plus ``offset``, stamped ``version``."""
+    ``model`` and returns their logprobs plus ``offset``, stamped ``version``; the first ``older`` tokens of each
+    sample are stamped ``version - 1`` and their logprobs are off by 0.5 (drawn before a publish)."""
 
-    def __init__(self, model, version: int, offset: float = 0.0):
-        self.model, self.version, self.offset = model, version, offset
+    def __init__(self, model, version: int, offset: float = 0.0, older: int = 0):
+        self.model, self.version, self.offset, self.older = model, version, offset, older
         self.requests = []
 
     def submit(self, request) -> concurrent.futures.Future:
@@ -128,10 +129,11 @@ class ReferenceEngine:
             logp = reference_logprobs(self.model, np.concatenate([prompt, tokens]).astype(np.int32))[-1]
             token = int(rng.choice(logp.size, p=np.exp(logp) / np.exp(logp).sum()))
             tokens.append(token)
-            logprobs.append(logp[token] + self.offset)
+            logprobs.append(logp[token] + self.offset + (0.5 if len(tokens) <= self.older else 0.0))
+        versions = np.where(np.arange(len(tokens)) < self.older, self.version - 1, self.version)
         future = concurrent.futures.Future()
         future.set_result([Sample(request.request_id, 0, prompt, np.array(tokens, np.int32),
-                                  np.array(logprobs, np.float32), np.full(len(tokens), self.version),
+                                  np.array(logprobs, np.float32), versions,
                                   FinishReason.LENGTH, SamplingParams(), request.logprob_mode)])
         return future
 
@@ -164,6 +166,9 @@ def test_verify_stops_on_a_difference_beyond_the_tolerance_naming_engine_version
     assert "differ from the learner's by 0.001 on average (max 0.001; tolerance 0.0001 for float32" in message
 
 
-def test_verify_compares_only_tokens_of_the_published_version(model):
+def test_verify_scores_whole_samples_and_compares_only_the_tokens_of_the_published_version(model):
+    metrics = canary_of(model).verify(ReferenceEngine(model, version=3, older=2), policy_version=3, leader=True)
+    assert metrics["canary/tokens"] == CANARY_PROMPTS * (CANARY_NEW_TOKENS - 2)
+    assert metrics["canary/max_abs_diff"] < 2e-5  # the later tokens scored after the earlier ones, in place
     with pytest.raises(CanaryMismatchError, match="no canary token of policy version 4"):
         canary_of(model).verify(ReferenceEngine(model, version=3), policy_version=4, leader=True)
