@@ -160,6 +160,14 @@ class ServerSection:
     device_memory_fraction: float | None = _bounded(None, 0, 1, strict_low=True)
     # Local GPU index the embedded server runs on alone; the learner's mesh leaves it out. None: shares the learner's.
     device: int | None = _non_negative(None)
+    # A launched vLLM engine (engine = "vllm" without address; docs/engines/vllm.md): the Python interpreter that runs
+    # it (a virtual environment with vLLM and smg-grpc-servicer, e.g. from scripts/install_vllm_cpu.sh; None: this
+    # one) and extra `vllm serve` flags (e.g. ["--kv-cache-memory-bytes", "268435456"]).
+    python: str | None = None
+    engine_args: list = dataclasses.field(default_factory=list)
+    # vllm: publish a tied-embedding model (Qwen2) with an explicit lm_head.weight to an engine started untied. vLLM's
+    # in-place reload_weights keeps the start-up lm_head of a tied model (vllm#48312): false serves stale logits.
+    untie_embeddings: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +246,16 @@ class CheckpointsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class CanarySection:
+    """The publish canary (learner.rl.canary; docs/engines/weight-updates.md): after a publish the engine samples
+    fixed prompts and the learner checks the logprobs it returns; a difference beyond the tolerance stops the run."""
+
+    every: int = _non_negative(50)  # verify the start's and step 1's publishes, then every this many steps; 0: off.
+    # Mean per-token |engine - learner| logprob allowed; None: the engine's and dtype's (learner.rl.canary).
+    tolerance: float | None = _bounded(None, 0, strict_low=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopSection:
     """Length of the run, its seed, and what a resume may change."""
 
@@ -269,6 +287,7 @@ class RunConfig:
     distributed: DistributedSection = DistributedSection()
     checkpoints: CheckpointsSection = CheckpointsSection()
     loop: LoopSection = LoopSection()
+    canary: CanarySection = CanarySection()
 
     def __post_init__(self):
         for name, value, metadata in _bounded_fields(self):

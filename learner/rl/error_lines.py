@@ -10,6 +10,7 @@ import sys
 from learner.reporting.disk_full import disk_full_cause
 from learner.reporting.run_files import UnsafeRunDirError
 from learner.rl.batch_assembly import NoUsableRolloutsError
+from learner.rl.canary import CanaryMismatchError
 from learner.rl.hooks import EvaluationError
 from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError, ResumeConfigError
@@ -21,7 +22,7 @@ from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDown
 # with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError, UnsafeRunDirError,
                                                 EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError,
-                                                EvaluationError)
+                                                EvaluationError, CanaryMismatchError)
 
 
 @contextlib.contextmanager

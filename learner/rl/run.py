@@ -64,8 +64,16 @@ from learner.reporting.run_files import refuse_links
 from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
+from learner.rl.canary import publish_canary
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
-from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
+from learner.rl.engines import (
+    build_engine,
+    check_identity,
+    launches_vllm,
+    publish_dtype,
+    publishes_adapters,
+    sampler_order,
+)
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
 from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
@@ -128,6 +136,7 @@ class Run:
         hooks = default_hooks(config) if hooks is None else list(hooks)
         self.hooks = [hook for hook in hooks if self.leader or not hook.leader_only]
         self.engine = self.buffer = None
+        self.canary_engine = None  # what the publish canary samples (the engine pool; learner.rl.canary)
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
         self.startup_times = StartupTimes()  # where the start-up went, printed once the first step is done
@@ -233,9 +242,9 @@ class Run:
                           "to do", flush=True)
                 return
         launching = None
-        if fresh and self.leader and embedded_server(config):
-            # The embedded server compiles its programs while the learner loads weights and warms up; it starts on
-            # the seed's weights, and the publish below gives it the learner's.
+        if fresh and self.leader and (embedded_server(config) or launches_vllm(config)):
+            # The embedded server compiles its programs (a launched vLLM loads model.hf_path) while the learner loads
+            # weights and warms up; it starts on the seed's weights, and the publish below gives it the learner's.
             launching = _EngineStart(stack, config, self.trainer, stop_ids, self.run_dir, {})
         if fresh:
             with self.startup_times.phase("warm-up"), self._warmup_progress() as on_warmup_step:
@@ -260,6 +269,7 @@ class Run:
                 check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                                config.server.address or "the embedded server")
                 self.server_version = self.engine.publish(self.trainer.policy_version, weights)
+            self.canary_engine = engine
             rollout = config.rollout
             self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
                                         max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
@@ -267,6 +277,11 @@ class Run:
             stack.callback(self.buffer.close)
         else:
             self._published()  # the gather is collective: every process takes part in process 0's
+        self.canary = publish_canary(config, self.trainer, broadcast)
+        if self.leader:
+            print(self.canary.describe(), flush=True)
+        with self.startup_times.phase("publish canary"):
+            self._start_canary = self._verify_publish(self.start_step)  # in the first step's metrics
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
@@ -358,6 +373,17 @@ class Run:
             return self.trainer.host_adapters()
         return self.trainer.host_weights(publish_dtype(self.config))
 
+    def _verify_publish(self, step: int) -> dict[str, float]:
+        """The publish canary (`learner.rl.canary`) on the publish after ``step`` (``start_step``: the start's) where
+        due, on every process; its ``canary/*`` metrics on process 0.
+
+        Raises:
+          CanaryMismatchError: the engine serves other weights than the learner published.
+        """
+        if not self.canary.due(step, self.start_step + 1):
+            return {}
+        return self.canary.verify(self.canary_engine, self.trainer.policy_version, self.leader)
+
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
 
@@ -442,6 +468,7 @@ class Run:
             if rollout.fixed_staleness or self.config.loop.deterministic:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
+            canary = self._verify_publish(step)
             kept = samples / (rollout.prompts_per_step * rollout.num_samples)
             if kept < 0.5 and not self._warned_kept:
                 self._warned_kept = True
@@ -469,6 +496,10 @@ class Run:
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)
+            metrics.update({name.replace("canary/", "canary/start_"): value for name, value in
+                            (self._start_canary.items() if first else ()) if name.startswith("canary/")} | canary)
+        else:
+            self._verify_publish(step)
         return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
                           proximal_logprobs=proximal[:samples], policy_version=trainer.policy_version,
                           server_version=server_version)
