@@ -41,6 +41,7 @@ from rollout_client.errors import RolloutDeadlineError
 from rollout_client.errors import RolloutError
 from rollout_client.errors import RolloutUnavailableError
 from rollout_client.errors import ServerNotReadyError
+from rollout_client.errors import ServerSilentError
 from rollout_client.engines.http_control import ControlPlaneError
 from rollout_client.engines.http_control import ControlPlaneUnavailableError
 from rollout_client.engines.http_control import HttpControl
@@ -102,6 +103,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "ServerNotReadyError",
+    "ServerSilentError",
     "TetherEngine",
     "ValidationConfig",
     "VersionReporting",

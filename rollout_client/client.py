@@ -6,6 +6,11 @@ samples that completed and asks again for exactly the missing sample indices und
 the same request id (the server supersedes what is left of the old call), so a
 retried request never yields a sample twice and never loses one. Other status codes
 fail at once.
+
+Silence: the client asks for a heartbeat every quarter of ``silence_timeout_s`` (rollout.v1's ``heartbeat_s``); a
+stream that sends nothing at all for ``silence_timeout_s`` is cancelled and asked again, and one silent
+``max_silences`` times in a row raises `ServerSilentError` (a hung server). A slow server is never cut by its
+silence: it sends heartbeats (or chunks) while it works.
 """
 
 import asyncio
@@ -55,6 +60,10 @@ class ClientConfig:
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     validation: ValidationConfig = ValidationConfig()
+    # A Generate stream that sends nothing, not even a heartbeat, for this long is hung: cancelled and asked again;
+    # silent `max_silences` times in a row, `ServerSilentError`. None: no silence check (the deadlines alone).
+    silence_timeout_s: float | None = 45.0
+    max_silences: int = 2
 
     def __post_init__(self):
         """Each error starts with the field's name.
@@ -75,6 +84,11 @@ class ClientConfig:
             raise ValueError(f"deadline_growth={self.deadline_growth!r}: must be a finite number >= 1")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts={self.max_attempts!r}: must be >= 1")
+        if self.silence_timeout_s is not None and not (math.isfinite(self.silence_timeout_s)
+                                                       and self.silence_timeout_s > 0):
+            raise ValueError(f"silence_timeout_s={self.silence_timeout_s!r}: must be a finite number > 0, or None")
+        if self.max_silences < 1:
+            raise ValueError(f"max_silences={self.max_silences!r}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +103,9 @@ class RolloutRequest:
     min_policy_version: int | None = None  # Server must be at least this; tokens below are invalid.
     stream_chunk_tokens: int = 0  # 0 or >= 64.
 
-    def to_proto(self, sample_indices: list[int] | None = None) -> pb.GenerateRequest:
-        """The wire request; `sample_indices` restricts it to those samples."""
+    def to_proto(self, sample_indices: list[int] | None = None, heartbeat_s: float = 0.0) -> pb.GenerateRequest:
+        """The wire request; `sample_indices` restricts it to those samples; ``heartbeat_s`` > 0 asks for a heartbeat
+        when nothing else was sent for that long."""
         message = pb.GenerateRequest(
             request_id=self.request_id,
             prompt_token_ids=pack(self.prompt_token_ids, TOKEN_ID_DTYPE),
@@ -99,6 +114,7 @@ class RolloutRequest:
             sample_indices=sample_indices or [],
             logprob_mode=int(self.logprob_mode),
             stream_chunk_tokens=self.stream_chunk_tokens,
+            heartbeat_s=heartbeat_s,
         )
         if self.min_policy_version is not None:
             message.min_policy_version = self.min_policy_version
@@ -190,7 +206,7 @@ class AsyncRolloutClient:
         results: dict[int, Sample | None] = {}  # None: received and dropped.
         deadline_s = self.generate_deadline_s(request)
         abort_pauses = self._abort_pauses
-        failures = 0
+        failures = silences = 0
         while len(results) < request.num_samples:
             missing = [i for i in range(request.num_samples) if i not in results]
             received_before = len(results)
@@ -216,6 +232,15 @@ class AsyncRolloutClient:
                 await asyncio.sleep(min(self.config.max_backoff_s,
                                         self.config.initial_backoff_s * 2 ** max(failures - 1, 0)))
                 continue
+            except _Silence:
+                silences = 0 if len(results) > received_before else silences + 1
+                if silences >= self.config.max_silences:
+                    raise errors.ServerSilentError(
+                        f"Generate {request.request_id}: the server at {self.config.target} sent nothing, not even a "
+                        f"heartbeat, for {self.config.silence_timeout_s:g} s, {silences} times in a row: it is hung "
+                        "(raise server.silence_timeout_s if it is only slow and sends no heartbeats)") from None
+                self.retries += 1
+                continue
             if len(results) < request.num_samples:
                 raise errors.ProtocolError(
                     f"Generate {request.request_id}: stream ended without samples "
@@ -239,9 +264,13 @@ class AsyncRolloutClient:
         `abort_pauses` pauses were counted.
         """
         subset = indices if len(indices) < request.num_samples else None
-        call = self._stub.Generate(request.to_proto(subset), timeout=deadline_s, metadata=self._metadata)
+        silence_s = self.config.silence_timeout_s
+        call = self._stub.Generate(request.to_proto(subset, heartbeat_s=silence_s / 4 if silence_s else 0.0),
+                                   timeout=deadline_s, metadata=self._metadata)
         assembler = StreamAssembler()
-        async for response in call:
+        async for response in _unless_silent(call, silence_s):
+            if response.WhichOneof("payload") == "heartbeat":
+                continue
             raw = assembler.add(response)
             if raw is None:
                 continue
@@ -358,3 +387,24 @@ class AsyncRolloutClient:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise errors.RolloutDeadlineError(f"{type(request).__name__}: {error.details()}") from error
             raise
+
+
+class _Silence(Exception):
+    """A Generate stream sent nothing for ``silence_timeout_s`` (it was cancelled)."""
+
+
+async def _unless_silent(call, silence_s: float | None):
+    """The messages of a Generate ``call``; raises `_Silence` (after cancelling the call) when none comes for
+    ``silence_s`` seconds (None: waits as long as the call's deadline allows)."""
+    messages = aiter(call)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(messages), silence_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError as error:
+            if isinstance(error, errors.RolloutError):  # raised by the stream itself (an engine's), not a silence
+                raise
+            call.cancel()
+            raise _Silence from None
+        yield message

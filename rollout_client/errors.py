@@ -23,3 +23,8 @@ class InvalidRolloutError(RolloutError):
 
 class ProtocolError(RolloutError):
     """The server broke the protocol (e.g. ended a stream with samples missing)."""
+
+
+class ServerSilentError(RolloutDeadlineError):
+    """A Generate stream sent nothing, not even a heartbeat, for the silence timeout, attempt after attempt: the
+    server is hung (one that works sends heartbeats while it generates)."""

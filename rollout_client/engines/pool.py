@@ -14,7 +14,8 @@ it published would otherwise skip loading it again. `publish` sends the weights 
 once all have confirmed.
 
 When no member is left that could come back (every launched one out of relaunches, and every external one down for
-``give_up_after_s``), every waiting request fails with `EnginesDownError`, whose message names each address and,
+``give_up_after_s``, or hung: silent on a Generate stream, `ServerSilentError`, so not taken back by a probe its
+health check answers), every waiting request fails with `EnginesDownError`, whose message names each address and,
 for a launched engine, its log file and exit code.
 
 A single engine is a pool of one: that is how the loop survives a dead or restarted engine.
@@ -85,6 +86,7 @@ class Member:
     down_since: float | None = None
     last_failure: str = ""
     took_weights: bool = False  # some publish to it was confirmed: its control endpoint was right once
+    hung: bool = False  # taken out for its silence (`ServerSilentError`): an external one is not probed back
 
     def process_state(self) -> str:
         """For a launched engine: its exit code and log file."""
@@ -216,7 +218,9 @@ class EnginePool(Engine):
         elif _engine_down(error) or self._dead(engine):
             # A launched engine whose process runs was restarting (or was briefly unreachable): resend, a few times.
             alive = getattr(engine, "process", None) is not None and not self._dead(engine)
-            if not cut_by_update and not (alive and resends < _RESENDS_TO_A_LIVE_ENGINE):
+            if isinstance(error, errors.ServerSilentError):  # hung, however alive its process or health check
+                self._take_out(member, engine, describe_error(error), hung=True)
+            elif not cut_by_update and not (alive and resends < _RESENDS_TO_A_LIVE_ENGINE):
                 self._take_out(member, engine, describe_error(error))
             with self._lock:
                 self._counts["engines/redispatched"] += 1
@@ -231,11 +235,11 @@ class EnginePool(Engine):
 
     # Health.
 
-    def _take_out(self, member: Member, engine: Engine, why: str) -> None:
+    def _take_out(self, member: Member, engine: Engine, why: str, hung: bool = False) -> None:
         with self._lock:
             if member.engine is not engine or not member.healthy:
                 return  # already taken out (or replaced) by another failed request
-            member.healthy = False
+            member.healthy, member.hung = False, hung
             member.down_since = time.monotonic()
             member.last_failure = why
             self._counts["engines/taken_out"] += 1
@@ -287,6 +291,8 @@ class EnginePool(Engine):
                 return
             member.address = engine_address(engine, member.address)
         else:
+            if member.hung:  # its health check and server info answer while its Generate streams stay silent
+                return
             engine = member.engine
             try:
                 engine.info()
@@ -304,7 +310,7 @@ class EnginePool(Engine):
                 member.engine = engine  # closed on the next relaunch
             return
         with self._lock:
-            member.engine, member.healthy, member.down_since = engine, True, None
+            member.engine, member.healthy, member.down_since, member.hung = engine, True, None, False
             self._counts["engines/taken_back"] += 1
         logger.warning("engine at %s back in service%s", member.address,
                        f" (relaunch {member.relaunches})" if member.relaunch is not None else "")
@@ -317,13 +323,15 @@ class EnginePool(Engine):
         for member in self.members:
             if member.relaunch is not None and member.relaunches < self.config.max_relaunches:
                 return None
-            if member.relaunch is None and now - member.down_since < self.config.give_up_after_s:
+            if member.relaunch is None and not member.hung and now - member.down_since < self.config.give_up_after_s:
                 return None
         parts = []
         for member in self.members:
             if member.relaunch is not None:
                 parts.append(f"the launched engine at {member.address}{member.process_state()} was relaunched "
                              f"{member.relaunches} times (max_relaunches) and is down: {member.last_failure}")
+            elif member.hung:
+                parts.append(f"the engine at {member.address} is hung ({member.last_failure})")
             else:
                 parts.append(f"the engine at {member.address} has been unreachable for "
                              f"{now - member.down_since:.0f} s: {member.last_failure}")
