@@ -35,6 +35,7 @@ from rollout_client.engines.pool import Member
 from rollout_client.engines.pool import PoolConfig
 from rollout_client.engines.process import EngineExitedError
 from rollout_client.engines.process import EngineProcess
+from rollout_client.errors import EngineCallError
 from rollout_client.errors import InvalidRolloutError
 from rollout_client.errors import ProtocolError
 from rollout_client.errors import RolloutDeadlineError
@@ -70,6 +71,7 @@ __all__ = [
     "ControlPlaneUnavailableError",
     "Engine",
     "EngineCapabilities",
+    "EngineCallError",
     "EngineCapabilityError",
     "EngineExitedError",
     "EngineInfo",

@@ -188,7 +188,7 @@ class AsyncRolloutClient:
 
         Raises:
           InvalidRolloutError: a sample is invalid and validation says "raise".
-          RolloutDeadlineError, RolloutUnavailableError, ProtocolError, grpc.aio.AioRpcError.
+          RolloutDeadlineError, RolloutUnavailableError, grpc.aio.AioRpcError.
         """
         try:
             return await self._generate(request)
@@ -211,9 +211,13 @@ class AsyncRolloutClient:
             missing = [i for i in range(request.num_samples) if i not in results]
             received_before = len(results)
             try:
-                await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
+                strays = await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
             except grpc.aio.AioRpcError as error:
                 deadline = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if _too_large(error):  # a message over the size limit: this call's missing samples are lost
+                    self._drop(request, [i for i in missing if i not in results], results, "message_too_large",
+                               error.details())
+                    continue
                 if not deadline and error.code() not in _RETRIED:
                     raise
                 failures = 0 if len(results) > received_before else failures + 1
@@ -241,10 +245,12 @@ class AsyncRolloutClient:
                         "(raise server.silence_timeout_s if it is only slow and sends no heartbeats)") from None
                 self.retries += 1
                 continue
-            if len(results) < request.num_samples:
-                raise errors.ProtocolError(
-                    f"Generate {request.request_id}: stream ended without samples "
-                    f"{sorted(set(missing) - set(results))}")
+            lost = [i for i in missing if i not in results]
+            if strays:  # the samples of final messages under unknown indices, or extra messages
+                self._drop(request, lost, results, "unknown_sample_index", f"final messages for sample indices "
+                           f"{strays} that were not asked for")
+            elif lost:
+                self._drop(request, lost, results, "missing_final", "the stream ended without their final message")
         return [results[i] for i in sorted(results) if results[i] is not None]
 
     def expected(self, request: RolloutRequest, abort_requested: bool = False) -> Expected:
@@ -256,8 +262,9 @@ class AsyncRolloutClient:
                         abort_requested=abort_requested)
 
     async def _generate_once(self, request: RolloutRequest, prompt: np.ndarray, indices: list[int],
-                             results: dict[int, Sample | None], deadline_s: float, abort_pauses: int) -> None:
-        """One Generate call for `indices`; stores each final sample in `results` (None: dropped).
+                             results: dict[int, Sample | None], deadline_s: float, abort_pauses: int) -> list[int]:
+        """One Generate call for `indices`; stores each final sample in `results` (None: dropped); returns the
+        sample indices of final messages it did not ask for.
 
         A sample index that already has a result is a duplicate: dropped and counted, the first one kept. An
         ABORT finish is expected only when this client aborted the request, or paused with ABORT, since
@@ -267,8 +274,18 @@ class AsyncRolloutClient:
         silence_s = self.config.silence_timeout_s
         call = self._stub.Generate(request.to_proto(subset, heartbeat_s=silence_s / 4 if silence_s else 0.0),
                                    timeout=deadline_s, metadata=self._metadata)
+        try:
+            return await self._read_stream(request, _unless_silent(call, silence_s), prompt, indices, results,
+                                           abort_pauses)
+        finally:
+            call.cancel()  # a no-op once the stream ended; else the call (e.g. after a raise) stops on the server
+
+    async def _read_stream(self, request: RolloutRequest, stream, prompt: np.ndarray, indices: list[int],
+                           results: dict[int, Sample | None], abort_pauses: int) -> list[int]:
+        """Stores each final sample of a Generate ``stream`` in ``results`` (None: dropped); see `_generate_once`."""
         assembler = StreamAssembler()
-        async for response in _unless_silent(call, silence_s):
+        strays = []
+        async for response in stream:
             if response.WhichOneof("payload") == "heartbeat":
                 continue
             raw = assembler.add(response)
@@ -277,15 +294,14 @@ class AsyncRolloutClient:
             if response.sample_index in results:
                 problem = "duplicate_sample_index", "a second final message for this sample index"
             elif response.sample_index not in indices:
-                raise errors.ProtocolError(
-                    f"Generate {request.request_id}: unexpected sample_index {response.sample_index}")
+                strays.append(response.sample_index)
+                continue
             else:
                 aborting = request.request_id in self._abort_requested or self._abort_pauses != abort_pauses
                 problem = find_problem(raw, self.expected(request, aborting))
             if problem is not None:
                 name, detail = problem
                 if self.config.validation.on_invalid == "raise":
-                    call.cancel()
                     raise errors.InvalidRolloutError(
                         f"request {request.request_id} sample {response.sample_index}: {name}: {detail}")
                 self.counters.dropped[name] += 1
@@ -294,6 +310,17 @@ class AsyncRolloutClient:
             self.counters.accepted += 1
             results[response.sample_index] = build_sample(
                 raw, request.request_id, response.sample_index, prompt, request.logprob_mode)
+        return strays
+
+    def _drop(self, request: RolloutRequest, indices: list[int], results: dict[int, Sample | None], problem: str,
+              detail: str) -> None:
+        """Drops and counts (one per sample, at least one) the samples ``indices`` of a faulty reply, as validation
+        drops a bad sample; or raises `InvalidRolloutError` when validation says "raise"."""
+        if self.config.validation.on_invalid == "raise":
+            raise errors.InvalidRolloutError(f"request {request.request_id} samples {indices}: {problem}: {detail}")
+        self.counters.dropped[problem] += max(len(indices), 1)
+        for index in indices:
+            results.setdefault(index, None)
 
     async def pause(self, mode: PauseMode = PauseMode.KEEP, kv_cache: KvCache = KvCache.RECOMPUTE) -> int:
         """Pauses generation; returns the server's policy version. ``kv_cache``: what a weight update while paused
@@ -387,6 +414,11 @@ class AsyncRolloutClient:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise errors.RolloutDeadlineError(f"{type(request).__name__}: {error.details()}") from error
             raise
+
+
+def _too_large(error: grpc.aio.AioRpcError) -> bool:
+    """Whether a call failed on a message over gRPC's size limit (sent by the server, or received here)."""
+    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in (error.details() or "")
 
 
 class _Silence(Exception):

@@ -28,3 +28,8 @@ class ProtocolError(RolloutError):
 class ServerSilentError(RolloutDeadlineError):
     """A Generate stream sent nothing, not even a heartbeat, for the silence timeout, attempt after attempt: the
     server is hung (one that works sends heartbeats while it generates)."""
+
+
+class EngineCallError(RolloutError):
+    """An engine answered a call with an error status (or broke the protocol) that no retry mends; the message names
+    the engine's address and the status."""

@@ -14,13 +14,13 @@ from learner.rl.hooks import EvaluationError
 from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError, ResumeConfigError
 from learner.rl.run_lock import RunDirLockedError
-from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
+from rollout_client import EngineCallError, EngineCapabilityError, EngineExitedError, EnginesDownError
 
 # Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
 # with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError, UnsafeRunDirError,
                                                 EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError,
-                                                EvaluationError)
+                                                EvaluationError, EngineCallError)
 
 
 @contextlib.contextmanager

@@ -114,6 +114,16 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
+def _named(error: BaseException, call: str) -> BaseException:
+    """A gRPC error status or protocol break of ``call`` as an `EngineCallError` naming the engine and the status
+    (one line); any other error as it is."""
+    if isinstance(error, (grpc.RpcError, errors.ProtocolError)):
+        named = errors.EngineCallError(f"{call} failed: {describe_error(error)}")
+        named.__cause__ = error
+        return named
+    return error
+
+
 def _engine_down(error: BaseException) -> bool:
     """Whether a request failed because its engine is unreachable (not because of the request or its samples)."""
     if isinstance(error, (errors.RolloutUnavailableError, errors.RolloutDeadlineError)):
@@ -226,7 +236,7 @@ class EnginePool(Engine):
                 self._counts["engines/redispatched"] += 1
             self._dispatch(request, outer, resends + 1)
         else:
-            outer.set_exception(error)
+            outer.set_exception(_named(error, f"a request to the engine at {member.address}"))
 
     @staticmethod
     def _dead(engine: Engine) -> bool:
@@ -372,7 +382,7 @@ class EnginePool(Engine):
                 # engine); one that never answered is a wrong address, reported now (not after give_up_after_s).
                 self._take_out(member, engine, f"publish failed: {describe_error(error)}")
             else:
-                raise error
+                raise _named(error, f"publishing to the engine at {member.address}")
         if not confirmed:
             return self._wait_for_one(policy_version)
         return min(confirmed)
