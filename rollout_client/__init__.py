@@ -37,6 +37,7 @@ from rollout_client.engines.process import EngineExitedError
 from rollout_client.engines.process import EngineProcess
 from rollout_client.errors import EngineCallError
 from rollout_client.errors import InvalidRolloutError
+from rollout_client.errors import PolicyVersionError
 from rollout_client.errors import ProtocolError
 from rollout_client.errors import RolloutDeadlineError
 from rollout_client.errors import RolloutError
@@ -92,6 +93,7 @@ __all__ = [
     "PauseMode",
     "PoolConfig",
     "PromptLimits",
+    "PolicyVersionError",
     "ProtocolError",
     "RequestRefusedError",
     "RolloutBatch",

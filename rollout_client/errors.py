@@ -33,3 +33,8 @@ class ServerSilentError(RolloutDeadlineError):
 class EngineCallError(RolloutError):
     """An engine answered a call with an error status (or broke the protocol) that no retry mends; the message names
     the engine's address and the status."""
+
+
+class PolicyVersionError(RolloutError, RuntimeError):
+    """The engine serves a policy version the learner cannot publish over (versions must increase); the message
+    names the fix."""

@@ -61,7 +61,7 @@ from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedd
 from learner.rl.engines import build_engine, check_identity, publish_dtype, publishes_adapters, sampler_order
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
-from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
+from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
 from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.run_lock import hold_run_dir
 from learner.rl.trainer import Trainer, model_context
@@ -163,6 +163,7 @@ class Run:
         if self.leader:  # before the train state and the warm-up, which a bad reward or engine would waste
             probe_rewards(self.task)
             probe_engines(config)
+        check_lora(config)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
@@ -290,9 +291,20 @@ class Run:
     def _check_resume(self, metadata: dict, step: int) -> None:
         """Refuses a checkpoint of another LoRA base or, unless allowed, of other settings (`changed_keys`)."""
         if self.trainer.lora is not None:
-            check_base_identity(metadata.get("lora_base"), self._base_identity,
-                                f"{self.run_dir / 'checkpoints'} step {step}")
+            try:
+                check_base_identity(metadata.get("lora_base"), self._base_identity,
+                                    f"{self.run_dir / 'checkpoints'} step {step}")
+            except ValueError as error:
+                raise ResumeConfigError(str(error)) from None
         changed = changed_keys(metadata.get("config") or {}, self.config)
+        saved_model, model = (metadata.get("config") or {}).get("model") or {}, to_dict(self.config)["model"]
+        saved_shape, shape = model_shape(saved_model), model_shape(model)
+        if changed and saved_shape is not None and shape is not None and saved_shape != shape:
+            raise ResumeConfigError(
+                f"{self.run_dir / 'checkpoints'} holds step {step} of a model of another shape "
+                f"({', '.join(key for key in changed if key.startswith('model.'))} changed): its arrays cannot load "
+                "into this model, loop.allow_config_change or not. Use a new run_dir, or resume with the "
+                "checkpoint's model settings")
         if changed and not self.config.loop.allow_config_change:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "

@@ -250,12 +250,14 @@ class RewardSet:
             total[i] = np.nan
         return RewardScores(np.asarray(total, np.float32), per_reward, errors)
 
-    def check_callable(self, completion: str, prompt: str, row: Mapping[str, Any]) -> str | None:
-        """Calls each reward once on one sample: what is wrong with a reward that cannot be called with the reward
-        signature (TypeError) or returns something other than a number, or None. Other exceptions may depend on
-        the completion and are not reported here."""
+    def check_callable(self, completions: Sequence[str], prompts: Sequence[str], rows: Sequence[Mapping[str, Any]]
+                       ) -> str | None:
+        """Calls each reward once on these samples (a batched one on all of them at once: give two or more, so that
+        a batched reward returning one value is found): what is wrong with a reward that cannot be called with the
+        reward signature (TypeError), returns something other than a number, or a batched one that returns another
+        count; or None. Other exceptions may depend on the completion and are not reported here."""
         for reward in self.rewards:
-            _, failures = self._run(reward, [completion], [prompt], [row])
+            _, failures = self._run(reward, completions, prompts, rows)
             for _, error in failures:
                 if isinstance(error, (TypeError, NotANumberError)):
                     return f"reward {reward.label!r}: {type(error).__name__}: {error}"
@@ -282,7 +284,7 @@ class RewardSet:
                 try:
                     result = list(result)
                     if len(result) != n:
-                        raise ValueError(f"returned {len(result)} values for {n} samples")
+                        raise NotANumberError(f"returned {len(result)} values for {n} samples")
                 except (TypeError, ValueError) as err:
                     error = err
             outcomes = [(None, error)] * n if error is not None else [(value, None) for value in result]
@@ -300,7 +302,8 @@ class RewardSet:
 
 
 class NotANumberError(ValueError):
-    """A reward returned something other than a number (None, a string, a list)."""
+    """A reward returned something other than a number (None, a string, a list), or a batched reward another count
+    of numbers than it was given samples."""
 
 
 def _number(value) -> float:

@@ -9,3 +9,11 @@ def hang_where_asked(completion, prompt, row):
         while True:
             time.sleep(3600)
     return float(len(completion))
+
+
+def one_value(completions, prompts, rows):
+    """A batched reward that returns one score whatever the batch (a bug that a batch of one hides)."""
+    return [1.0]
+
+
+one_value.batched = True
