@@ -297,15 +297,16 @@ class Run:
             except ValueError as error:
                 raise ResumeConfigError(str(error)) from None
         changed = changed_keys(metadata.get("config") or {}, self.config)
-        saved_model, model = (metadata.get("config") or {}).get("model") or {}, to_dict(self.config)["model"]
-        saved_shape, shape = model_shape(saved_model), model_shape(model)
-        if changed and saved_shape is not None and shape is not None and saved_shape != shape:
+        allowed = self.config.loop.allow_config_change
+        shapes = ((model_shape((metadata.get("config") or {}).get("model") or {}),
+                   model_shape(to_dict(self.config)["model"])) if changed and allowed else ())
+        if shapes and None not in shapes and shapes[0] != shapes[1]:  # allowed or not, the arrays would not load
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a model of another shape "
                 f"({', '.join(key for key in changed if key.startswith('model.'))} changed): its arrays cannot load "
                 "into this model, loop.allow_config_change or not. Use a new run_dir, or resume with the "
                 "checkpoint's model settings")
-        if changed and not self.config.loop.allow_config_change:
+        if changed and not allowed:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
                 f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "
