@@ -2,6 +2,7 @@
 return, as a reward stuck on a network call or a pathological regex does."""
 
 import time
+import zlib
 
 
 def hang_where_asked(completion, prompt, row):
@@ -17,3 +18,15 @@ def one_value(completions, prompts, rows):
 
 
 one_value.batched = True
+
+
+def hang_on_a_quarter(completion, prompt, row):
+    """Never returns for about 1 completion in 4 (by the completion's and prompt's text: deterministic)."""
+    if zlib.crc32(f"{prompt}|{completion}".encode()) % 4 == 0:
+        hang_where_asked(completion, prompt, {"hang": True})
+    return float(completion.strip() == str(row.get("answer")))
+
+
+def exact(completion, prompt, row):
+    """``hang_on_a_quarter`` without the hang: the clean run's reward."""
+    return float(completion.strip() == str(row.get("answer")))
