@@ -16,6 +16,7 @@ the warm-up, with one `ConfigError` naming the key and the fix.
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import socket
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ from learner.model.lora import adapter_shapes, adapter_targets
 from learner.model.transformer import Projection, Transformer, model_config
 from learner.rl.config import engine_addresses, lora_config
 from learner.rl.engines import publishes_adapters
+from rollout_client.protocol import bearer, pb, pb_grpc
+from rollout_client.request_guards import ModelIdentity, check_model_identity
 
 if TYPE_CHECKING:
     from learner.rl.config import RunConfig
@@ -82,6 +85,22 @@ def probe_engines(config: RunConfig, timeout_s: float = PROBE_TIMEOUT_S) -> None
             raise ConfigError(f"server.address: no gRPC server answers at {address} ({problem}): is an engine "
                               "serving there (not an HTTP endpoint, and the socket path right)? Fix server.address, "
                               "or leave it out to launch the embedded server")
+        if config.server.engine == "tether":  # a rollout.v1 server says its vocabulary: checked now, not after
+            _check_vocabulary(config, address, timeout_s)
+
+
+def _check_vocabulary(config: RunConfig, address: str, timeout_s: float) -> None:
+    """An external rollout.v1 server's vocabulary is the learner's (`ModelMismatchError` otherwise); a server that
+    does not answer GetServerInfo (e.g. it wants a token this run lacks) is left to the engine's own start."""
+    token = os.environ.get(config.server.auth_token_env) if config.server.auth_token_env else None
+    with grpc.insecure_channel(address) as channel:
+        try:
+            info = pb_grpc.RolloutServiceStub(channel).GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=timeout_s, metadata=bearer(token) if token else None)
+        except grpc.RpcError:
+            return
+    learner = _architecture(config.model.hf_path, config.model.name).vocab_size
+    check_model_identity(ModelIdentity(vocab_size=info.vocab_size), ModelIdentity(vocab_size=learner), address)
 
 
 def _no_grpc_answer(address: str, timeout_s: float) -> str | None:

@@ -1,7 +1,7 @@
 """Issue #49, item 5: every refusal of ``python -m learner.train`` is one ``error:`` line naming the key (or file)
 and the fix, as early as it can be known: the engine address, the LoRA settings and the rewards before the
-warm-up; the engine's model and version once it answers; a resume before any array is read (real subprocesses,
-real servers on 127.0.0.1)."""
+warm-up, and an external reference server's vocabulary; its policy version once weights are published; a resume
+before any array is read (real subprocesses, real servers on 127.0.0.1)."""
 
 import http.server
 import json
@@ -18,9 +18,12 @@ from tests.faults.test_error_lines import error_line
 from tests.rollout_client.conftest import ServerProcess
 
 
-def _refusal(tmp_path, *overrides, resume: bool = False) -> str:
-    """The one error line of a run with ``overrides``; nothing was trained or saved (but the checkpoint resumed)."""
-    line = error_line(train_command(tmp_path / "run", *overrides))
+def _refusal(tmp_path, *overrides, resume: bool = False, before_warmup: bool = True) -> str:
+    """The one error line of a run with ``overrides`` (2 warm-up steps); nothing was trained or saved (but the
+    checkpoint resumed), and, ``before_warmup``, the warm-up never started."""
+    stdout = []
+    line = error_line(train_command(tmp_path / "run", *overrides), stdout=stdout)
+    assert not before_warmup or "warm-up" not in stdout[0], stdout[0][-2000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     saved = sorted(path.name for path in checkpoints.iterdir() if path.name.isdigit()) if checkpoints.exists() else []
     assert saved == (["0"] if resume else [])
@@ -107,8 +110,8 @@ def other_vocab_server(tmp_path_factory):
     process.stop()
 
 
-def test_an_engine_serving_another_vocabulary_is_one_line(tmp_path, other_vocab_server):
-    line = _refusal(tmp_path, "warmup.steps=0", f'server.address="{other_vocab_server.target}"')
+def test_an_engine_serving_another_vocabulary_is_refused_before_the_warm_up(tmp_path, other_vocab_server):
+    line = _refusal(tmp_path, f'server.address="{other_vocab_server.target}"')
     assert line == (f"error: the engine at {other_vocab_server.target} serves another model than the learner trains, "
                     "so its logprobs are not the policy's: - vocab_size: engine 1000, learner 128 Serve the "
                     "learner's model (model.name or model.hf_path), or point server.address at an engine that "
@@ -116,7 +119,7 @@ def test_an_engine_serving_another_vocabulary_is_one_line(tmp_path, other_vocab_
 
 
 def test_an_engine_ahead_of_the_learners_version_is_one_line(tmp_path, version_7_server):
-    line = _refusal(tmp_path, "warmup.steps=0", f'server.address="{version_7_server.target}"')
+    line = _refusal(tmp_path, "warmup.steps=0", f'server.address="{version_7_server.target}"', before_warmup=False)
     assert line == ("error: the server already serves policy version 7, newer than the learner's 0: restart the "
                     "server (versions must increase)")
 
