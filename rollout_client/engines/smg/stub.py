@@ -21,8 +21,9 @@ deadlines, validation drops and `Sample` assembly apply to these engines unchang
 - A stream that ends without the engine's final message (aborted, or the engine stopping) is an ABORT sample with
   the tokens received; the client keeps it if it asked for the abort, and drops and counts it otherwise.
 - Heartbeats (rollout.v1's ``heartbeat_s``): while a call waits for its samples, a heartbeat every ``heartbeat_s``
-  as long as the engine makes progress (a message of any of its streams since the last heartbeat) or admission is
-  held (a publish): a hung engine stays silent, and the client takes its silence for a hang.
+  as long as the engine makes progress (a message of any of its streams since the last heartbeat), admission is
+  held (a publish), or the engine has streamed nothing yet (it may compile its programs on first use): an engine
+  that hangs once it has served stays silent, and the client takes its silence for a hang.
 - A failed call to a launched engine first asks ``check_alive``, which raises a clear error if the engine's process
   died (address, log, exit code) instead of retrying a dead server.
 """
@@ -236,13 +237,14 @@ class _FanOut:
 
     async def _waiting(self, awaitable):
         """Awaits ``awaitable``, meanwhile yielding a heartbeat every ``heartbeat_s`` (none when 0) while the engine
-        makes progress or admission is held; then yields ``_Done(result)``."""
+        makes progress, admission is held, or the engine has streamed nothing yet (it may compile on first use);
+        then yields ``_Done(result)``."""
         stub, task = self._stub, asyncio.ensure_future(awaitable)
         interval = max(self._request.heartbeat_s, 0.05) if self._request.heartbeat_s > 0 else None
         seen = stub.progress
         try:
             while not (await asyncio.wait({task}, timeout=interval))[0]:
-                if stub.progress != seen or not stub._admission.is_set():
+                if stub.progress != seen or not stub._admission.is_set() or not stub.progress:
                     seen = stub.progress
                     yield pb.GenerateResponse(heartbeat=pb.Heartbeat(paused=not stub._admission.is_set()))
         finally:
