@@ -152,6 +152,10 @@ class ServerSection:
     # A Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts, each after a missed deadline twice
     # as long as the one before (a slow server, not a hung one, then finishes).
     generate_deadline_s: float = 30.0
+    # A Generate stream silent this long (no sample, chunk or heartbeat: a working engine sends one every quarter of
+    # it) is hung: asked again once, then the engine is taken out (an error line when none is left). A slow engine
+    # keeps sending, so it is never cut.
+    silence_timeout_s: float = _positive(45.0)
     max_relaunches: int = _non_negative(3)  # a launched engine that dies is relaunched (current weights) this often.
     probe_interval_s: float = _positive(2.0)  # between attempts to reach an engine that is down.
     give_up_after_s: float = _positive(120.0)  # the run ends when no engine has served for this long.
@@ -515,6 +519,7 @@ def client_config(config: RunConfig, target: str, auth_token: str | None, vocab_
     (and counts) token ids the learner cannot embed even if the engine reports a larger vocabulary."""
     return _library("server", ClientConfig, renames={"deadline_base_s": "generate_deadline_s"}, target=target,
                     auth_token=auth_token, deadline_base_s=config.server.generate_deadline_s,
+                    silence_timeout_s=config.server.silence_timeout_s,
                     validation=ValidationConfig(vocab_size=vocab_size))
 
 

@@ -16,13 +16,21 @@ from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError, ResumeConfigError
 from learner.rl.run_lock import RunDirLockedError
 from learner.rl.stop_signals import Interrupted
-from rollout_client import EngineCapabilityError, EngineExitedError, EnginesDownError
+from rollout_client import (
+    EngineCallError,
+    EngineCapabilityError,
+    EngineExitedError,
+    EnginesDownError,
+    ModelMismatchError,
+    PolicyVersionError,
+)
 
 # Errors whose message names the cause and the fix: the CLI prints them as one ``error:`` line and exits 1, never
 # with a traceback. Add a class here (not a new handler) to give another failure the same treatment.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ResumeConfigError, RunDirLockedError, UnsafeRunDirError,
                                                 EngineCapabilityError, NonFiniteUpdateError, NoUsableRolloutsError,
-                                                EvaluationError, CanaryMismatchError)
+                                                EvaluationError, CanaryMismatchError, EngineCallError,
+                                                ModelMismatchError, PolicyVersionError)
 
 
 @contextlib.contextmanager
@@ -46,7 +54,7 @@ def errors_as_lines(*classes: type[BaseException], run_dir: str | None = None):
     except (EngineExitedError, EnginesDownError) as error:  # its first line names the engine's log and exit code
         sys.exit(f"error: {str(error).splitlines()[0].rstrip(':')}")
     except classes or USER_ERRORS as error:  # noqa: B030
-        sys.exit(f"error: {error}")
+        sys.exit("error: " + " ".join(str(error).splitlines()))  # a listing (ModelMismatchError's) on one line
     except Exception as error:
         if cause := disk_full_cause(error):
             sys.exit(f"error: disk full writing under run_dir {run_dir} ({cause}). Committed checkpoints are intact "

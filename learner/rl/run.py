@@ -76,7 +76,7 @@ from learner.rl.engines import (
 )
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
-from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
+from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
 from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.run_lock import LOCK_FILE, hold_run_dir
 from learner.rl.stop_signals import Interrupted, StopSignals
@@ -207,6 +207,7 @@ class Run:
         if self.leader:  # before the train state and the warm-up, which a bad reward or engine would waste
             probe_rewards(self.task)
             probe_engines(config)
+        check_lora(config)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
@@ -350,10 +351,22 @@ class Run:
     def _check_resume(self, metadata: dict, step: int) -> None:
         """Refuses a checkpoint of another LoRA base or, unless allowed, of other settings (`changed_keys`)."""
         if self.trainer.lora is not None:
-            check_base_identity(metadata.get("lora_base"), self._base_identity,
-                                f"{self.run_dir / 'checkpoints'} step {step}")
+            try:
+                check_base_identity(metadata.get("lora_base"), self._base_identity,
+                                    f"{self.run_dir / 'checkpoints'} step {step}")
+            except ValueError as error:
+                raise ResumeConfigError(str(error)) from None
         changed = changed_keys(metadata.get("config") or {}, self.config)
-        if changed and not self.config.loop.allow_config_change:
+        allowed = self.config.loop.allow_config_change
+        shapes = ((model_shape((metadata.get("config") or {}).get("model") or {}),
+                   model_shape(to_dict(self.config)["model"])) if changed and allowed else ())
+        if shapes and None not in shapes and shapes[0] != shapes[1]:  # allowed or not, the arrays would not load
+            raise ResumeConfigError(
+                f"{self.run_dir / 'checkpoints'} holds step {step} of a model of another shape "
+                f"({', '.join(key for key in changed if key.startswith('model.'))} changed): its arrays cannot load "
+                "into this model, loop.allow_config_change or not. Use a new run_dir, or resume with the "
+                "checkpoint's model settings")
+        if changed and not allowed:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
                 f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "

@@ -27,9 +27,12 @@ CASES = {
 }
 
 
-def error_line(command, cwd=REPO_ROOT) -> str:
-    """Runs ``command``; asserts exit 1 with exactly one ``error:`` line and no traceback; returns the line."""
+def error_line(command, cwd=REPO_ROOT, stdout: list | None = None) -> str:
+    """Runs ``command``; asserts exit 1 with exactly one ``error:`` line and no traceback; returns the line (and
+    appends what it printed on stdout to ``stdout``)."""
     result = subprocess.run(command, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=240)
+    if stdout is not None:
+        stdout.append(result.stdout)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]

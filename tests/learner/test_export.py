@@ -26,7 +26,7 @@ from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
 from learner.checkpoints.safetensors_io import load_safetensors, write_safetensors
 from learner.export import export_run, main, read_checkpoint_params
-from learner.model.lora import LoraConfig, LoRAParam
+from learner.model.lora import LoraConfig, LoRAParam, base_identity
 from learner.model.param_paths import named_leaves, update_named
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 from learner.rl.config import load_config, to_dict
@@ -287,7 +287,8 @@ def lora_run(tmp_path, tokenizer):
     run_config = to_dict(load_config(None, ["model.hf_path='base'", "model.lora.rank=4", "model.lora.alpha=8.0"]))
     with Checkpointer(CheckpointConfig(str(tmp_path / "run" / "checkpoints"), async_save=False)) as saver:
         saver.save(2, create_train_state(model, optax.adam(1e-3)), policy_version=2, config=run_config,
-                   data_iterator=DataPosition({"epoch": 0, "index": 8}))
+                   data_iterator=DataPosition({"epoch": 0, "index": 8}),
+                   extra_metadata={"lora_base": base_identity(str(base), "tiny", 0)})
     return tmp_path, base, model
 
 
@@ -306,7 +307,7 @@ def test_exports_load_from_anywhere_are_0644_and_log_no_warning(lora_run, caplog
         with caplog.at_level("WARNING"):
             main(["run", "peft"])
             main(["run", "merged", "--merged"])
-            main(["run", "named", "--base-model", "Qwen/Qwen2.5-0.5B"])
+            main(["run", "named", "--base-model", "Qwen/Qwen2.5-0.5B", "--allow-other-base"])
     finally:
         os.umask(umask)
     assert [record.getMessage() for record in caplog.records if record.levelname != "INFO"] == []
