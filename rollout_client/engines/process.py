@@ -13,6 +13,10 @@ Two ways to learn the port:
   ``python -m smg_grpc_servicer.mlx.server``): it is started on port N (`free_port`), and the caller waits for it
   to serve (its health check), calling `check_alive` while it waits.
 
+``python``: another interpreter than the learner's (e.g. a virtual environment with vLLM); the child then runs by its
+file path and imports nothing of Tether, and ``module`` may be a ``.py`` file (`rollout_client.engines.child`).
+``group=True``: the server's own subprocesses die with it (`rollout_client.engines.child.kill_group_on_exit`).
+
 A server that exits raises `EngineExitedError`, naming the module, the address, the exit code and the log.
 """
 
@@ -27,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
+from rollout_client.engines import child as child_module
 from rollout_client.errors import RolloutUnavailableError
 
 _LOG_TAIL_CHARS = 3000
@@ -54,6 +59,8 @@ class EngineProcess:
         env: variables added to the server's environment (e.g. its auth token, which must not be on the command
             line, where any local user can read it).
         port: the port to serve on; None: the server picks one and reports it through a port file.
+        python: the interpreter that runs the server; None: this one.
+        group: the server leads a process group that is killed when it exits (its own subprocesses die with it).
 
     Attributes:
         address: ``"127.0.0.1:PORT"``, where the server listens.
@@ -65,14 +72,16 @@ class EngineProcess:
     """
 
     def __init__(self, module: str, args: Sequence[str], log_path: str | os.PathLike,
-                 start_timeout_s: float = 180.0, env: Mapping[str, str] | None = None, port: int | None = None):
+                 start_timeout_s: float = 180.0, env: Mapping[str, str] | None = None, port: int | None = None,
+                 python: str | os.PathLike | None = None, group: bool = False):
         self.module = module
         self.log_path = pathlib.Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.address = f"127.0.0.1:{port}" if port is not None else "127.0.0.1 (port not yet bound)"
         environment = {**os.environ, **(env or {})}
-        child = [sys.executable, "-m", "rollout_client.engines.child", str(os.getpid()), module, *args,
-                 "--host", "127.0.0.1"]
+        runner = ([sys.executable, "-m", "rollout_client.engines.child"] if python is None
+                  else [os.fspath(python), child_module.__file__])
+        child = [*runner, str(os.getpid()), *(["--group"] if group else []), module, *args, "--host", "127.0.0.1"]
         if port is not None:
             self._process = self._start([*child, "--port", str(port)], environment)
             return
@@ -91,7 +100,8 @@ class EngineProcess:
     def _start(self, command: list[str], env: Mapping[str, str]) -> subprocess.Popen:
         # O_NOFOLLOW: a link planted at the log's name is refused (ELOOP), never written through
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # its own session: a terminal's Ctrl-C reaches the learner alone, which stops the run (and then the engine)
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property
     def pid(self) -> int:

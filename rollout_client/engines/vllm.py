@@ -35,6 +35,7 @@ from rollout_client.engines.http_control import (
     HttpControlledEngine,
     final_repeats_last_chunk,
 )
+from rollout_client.engines.process import EngineProcess
 from rollout_client.engines.smg.dialects import EngineSampling, SmgDialect
 from rollout_client.engines.weight_dirs import CheckpointWriter
 from rollout_client.sampling_params import LogprobMode, PauseMode
@@ -128,6 +129,8 @@ class VllmEngine(HttpControlledEngine):
         (`HttpControlledEngine`).
       control_timeout_s: per HTTP call (a reload takes as long as reading the checkpoint).
       auth_token: vLLM's ``--api-key``, for the HTTP API.
+      process: the engine's process if this run launched it (`rollout_client.engines.vllm_server` in an
+        `rollout_client.EngineProcess`): the client fails fast if it exits, and `close` stops it.
     """
 
     name = "vllm"
@@ -137,11 +140,26 @@ class VllmEngine(HttpControlledEngine):
     def __init__(self, config: ClientConfig, control_url: str, write_checkpoint: CheckpointWriter,
                  weights_dir: str | os.PathLike, *, logprob_mode: LogprobMode = LogprobMode.RAW,
                  pause_mode: PauseMode = PauseMode.WAIT, keep_weight_versions: int = 2,
-                 control_timeout_s: float = 600.0, auth_token: str | None = None, partial: bool = False):
+                 control_timeout_s: float = 600.0, auth_token: str | None = None, partial: bool = False,
+                 process: EngineProcess | None = None):
         self.vllm = VllmControl(HttpControl(control_url, control_timeout_s, auth_token))
-        super().__init__(config, self.vllm.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
-                         pause_mode=PauseMode.ABORT if partial else pause_mode,
-                         keep_weight_versions=keep_weight_versions, partial=partial)
+        self.process = process
+        try:
+            super().__init__(config, self.vllm.http, write_checkpoint, weights_dir, logprob_mode=logprob_mode,
+                             pause_mode=PauseMode.ABORT if partial else pause_mode,
+                             keep_weight_versions=keep_weight_versions, partial=partial,
+                             check_alive=None if process is None else process.check_alive)
+        except BaseException:
+            if process is not None:
+                process.stop()
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.process is not None:
+                self.process.stop()
 
     def _pause(self, mode: PauseMode) -> None:
         self.vllm.pause(mode)

@@ -57,3 +57,52 @@ def test_engine_dies_with_its_parent(tmp_path):
             return  # nothing listens any more: the engine is gone
         time.sleep(0.1)
     pytest.fail(f"the engine at {host}:{port} outlived its SIGKILLed parent")
+
+
+SPAWNER = """import importlib.util, subprocess, sys, time
+assert importlib.util.find_spec("pool") is None, "rollout_client/engines shadows top-level modules"
+grandchild = subprocess.Popen(["sleep", "600"])
+open(sys.argv[1], "w").write(str(grandchild.pid))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_a_grouped_engine_run_by_path_takes_its_own_subprocesses_along_when_its_parent_is_killed(tmp_path):
+    """``python=`` runs the child by its path (another interpreter: nothing of Tether imported, nothing shadowed) and
+    ``group=True`` kills what the engine started (vLLM's engine core) with it: here a SIGKILLed learner's engine's
+    ``sleep``."""
+    script, pid_file = tmp_path / "spawner.py", tmp_path / "grandchild.pid"
+    script.write_text(SPAWNER)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from rollout_client import EngineProcess\n"
+         f"engine = EngineProcess({str(script)!r}, [{str(pid_file)!r}], sys.argv[1], port=1, python=sys.executable,"
+         " group=True)\n"
+         "print(engine.pid, flush=True)\n"
+         "time.sleep(600)\n", str(tmp_path / "engine.log")],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(parent.stdout.readline())
+        give_up = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < give_up, (tmp_path / "engine.log").read_text()
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        assert _alive(engine_pid) and _alive(grandchild)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+    give_up = time.monotonic() + 20
+    while _alive(engine_pid) or _alive(grandchild):
+        assert time.monotonic() < give_up, f"engine {engine_pid} or its subprocess {grandchild} outlived the learner"
+        time.sleep(0.1)

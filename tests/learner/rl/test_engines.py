@@ -1,10 +1,13 @@
 """The engine plug-in point: capabilities, the run's requirements, and refusal before anything starts."""
 
+import dataclasses
+import re
 import types
 
 import numpy as np
 import pytest
 
+from learner.checkpoints.safetensors_io import _parameter_shapes
 from learner.model.transformer import model_config
 from learner.rl import load_config
 from learner.rl.engines import (
@@ -15,6 +18,8 @@ from learner.rl.engines import (
     publishes_adapters,
     reference_server_args,
     requirements,
+    untied,
+    vllm_server_args,
 )
 from rollout_client import (
     EngineCapabilities,
@@ -143,8 +148,10 @@ def test_the_learners_identity_is_the_config_json_it_exports():
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_sglang_and_vllm_need_an_address_a_control_url_and_a_shared_weights_dir(tmp_path, engine):
+    no_address = [] if engine == "vllm" else [  # vllm without an address is launched (next test)
+        ["server.control_url='http://127.0.0.1:30010'", f"server.weights_dir='{tmp_path}'"]]
     for missing in (["server.address='127.0.0.1:30000'", "server.control_url='http://127.0.0.1:30010'"],
-                    ["server.control_url='http://127.0.0.1:30010'", f"server.weights_dir='{tmp_path}'"],
+                    *no_address,
                     ["server.address=['a:1', 'b:2']", "server.control_url='http://127.0.0.1:30010'",
                      f"server.weights_dir='{tmp_path}'"]):
         config = load_config(None, [f"server.engine='{engine}'", "rollout.max_staleness=0", *missing])
@@ -191,3 +198,50 @@ def test_adapter_publish_only_where_a_request_can_name_the_adapter():
     assert publishes_adapters(load_config(None, [*lora, "model.lora.publish=adapter", "server.engine=sglang"]))
     assert not publishes_adapters(load_config(None, [*lora, "model.lora.publish=merged", "server.engine=sglang"]))
     assert not publishes_adapters(load_config(None, ["model.lora.publish=adapter", "server.engine=vllm"]))  # no LoRA
+
+
+def _tied_trainer(length: int = 96):
+    return types.SimpleNamespace(length=length,
+                                 model_config=dataclasses.replace(model_config("tiny"), tie_embeddings=True))
+
+
+def test_a_launched_vllm_starts_untied_on_the_hf_checkpoint_with_the_runs_settings_and_the_users_flags_last():
+    config = load_config("configs/vllm_engine.toml", ["model.hf_path='/ckpt'", "rollout.logprob_mode='raw'",
+                                                      "server.engine_args=['--enforce-eager', '--seed', '7']"])
+    args = vllm_server_args(config, _tied_trainer())
+    flags = dict(zip(args[:-3:2], args[1:-3:2]))
+    assert flags == {"--model": "/ckpt", "--dtype": "float32", "--max-model-len": "96",
+                     "--logprobs-mode": "raw_logprobs", "--max-num-seqs": "128", "--seed": "0",
+                     "--hf-overrides": '{"tie_word_embeddings": false}'}
+    assert args[-3:] == ["--enforce-eager", "--seed", "7"]  # the user's flags win (argparse: the last one)
+    tied = vllm_server_args(load_config("configs/vllm_engine.toml", ["server.untie_embeddings=false"]),
+                            _tied_trainer())
+    assert "--hf-overrides" not in tied  # the workaround switched off: vLLM ties, and keeps its start-up head
+
+
+def test_a_launched_vllm_refuses_a_missing_checkpoint_bad_flags_and_a_missing_python_naming_the_key(tmp_path):
+    for overrides, message in (
+            (["model.hf_path=''"], "set model.hf_path"),
+            (["server.engine_args=['--enforce-eager', 3]"], "server.engine_args=['--enforce-eager', 3]: must be a "
+                                                            "list of strings"),
+            ([f"server.python='{tmp_path / 'nowhere' / 'python'}'"], f"server.python='{tmp_path}/nowhere/python': "
+                                                                     "no such executable")):
+        config = load_config("configs/vllm_engine.toml", overrides)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build_engine(config, trainer=_tied_trainer(), eos_ids=(2,), run_dir=tmp_path, weights={})
+    assert not any(tmp_path.iterdir())  # nothing was written or launched
+
+
+def test_untied_weights_write_the_embedding_as_an_explicit_lm_head(tmp_path):
+    """What a publish to vLLM carries for a tied model (server.untie_embeddings): the same logits, with lm_head.weight
+    in the safetensors and tie_word_embeddings false in config.json."""
+    from learner.checkpoints.safetensors_io import hf_tensors
+
+    config = dataclasses.replace(model_config("tiny"), tie_embeddings=True)
+    rng = np.random.default_rng(0)
+    weights = {path: rng.normal(size=shape).astype(np.float32) for path, shape in _parameter_shapes(config).items()}
+    untied_weights, untied_config = untied(weights, config)
+    assert not untied_config.tie_embeddings and dataclasses.replace(untied_config, tie_embeddings=True) == config
+    tensors = hf_tensors(untied_weights, untied_config)
+    assert set(tensors) == set(hf_tensors(weights, config)) | {"lm_head.weight"}
+    np.testing.assert_array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
