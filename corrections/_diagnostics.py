@@ -170,17 +170,18 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
 
 
 def weight_row_stats(weights, raw_ratios, mask, cap: float, low: float | None = None, bounds: tuple | None = None,
-                     applied=None) -> Statistic:
+                     applied=None, weighted: bool = True) -> Statistic:
     """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence: ``weights`` are the bounded ratios
     of every valid token (0 at padding), ``raw_ratios`` the unbounded ones; ``low`` (> 0) is the lower bound the
     low fractions use (else ``1 / cap``); with ``bounds = (low, high)`` (``high`` may be None) also the valid
-    tokens whose raw ratio lies outside them; ``applied`` the weights the loss uses, for batch normalisation."""
+    tokens whose raw ratio lies outside them; ``applied`` the weights the loss uses, for batch normalisation;
+    ``weighted=False``: no importance weights are configured (``weights`` are 1), so no token counts as clipped."""
     valid = jnp.asarray(mask).astype(bool)
     lower = low if low else 1.0 / cap
     sums = {"count": valid.astype(jnp.float32), "weights": weights, "raw": jnp.where(valid, raw_ratios, 0.0),
             "squares": weights**2, "above_cap": (valid & (raw_ratios > cap)).astype(jnp.float32),
             "below_low": (valid & (raw_ratios < lower)).astype(jnp.float32),
-            "clipped": (valid & (weights != raw_ratios)).astype(jnp.float32)}
+            "clipped": (valid & (weights != raw_ratios) & weighted).astype(jnp.float32)}
     if bounds is not None:
         bound_low, bound_high = bounds
         outside = (raw_ratios < bound_low) | (raw_ratios > (jnp.inf if bound_high is None else bound_high))

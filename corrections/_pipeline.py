@@ -268,7 +268,7 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, roll, valid)
         stats["weights"] = _diagnostics.weight_row_stats(
             bounded, raw, valid, cap, importance.low if importance is not None else None,
-            (importance.low, importance.high) if masking else None, applied=weights)
+            (importance.low, importance.high) if masking else None, applied=weights, weighted=importance is not None)
         early, late = _phases(config)
         stats["rules"] = tuple(_standalone_rule_stats(rule, log_ratio, valid) for rule in early + late)
     else:
@@ -431,6 +431,7 @@ def compute(
     key=None,
     weight_scale=None,
     rows_per_chunk: int | None = None,
+    max_len: int | None = None,
 ) -> Corrected:
     """Applies the configured corrections and objective to a [B, T] batch, or to one [T] sequence (then
     ``advantages`` and ``policy_lag`` are a scalar or [T], and ``weights``, ``mask``, ``per_token_loss`` are [T];
@@ -453,6 +454,9 @@ def compute(
       rows_per_chunk: rows per chunk of the per-sequence pass; 0 vmaps the whole batch at once. Default under
         jit on a single CPU device: 64K tokens a chunk (it stays in cache); elsewhere 0, and keep it 0 for a
         batch sharded over devices (a loop over rows would gather it). Results do not depend on it.
+      max_len: the length ``seq-mean-token-sum-norm`` divides by (times the rows); None: T. A learner that pads each
+        batch to a length of its own (length buckets) passes one fixed length, so that the loss does not
+        depend on the padding.
 
     Returns:
       ``Corrected``: weights, final mask, per-token loss, the reduced loss with its numerator and denominator,
@@ -490,7 +494,7 @@ def compute(
         out = compute(row(logprobs), per_sequence(advantages), row(mask), config,
                       proximal_logprobs=row(proximal_logprobs), rollout_logprobs=row(rollout_logprobs),
                       ref_logprobs=row(ref_logprobs), entropy=row(entropy), policy_lag=per_sequence(policy_lag),
-                      key=key, weight_scale=weight_scale, rows_per_chunk=rows_per_chunk)
+                      key=key, weight_scale=weight_scale, rows_per_chunk=rows_per_chunk, max_len=max_len)
         return out._replace(weights=out.weights[0], mask=out.mask[0], per_token_loss=out.per_token_loss[0])
     lp = jnp.asarray(logprobs)
     mask = jnp.asarray(mask)
@@ -531,7 +535,7 @@ def compute(
     if extra_sums is not None:
         per_token_loss, row_sums = per_token_loss + per_token["extra_loss"], row_sums + extra_sums
     row_counts = stats["valid"] if config.denominator == "original" else stats["kept"]
-    numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, lp.shape[-1],
+    numerator, denominator = loss_terms_from_rows(row_sums, row_counts, config.reduction, max_len or lp.shape[-1],
                                                   count_rows=config.denominator == "kept")
     reduced = divide_loss(numerator, denominator)
     if config.check_values is None and isinstance(mask, jax.core.Tracer):  # unchecked: a bad mask poisons the loss

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pathlib
 import sys
 
@@ -24,7 +23,7 @@ import jax
 
 from learner.distributed import initialize, process_index_before_backends
 from learner.reporting.compiles import count_compiles, enable_compilation_cache
-from learner.reporting.disk_full import DiskFullLogFilter
+from learner.reporting.disk_full import quiet_disk_full_logs
 from learner.rl import Run, RunConfig, load_config
 from learner.rl.devices import configure_learner
 from learner.rl.error_lines import drop_closed_loop_callbacks, errors_as_lines
@@ -67,7 +66,7 @@ def main(argv=None) -> None:
         check_paths_and_names(config)
     enable_compilation_cache()
     count_compiles()
-    logging.getLogger("absl").addFilter(DiskFullLogFilter())  # orbax's threads: reported once, below
+    quiet_disk_full_logs()  # orbax's threads and tasks: reported once, below
     sys.unraisablehook = drop_closed_loop_callbacks
     setup_jax(config)
     # The memory budget and visible GPUs: before JAX starts its backends, once the process index is known.

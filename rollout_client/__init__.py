@@ -35,12 +35,15 @@ from rollout_client.engines.pool import Member
 from rollout_client.engines.pool import PoolConfig
 from rollout_client.engines.process import EngineExitedError
 from rollout_client.engines.process import EngineProcess
+from rollout_client.errors import EngineCallError
 from rollout_client.errors import InvalidRolloutError
+from rollout_client.errors import PolicyVersionError
 from rollout_client.errors import ProtocolError
 from rollout_client.errors import RolloutDeadlineError
 from rollout_client.errors import RolloutError
 from rollout_client.errors import RolloutUnavailableError
 from rollout_client.errors import ServerNotReadyError
+from rollout_client.errors import ServerSilentError
 from rollout_client.engines.http_control import ControlPlaneError
 from rollout_client.engines.http_control import ControlPlaneUnavailableError
 from rollout_client.engines.http_control import HttpControl
@@ -69,6 +72,7 @@ __all__ = [
     "ControlPlaneUnavailableError",
     "Engine",
     "EngineCapabilities",
+    "EngineCallError",
     "EngineCapabilityError",
     "EngineExitedError",
     "EngineInfo",
@@ -89,6 +93,7 @@ __all__ = [
     "PauseMode",
     "PoolConfig",
     "PromptLimits",
+    "PolicyVersionError",
     "ProtocolError",
     "RequestRefusedError",
     "RolloutBatch",
@@ -102,6 +107,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "ServerNotReadyError",
+    "ServerSilentError",
     "TetherEngine",
     "ValidationConfig",
     "VersionReporting",

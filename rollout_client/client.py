@@ -6,6 +6,11 @@ samples that completed and asks again for exactly the missing sample indices und
 the same request id (the server supersedes what is left of the old call), so a
 retried request never yields a sample twice and never loses one. Other status codes
 fail at once.
+
+Silence: the client asks for a heartbeat every quarter of ``silence_timeout_s`` (rollout.v1's ``heartbeat_s``); a
+stream that sends nothing at all for ``silence_timeout_s`` is cancelled and asked again, and one silent
+``max_silences`` times in a row raises `ServerSilentError` (a hung server). A slow server is never cut by its
+silence: it sends heartbeats (or chunks) while it works.
 """
 
 import asyncio
@@ -55,6 +60,10 @@ class ClientConfig:
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     validation: ValidationConfig = ValidationConfig()
+    # A Generate stream that sends nothing, not even a heartbeat, for this long is hung: cancelled and asked again;
+    # silent `max_silences` times in a row, `ServerSilentError`. None: no silence check (the deadlines alone).
+    silence_timeout_s: float | None = 45.0
+    max_silences: int = 2
 
     def __post_init__(self):
         """Each error starts with the field's name.
@@ -75,6 +84,11 @@ class ClientConfig:
             raise ValueError(f"deadline_growth={self.deadline_growth!r}: must be a finite number >= 1")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts={self.max_attempts!r}: must be >= 1")
+        if self.silence_timeout_s is not None and not (math.isfinite(self.silence_timeout_s)
+                                                       and self.silence_timeout_s > 0):
+            raise ValueError(f"silence_timeout_s={self.silence_timeout_s!r}: must be a finite number > 0, or None")
+        if self.max_silences < 1:
+            raise ValueError(f"max_silences={self.max_silences!r}: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +103,9 @@ class RolloutRequest:
     min_policy_version: int | None = None  # Server must be at least this; tokens below are invalid.
     stream_chunk_tokens: int = 0  # 0 or >= 64.
 
-    def to_proto(self, sample_indices: list[int] | None = None) -> pb.GenerateRequest:
-        """The wire request; `sample_indices` restricts it to those samples."""
+    def to_proto(self, sample_indices: list[int] | None = None, heartbeat_s: float = 0.0) -> pb.GenerateRequest:
+        """The wire request; `sample_indices` restricts it to those samples; ``heartbeat_s`` > 0 asks for a heartbeat
+        when nothing else was sent for that long."""
         message = pb.GenerateRequest(
             request_id=self.request_id,
             prompt_token_ids=pack(self.prompt_token_ids, TOKEN_ID_DTYPE),
@@ -99,6 +114,7 @@ class RolloutRequest:
             sample_indices=sample_indices or [],
             logprob_mode=int(self.logprob_mode),
             stream_chunk_tokens=self.stream_chunk_tokens,
+            heartbeat_s=heartbeat_s,
         )
         if self.min_policy_version is not None:
             message.min_policy_version = self.min_policy_version
@@ -172,7 +188,7 @@ class AsyncRolloutClient:
 
         Raises:
           InvalidRolloutError: a sample is invalid and validation says "raise".
-          RolloutDeadlineError, RolloutUnavailableError, ProtocolError, grpc.aio.AioRpcError.
+          RolloutDeadlineError, RolloutUnavailableError, grpc.aio.AioRpcError.
         """
         try:
             return await self._generate(request)
@@ -190,14 +206,18 @@ class AsyncRolloutClient:
         results: dict[int, Sample | None] = {}  # None: received and dropped.
         deadline_s = self.generate_deadline_s(request)
         abort_pauses = self._abort_pauses
-        failures = 0
+        failures = silences = 0
         while len(results) < request.num_samples:
             missing = [i for i in range(request.num_samples) if i not in results]
             received_before = len(results)
             try:
-                await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
+                strays = await self._generate_once(request, prompt, missing, results, deadline_s, abort_pauses)
             except grpc.aio.AioRpcError as error:
                 deadline = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if _too_large(error):  # a message over the size limit: this call's missing samples are lost
+                    self._drop(request, [i for i in missing if i not in results], results, "message_too_large",
+                               error.details())
+                    continue
                 if not deadline and error.code() not in _RETRIED:
                     raise
                 failures = 0 if len(results) > received_before else failures + 1
@@ -216,10 +236,21 @@ class AsyncRolloutClient:
                 await asyncio.sleep(min(self.config.max_backoff_s,
                                         self.config.initial_backoff_s * 2 ** max(failures - 1, 0)))
                 continue
-            if len(results) < request.num_samples:
-                raise errors.ProtocolError(
-                    f"Generate {request.request_id}: stream ended without samples "
-                    f"{sorted(set(missing) - set(results))}")
+            except _Silence:
+                silences = 0 if len(results) > received_before else silences + 1
+                if silences >= self.config.max_silences:
+                    raise errors.ServerSilentError(
+                        f"Generate {request.request_id}: the server at {self.config.target} sent nothing, not even a "
+                        f"heartbeat, for {self.config.silence_timeout_s:g} s, {silences} times in a row: it is hung "
+                        "(raise server.silence_timeout_s if it is only slow and sends no heartbeats)") from None
+                self.retries += 1
+                continue
+            lost = [i for i in missing if i not in results]
+            if strays:  # the samples of final messages under unknown indices, or extra messages
+                self._drop(request, lost, results, "unknown_sample_index", f"final messages for sample indices "
+                           f"{strays} that were not asked for")
+            elif lost:
+                self._drop(request, lost, results, "missing_final", "the stream ended without their final message")
         return [results[i] for i in sorted(results) if results[i] is not None]
 
     def expected(self, request: RolloutRequest, abort_requested: bool = False) -> Expected:
@@ -231,32 +262,46 @@ class AsyncRolloutClient:
                         abort_requested=abort_requested)
 
     async def _generate_once(self, request: RolloutRequest, prompt: np.ndarray, indices: list[int],
-                             results: dict[int, Sample | None], deadline_s: float, abort_pauses: int) -> None:
-        """One Generate call for `indices`; stores each final sample in `results` (None: dropped).
+                             results: dict[int, Sample | None], deadline_s: float, abort_pauses: int) -> list[int]:
+        """One Generate call for `indices`; stores each final sample in `results` (None: dropped); returns the
+        sample indices of final messages it did not ask for.
 
         A sample index that already has a result is a duplicate: dropped and counted, the first one kept. An
         ABORT finish is expected only when this client aborted the request, or paused with ABORT, since
         `abort_pauses` pauses were counted.
         """
         subset = indices if len(indices) < request.num_samples else None
-        call = self._stub.Generate(request.to_proto(subset), timeout=deadline_s, metadata=self._metadata)
+        silence_s = self.config.silence_timeout_s
+        call = self._stub.Generate(request.to_proto(subset, heartbeat_s=silence_s / 4 if silence_s else 0.0),
+                                   timeout=deadline_s, metadata=self._metadata)
+        try:
+            return await self._read_stream(request, _unless_silent(call, silence_s), prompt, indices, results,
+                                           abort_pauses)
+        finally:
+            call.cancel()  # a no-op once the stream ended; else the call (e.g. after a raise) stops on the server
+
+    async def _read_stream(self, request: RolloutRequest, stream, prompt: np.ndarray, indices: list[int],
+                           results: dict[int, Sample | None], abort_pauses: int) -> list[int]:
+        """Stores each final sample of a Generate ``stream`` in ``results`` (None: dropped); see `_generate_once`."""
         assembler = StreamAssembler()
-        async for response in call:
+        strays = []
+        async for response in stream:
+            if response.WhichOneof("payload") == "heartbeat":
+                continue
             raw = assembler.add(response)
             if raw is None:
                 continue
             if response.sample_index in results:
                 problem = "duplicate_sample_index", "a second final message for this sample index"
             elif response.sample_index not in indices:
-                raise errors.ProtocolError(
-                    f"Generate {request.request_id}: unexpected sample_index {response.sample_index}")
+                strays.append(response.sample_index)
+                continue
             else:
                 aborting = request.request_id in self._abort_requested or self._abort_pauses != abort_pauses
                 problem = find_problem(raw, self.expected(request, aborting))
             if problem is not None:
                 name, detail = problem
                 if self.config.validation.on_invalid == "raise":
-                    call.cancel()
                     raise errors.InvalidRolloutError(
                         f"request {request.request_id} sample {response.sample_index}: {name}: {detail}")
                 self.counters.dropped[name] += 1
@@ -265,6 +310,17 @@ class AsyncRolloutClient:
             self.counters.accepted += 1
             results[response.sample_index] = build_sample(
                 raw, request.request_id, response.sample_index, prompt, request.logprob_mode)
+        return strays
+
+    def _drop(self, request: RolloutRequest, indices: list[int], results: dict[int, Sample | None], problem: str,
+              detail: str) -> None:
+        """Drops and counts (one per sample, at least one) the samples ``indices`` of a faulty reply, as validation
+        drops a bad sample; or raises `InvalidRolloutError` when validation says "raise"."""
+        if self.config.validation.on_invalid == "raise":
+            raise errors.InvalidRolloutError(f"request {request.request_id} samples {indices}: {problem}: {detail}")
+        self.counters.dropped[problem] += max(len(indices), 1)
+        for index in indices:
+            results.setdefault(index, None)
 
     async def pause(self, mode: PauseMode = PauseMode.KEEP, kv_cache: KvCache = KvCache.RECOMPUTE) -> int:
         """Pauses generation; returns the server's policy version. ``kv_cache``: what a weight update while paused
@@ -358,3 +414,29 @@ class AsyncRolloutClient:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise errors.RolloutDeadlineError(f"{type(request).__name__}: {error.details()}") from error
             raise
+
+
+def _too_large(error: grpc.aio.AioRpcError) -> bool:
+    """Whether a call failed on a message over gRPC's size limit (sent by the server, or received here)."""
+    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in (error.details() or "")
+
+
+class _Silence(Exception):
+    """A Generate stream sent nothing for ``silence_timeout_s`` (it was cancelled)."""
+
+
+async def _unless_silent(call, silence_s: float | None):
+    """The messages of a Generate ``call``; raises `_Silence` (after cancelling the call) when none comes for
+    ``silence_s`` seconds (None: waits as long as the call's deadline allows)."""
+    messages = aiter(call)
+    while True:
+        try:
+            message = await asyncio.wait_for(anext(messages), silence_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError as error:
+            if isinstance(error, errors.RolloutError):  # raised by the stream itself (an engine's), not a silence
+                raise
+            call.cancel()
+            raise _Silence from None
+        yield message

@@ -23,3 +23,18 @@ class InvalidRolloutError(RolloutError):
 
 class ProtocolError(RolloutError):
     """The server broke the protocol (e.g. ended a stream with samples missing)."""
+
+
+class ServerSilentError(RolloutDeadlineError):
+    """A Generate stream sent nothing, not even a heartbeat, for the silence timeout, attempt after attempt: the
+    server is hung (one that works sends heartbeats while it generates)."""
+
+
+class EngineCallError(RolloutError):
+    """An engine answered a call with an error status (or broke the protocol) that no retry mends; the message names
+    the engine's address and the status."""
+
+
+class PolicyVersionError(RolloutError, RuntimeError):
+    """The engine serves a policy version the learner cannot publish over (versions must increase); the message
+    names the fix."""

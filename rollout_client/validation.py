@@ -34,6 +34,10 @@ PROBLEMS = (
     "tokens_after_stop",
     "version_below_floor",
     "duplicate_sample_index",
+    # Faults of a reply rather than a sample (rollout_client.client): the samples of the call are dropped.
+    "missing_final",  # the stream ended without the sample's final message
+    "unknown_sample_index",  # a final message for a sample the call did not ask for
+    "message_too_large",  # a message over gRPC's size limit ended the call: its samples still missing are lost
 )
 
 # A logprob is <= 0; float32 log_softmax of a near-certain token can round a little above 0 (about 1e-7), never

@@ -11,6 +11,11 @@ itemsize``, so ``tokens/s <= rows x bandwidth / bytes/step``. The bandwidth is m
 read + write, best of 5), next to the spec's when the device is known. The engine's decode attends over every cache
 slot of a row (``max_seq_len``), masked: its own bytes per step are reported too (``implementation_floor``).
 
+Each `ModelGenerator.step` call is one program dispatch, one upload of the rows' state and one wait for the tokens
+(tests/learner/test_decode_dispatches.py): per generated token 1 / (rows x ``--steps-per-call``) of each. Sampling
+without top-k, top-p or min-p (``--top-p 1``, the default, as the RL recipes sample) skips the sort of the
+vocabulary; ``--top-p 0.9`` measures the decode with it.
+
     python scripts/bench_decode.py --model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512   # a GPU
 """
 
@@ -54,6 +59,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps-per-call", type=int, default=16, help="decode steps per jitted call")
+    parser.add_argument("--top-p", type=float, default=1.0, help="< 1: every row cuts (the vocabulary sort runs)")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args(argv)
 
@@ -72,7 +78,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     generator.compile_all()
     compile_s = time.perf_counter() - started
-    sampling = ResolvedSampling(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=args.new_tokens,
+    sampling = ResolvedSampling(temperature=1.0, top_k=0, top_p=args.top_p, min_p=0.0, max_new_tokens=args.new_tokens,
                                 stop_token_ids=(), seed=0)
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, args.prompt_tokens).astype(np.int32)
     started = time.perf_counter()
@@ -97,13 +103,16 @@ def main(argv=None) -> dict:
     device = jax.devices()[0]
     spec = next((value for name, value in SPEC_BANDWIDTH.items() if name in getattr(device, "device_kind", "")), None)
     result = {"model": args.model, "parameters": count_params(config), "dtype": args.dtype, "rows": args.rows,
-              "new_tokens": args.new_tokens, "device": str(device), "compile_s": compile_s, "prefill_s": prefill_s,
+              "new_tokens": args.new_tokens, "top_p": args.top_p, "decode_calls": calls,
+              "dispatches_per_token": 1 / (args.rows * args.steps_per_call), "device": str(device),
+              "compile_s": compile_s, "prefill_s": prefill_s,
               "decode_s": decode_s, "decode_tokens_per_s": tokens / decode_s, "measured_bandwidth": bandwidth,
               "spec_bandwidth": spec,
               "floor_tokens_per_s": args.rows * bandwidth / ideal_step_bytes,
               "implementation_floor_tokens_per_s": args.rows * bandwidth / engine_step_bytes}
-    print(f"{args.model} {args.dtype} on {device}: {args.rows} rows x {args.new_tokens} new tokens: decode "
-          f"{result['decode_tokens_per_s']:,.0f} tokens/s ({decode_s:.2f} s; prefill {prefill_s:.2f} s, compile "
+    print(f"{args.model} {args.dtype} on {device}: {args.rows} rows x {args.new_tokens} new tokens, top_p "
+          f"{args.top_p:g}: decode {result['decode_tokens_per_s']:,.0f} tokens/s ({decode_s:.2f} s in {calls} calls of "
+          f"{args.steps_per_call} steps: {decode_s / calls * 1e3:.1f} ms a call; prefill {prefill_s:.2f} s, compile "
           f"{compile_s:.1f} s)", flush=True)
     print(f"floor at {bandwidth / 1e9:,.0f} GB/s measured{f' (spec {spec / 1e9:,.0f})' if spec else ''}: "
           f"{result['floor_tokens_per_s']:,.0f} tokens/s (weights + live KV per step); "

@@ -88,12 +88,17 @@ def recipe_command(files: dict, run_dir: pathlib.Path, args) -> list[str]:
     return command
 
 
+# the learner's seconds so far tracing, lowering and compiling (or loading) programs, and its cache hits: with a warm
+# cache, what the first update spends outside the backend compile (`learner.reporting.compiles`)
+LEARNER_COMPILE = ("compile/trace_seconds", "compile/lower_seconds", "compile/seconds", "compile/cache_hits")
+
+
 def summarize(run_dir: pathlib.Path) -> dict:
     """Per step: the phases and throughput; step 1's start-up record; the compile counts."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [{key: record.get(key, math.nan) for key in
               (*PHASES, "perf/all_tokens_per_s_per_device", "perf/tokens_per_s", "compile/programs",
-               "server/compiled_programs")} | {"step": record["step"]} for record in records]
+               "server/compiled_programs", *LEARNER_COMPILE)} | {"step": record["step"]} for record in records]
     steady = steps[1:] or steps
     return {"steps": steps,
             "steady_median": {key: statistics.median(step[f"perf/{key}"] for step in steady) for key in
@@ -138,6 +143,9 @@ def report(summary: dict) -> dict:
               "{publish_s:.3f}; {all_tokens_per_s_per_device:,.0f} tokens/s/device (prompt + generated); programs "
               "built: learner {programs}, server {compiled_programs}".format(**{
                   key.split("/", 1)[-1]: value for key, value in step.items()}), flush=True)
+        print("  learner so far: trace {trace_seconds:.1f} s + lower {lower_seconds:.1f} s + compile or load "
+              "{seconds:.1f} s, {cache_hits:.0f} cache hits".format(**{
+                  key.split("/", 1)[-1]: step.get(key, math.nan) for key in LEARNER_COMPILE}), flush=True)
     steady = summary["steady_median"]
     print("steady (median after step 1): {step_s:.3f} s/step ({steps_per_s:.2f} steps/s) = rollout wait "
           "{rollout_wait_s:.3f} + update {update_s:.3f} + publish {publish_s:.3f}; {all_tokens_per_s_per_device:,.0f} "

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 28's checks on the GPU machine in ONE command, from the checkout's root: installs the carried wheels (.whl/),
-# runs tests/accelerator/ (golden logits and the update against the CPU's; then the main job for 60 steps), then the
-# benchmarks (scripts/bench_gpu.py: Tether vs tunix at qwen2-0.5b; scripts/bench_lora.py: LoRA vs full fine-tuning
-# at llama-1b; bench_gpu.py: MFU at llama-1b), then issue 37's loop checks (scripts/bench_recipe.py: the GSM8K recipe
-# on a random Qwen2.5-0.5B-shaped checkpoint, cold and warm; bench_publish.py; bench_decode.py; the main job's
-# steps/s), then issue 41's partial rollouts side by side (scripts/bench_partial.py, then
-# scripts/check_rollout_logprobs.py on its partial run), each step under its own timeout, with JAX_PLATFORMS=cuda
+# runs the loop checks of issues 37 and 51 first (decode, the recipe cold and warm, publish and the weight delta, the
+# main job's speed: the most valuable per second of GPU time), then tests/accelerator/ (golden logits and the update
+# against the CPU's; then the main job for 60 steps), then the benchmarks (scripts/bench_gpu.py: Tether vs tunix at
+# qwen2-0.5b; scripts/bench_lora.py: LoRA vs full fine-tuning at llama-1b; bench_gpu.py: MFU at llama-1b), then
+# issue 41's partial rollouts side by side (scripts/bench_partial.py, then scripts/check_rollout_logprobs.py on its
+# partial run), each step under its own timeout, with JAX_PLATFORMS=cuda
 # so that a CPU fallback cannot pass. A failing or timed-out step does not stop the later ones. Everything is
 # written under OUT_DIR (default: $OUT, the device tool's output folder, else ./gpu_check_out);
 # the summary (each step's status, the tests' key numbers, the benchmark tables) is printed at the end.
@@ -81,6 +81,7 @@ if [[ $MODE == gpu ]]; then
   RECIPE=(--shape qwen2-0.5b --prompts 16 --samples 8 --new-tokens 512)  # issue 37: 16 x 8 x 512, bf16 compute
   PUBLISH=(--model qwen2-0.5b --dtype bfloat16 --repeats 4)
   DECODE=(--model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512)
+  WEIGHT_DELTA=(--model qwen2-0.5b --dtype bfloat16 --learning-rate 1e-6)  # the recipe's learning rate
   MAIN_JOB_STEPS=60
   # issue 41: the two runs share the GPU at once (learner 0.3 + server 0.15 of its memory each)
   PARTIAL=(--steps 60 --set mesh.device_memory_fraction=0.3 --set server.device_memory_fraction=0.15)
@@ -97,6 +98,7 @@ else
   RECIPE=(--shape 17m --prompts 2 --samples 2 --new-tokens 8 --set server.max_batch_size=8)
   PUBLISH=(--model tiny --repeats 3)
   DECODE=(--model tiny --rows 4 --prompt-tokens 8 --new-tokens 16 --steps-per-call 4)
+  WEIGHT_DELTA=(--model tiny --length 16)
   MAIN_JOB_STEPS=4
   PARTIAL=(--steps 3 --set warmup.steps=5 --set checkpoints.every=1000)
 fi
@@ -114,6 +116,34 @@ print('backend', jax.default_backend(), jax.devices())
 assert '$MODE' == 'cpu' or jax.default_backend() == 'gpu', 'no GPU: JAX_PLATFORMS=cuda found none'
 " || note "versions: JAX does not see the accelerator, or the budget is spent; the later steps will fail fast"
 [[ -f $OUT_DIR/versions.log ]] && note "$(head -2 "$OUT_DIR/versions.log" | tr '\n' ' ')"
+
+# Issues 37 and 51, first (by value: decode, recipe, publish, warm start, then the kernel below): the loop at
+# accelerator speed. Decode against its floor, as the recipe samples (no top-k/top-p: the vocabulary sort skipped)
+# and with top-p 0.9 (the sort on); the GSM8K recipe on a random checkpoint of Qwen2.5-0.5B's shape, cold (its own
+# empty compilation cache) then warm (the same cache, 2 steps; "learner so far" splits trace / lower / compile or
+# load); the publish against a memcpy, and the bf16 words one Adam step changes (the case for a delta publish); the
+# README's main job's steps/s and per-phase split.
+RECIPE_CACHE="$OUT_DIR/recipe_jax_cache"
+summary_lines() { grep -E "$2" "$OUT_DIR/$1.log" | tee -a "$SUMMARY"; }
+wanted bench_decode && step bench_decode 120 "$PYTHON" scripts/bench_decode.py "${DECODE[@]}" \
+  --out "$OUT_DIR/bench_decode.json" && summary_lines bench_decode "tokens/s"
+wanted bench_decode_cut && step bench_decode_cut 90 "$PYTHON" scripts/bench_decode.py "${DECODE[@]}" --top-p 0.9 \
+  --out "$OUT_DIR/bench_decode_cut.json" && summary_lines bench_decode_cut "tokens/s"
+wanted recipe && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
+  step recipe 300 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 3 --out "$OUT_DIR/recipe" \
+  && summary_lines recipe "^(step |steady|start-up|  learner so far)"
+wanted recipe_warm && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
+  step recipe_warm 150 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 2 --out "$OUT_DIR/recipe_warm" \
+  && summary_lines recipe_warm "^(step |start-up|  learner so far)"
+wanted bench_publish && step bench_publish 120 "$PYTHON" scripts/bench_publish.py "${PUBLISH[@]}" \
+  --out "$OUT_DIR/bench_publish.json" && summary_lines bench_publish "memcpy|shared|streamed"
+wanted bench_weight_delta && step bench_weight_delta 90 "$PYTHON" scripts/bench_weight_delta.py "${WEIGHT_DELTA[@]}" \
+  --out "$OUT_DIR/bench_weight_delta.json" && summary_lines bench_weight_delta "changed"
+wanted main_job_speed && step main_job_speed 150 "$PYTHON" -m learner.train --config configs/default.toml \
+  --run-dir "$OUT_DIR/main_job_speed" --set loop.steps=$MAIN_JOB_STEPS --set checkpoints.every=1000 \
+  && step main_job_summary 30 "$PYTHON" scripts/bench_recipe.py --summarize "$OUT_DIR/main_job_speed" \
+  && summary_lines main_job_summary "^(steady|start-up)"
+
 
 tests() {  # tests NAME SECONDS FILES...: pytest on the accelerator-marked tests of FILES, their numbers to the summary
   local name=$1 seconds=$2; shift 2
@@ -140,25 +170,6 @@ wanted bench_remat && step bench_remat 360 "$PYTHON" scripts/bench_gpu.py "${BEN
   --out "$OUT_DIR/bench_remat"
 wanted bench_passes && step bench_passes 420 "$PYTHON" scripts/bench_gpu.py "${BENCH_PASSES[@]}" \
   --out "$OUT_DIR/bench_passes"
-# Issue 37's loop at accelerator speed: the GSM8K recipe on a random checkpoint of Qwen2.5-0.5B's shape, cold (its own
-# empty compilation cache) then warm (the same cache, 2 steps); the publish against a memcpy; decode against its
-# floor; the README's main job's steps/s and per-phase split.
-RECIPE_CACHE="$OUT_DIR/recipe_jax_cache"
-summary_lines() { grep -E "$2" "$OUT_DIR/$1.log" | tee -a "$SUMMARY"; }
-wanted recipe && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
-  step recipe 300 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 3 --out "$OUT_DIR/recipe" \
-  && summary_lines recipe "^(step |steady|start-up)"
-wanted recipe_warm && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
-  step recipe_warm 150 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 2 --out "$OUT_DIR/recipe_warm" \
-  && summary_lines recipe_warm "^(step |start-up)"
-wanted bench_publish && step bench_publish 120 "$PYTHON" scripts/bench_publish.py "${PUBLISH[@]}" \
-  --out "$OUT_DIR/bench_publish.json" && summary_lines bench_publish "memcpy|shared|streamed"
-wanted bench_decode && step bench_decode 120 "$PYTHON" scripts/bench_decode.py "${DECODE[@]}" \
-  --out "$OUT_DIR/bench_decode.json" && summary_lines bench_decode "tokens/s"
-wanted main_job_speed && step main_job_speed 150 "$PYTHON" -m learner.train --config configs/default.toml \
-  --run-dir "$OUT_DIR/main_job_speed" --set loop.steps=$MAIN_JOB_STEPS --set checkpoints.every=1000 \
-  && step main_job_summary 30 "$PYTHON" scripts/bench_recipe.py --summarize "$OUT_DIR/main_job_speed" \
-  && summary_lines main_job_summary "^(steady|start-up)"
 # Issue 41: partial rollouts side by side with rollout.partial = false, where generation, not the update, is the
 # bottleneck (on a CPU the update is: docs/benchmarks.md); then the partial run's logged tokens against the checkpoint
 # of the version that drew them (scripts/check_rollout_logprobs.py: the versions with a checkpoint; --max-diff 0.05

@@ -60,9 +60,11 @@ def _minibatches(batch_key: str, scale_keys: tuple[str, ...] = ()):
         for key in scale_keys:
             batch = None if batch is None or get(key) is None else batch * get(key)
         if batch is None:
-            raise NotApplied(f"needs {batch_key}; set update.num_minibatches")
+            raise NotApplied(f"needs {batch_key}; update.num_minibatches keeps the run config's value (set it)")
         if not value or batch % value:
-            raise NotApplied(f"{batch_key} x samples = {batch} is not a multiple of it; set update.num_minibatches")
+            product = " x ".join((batch_key, *scale_keys))
+            raise NotApplied(f"{product} = {batch} is not a multiple of it, so it gives no whole number of "
+                             "mini-batches; update.num_minibatches keeps the run config's value (set it)")
         return int(batch // value)
 
     return convert
@@ -392,7 +394,9 @@ def rows(framework: str, data: Mapping, unknown: set[str], defaults: bool = Fals
             elif isinstance(value, Mapping) and any(k.startswith(f"{path}.") for k in mapped):
                 visit(value, f"{path}.")
             elif key == "defaults":
-                add(path, value, f"{NOT_USED} (Hydra defaults outside the loss, not composed)")
+                add(path, value, f"{NOT_USED} as files (Hydra defaults, not composed): the framework's stock entries "
+                                 "of the loss blocks are read as its defaults (the loss table shows their values); "
+                                 "other entries fill blocks outside the loss")
             else:
                 note = " (unknown to Tether's reader)" if any(u == path or u.startswith(f"{path}.")
                                                               for u in unknown) else ""

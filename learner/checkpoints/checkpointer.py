@@ -45,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import warnings
@@ -360,6 +361,14 @@ class Checkpointer:
         if step not in self.all_steps():
             raise FileNotFoundError(f"no checkpoint {step} in {self.config.directory} (have {self.all_steps()})")
         return step
+
+    def saved_at(self, step: int) -> str | None:
+        """When checkpoint ``step`` was committed (its manifest's time, UTC, to the second), or None without one."""
+        manifest = self._directory / str(step) / MANIFEST
+        if not manifest.exists():
+            return None
+        moment = datetime.datetime.fromtimestamp(manifest.stat().mtime, datetime.UTC)
+        return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
     def latest_step(self) -> int | None:
         """The most recent checkpoint step (including a save still in flight), or None."""

@@ -3,12 +3,15 @@
 For an exact-match task (reward 1 for one completion, its answer then eos; 0 for any other) the probability of that
 completion is the expected reward of a sample at that temperature (no top-k, top-p or min-p). So a policy is scored
 exactly on a fixed prompt set, with no sampling noise (scripts/bench_partial.py compares runs so).
+
+Token by token (`completion_token_logprobs`) they are what an engine returns for the tokens it sampled: the publish
+canary compares the two (`learner.rl.canary`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,21 +28,23 @@ def _padded_length(length: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _summed_logprobs(graphdef, state, tokens, completion_mask, temperature):
+def _completion_token_logprobs(graphdef, state, tokens, completion_mask, temperature):
     model = nnx.merge(graphdef, state)
     real = tokens >= 0
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     logprobs = token_logprobs(model, jnp.where(real, tokens, 0), positions, real, temperature=temperature)
-    return jnp.sum(jnp.where(completion_mask, logprobs, 0.0), axis=1)
+    return jnp.where(completion_mask, logprobs, 0.0)
 
 
-def completion_logprobs(model: Transformer, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], *,
-                        temperature: float = 1.0, batch_rows: int = 256) -> np.ndarray:
-    """float64 ``[n]``: ``sum_t log p(completions[i][t] | prompts[i], completions[i][:t])``, each token's
-    probability that of ``softmax(logits / temperature)``.
+@functools.partial(jax.jit, static_argnums=0)
+def _summed_logprobs(graphdef, state, tokens, completion_mask, temperature):
+    return jnp.sum(_completion_token_logprobs(graphdef, state, tokens, completion_mask, temperature), axis=1)
 
-    Rows go through the model ``batch_rows`` at a time, padded to a power-of-two length; the sums over tokens are
-    float32 on the device.
+
+def _padded_batches(model: Transformer, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray],
+                    batch_rows: int) -> Iterator[tuple[int, list, np.ndarray, np.ndarray]]:
+    """``(first row, rows, tokens, completion_mask)`` per batch of ``batch_rows`` rows: tokens ``[batch_rows, W]``
+    padded with -1 to a power-of-two width ``W``; the mask is True at each row's completion tokens.
 
     Raises:
         ValueError: the counts differ, a prompt or completion is empty, or a row is longer than the model's context.
@@ -54,8 +59,6 @@ def completion_logprobs(model: Transformer, prompts: Sequence[np.ndarray], compl
     if longest > context:
         raise ValueError(f"a prompt plus its completion is {longest} tokens: more than the model's context of "
                          f"{context}")
-    graphdef, state = nnx.split(model)
-    sums = np.zeros(len(rows), np.float64)
     for start in range(0, len(rows), batch_rows):
         chunk = rows[start:start + batch_rows]
         width = min(_padded_length(max(p.size + c.size for p, c in chunk)), context)
@@ -64,6 +67,41 @@ def completion_logprobs(model: Transformer, prompts: Sequence[np.ndarray], compl
         for row, (prompt, completion) in enumerate(chunk):
             tokens[row, :prompt.size + completion.size] = np.concatenate([prompt, completion])
             completion_mask[row, prompt.size:prompt.size + completion.size] = True
+        yield start, chunk, tokens, completion_mask
+
+
+def completion_logprobs(model: Transformer, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray], *,
+                        temperature: float = 1.0, batch_rows: int = 256) -> np.ndarray:
+    """float64 ``[n]``: ``sum_t log p(completions[i][t] | prompts[i], completions[i][:t])``, each token's
+    probability that of ``softmax(logits / temperature)``.
+
+    Rows go through the model ``batch_rows`` at a time, padded to a power-of-two length; the sums over tokens are
+    float32 on the device.
+
+    Raises:
+        ValueError: the counts differ, a prompt or completion is empty, or a row is longer than the model's context.
+    """
+    graphdef, state = nnx.split(model)
+    sums = np.zeros(len(prompts), np.float64)
+    for start, chunk, tokens, completion_mask in _padded_batches(model, prompts, completions, batch_rows):
         summed = _summed_logprobs(graphdef, state, tokens, completion_mask, jnp.float32(temperature))
         sums[start:start + len(chunk)] = np.asarray(summed[:len(chunk)], np.float64)
     return sums
+
+
+def completion_token_logprobs(model: Transformer, prompts: Sequence[np.ndarray], completions: Sequence[np.ndarray],
+                              *, temperature: float = 1.0, batch_rows: int = 256) -> list[np.ndarray]:
+    """float32 ``[len(completions[i])]`` per row: ``log p(completions[i][t] | prompts[i], completions[i][:t])``
+    token by token (what an engine returns for the tokens it sampled); batched as `completion_logprobs`.
+
+    Raises:
+        ValueError: as `completion_logprobs`.
+    """
+    graphdef, state = nnx.split(model)
+    rows = []
+    for _, chunk, tokens, completion_mask in _padded_batches(model, prompts, completions, batch_rows):
+        logprobs = np.asarray(_completion_token_logprobs(graphdef, state, tokens, completion_mask,
+                                                          jnp.float32(temperature)))
+        rows += [logprobs[row, prompt.size:prompt.size + completion.size]
+                 for row, (prompt, completion) in enumerate(chunk)]
+    return rows

@@ -234,7 +234,7 @@ def top_candidates(scaled: jax.Array, count: int = 64) -> jax.Array:
 
 
 def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                       min_p: jax.Array) -> jax.Array:
+                       min_p: jax.Array, cut: bool = True) -> jax.Array:
     """Log-probabilities of the sampling distribution for one position (the server's PROCESSED logprobs).
 
     Args:
@@ -243,6 +243,8 @@ def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
       top_k: int, 0 disables.
       top_p: in (0, 1]; 1 disables.
       min_p: in [0, 1); 0 disables.
+      cut: False skips `kept_threshold` (and the sort of the vocabulary it needs) when top-k, top-p and min-p are
+        all disabled: its threshold is then -inf, so the result is the same, bit for bit (`uncut`).
 
     Returns:
       float32 [V], -inf outside the kept set.
@@ -252,5 +254,16 @@ def processed_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Arr
     [0.625, 0.375, 0.0, 0.0]
     """
     scaled = logits.astype(jnp.float32) / temperature
-    threshold = kept_threshold(descending(scaled), jax.nn.logsumexp(scaled), top_k, top_p, min_p).threshold
+    threshold = (kept_threshold(descending(scaled), jax.nn.logsumexp(scaled), top_k, top_p, min_p).threshold if cut
+                 else -jnp.inf)
     return jax.nn.log_softmax(jnp.where(scaled >= threshold, scaled, -jnp.inf))
+
+
+def uncut(top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """bool: top-k, top-p and min-p are disabled at every position of the arrays (`processed_logprobs` may skip the
+    cut).
+
+    >>> bool(uncut(jnp.array([0, 0]), jnp.array([1.0, 1.0]), jnp.array([0.0, 0.0])))
+    True
+    """
+    return ~jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0) | (jnp.asarray(min_p) > 0))

@@ -337,8 +337,19 @@ def check_base_identity(saved: Mapping | None, current: Mapping, checkpoint: str
     if saved is None:
         raise ValueError(f"{checkpoint} records no LoRA base (lora_base): it is not a LoRA run's checkpoint; resume "
                          "it with model.lora.rank = 0, or use a new run_dir")
-    keys = ("sha256",) if current.get("sha256") else ("model", "seed")
-    if any(saved.get(key) != current.get(key) for key in keys):
+    if not same_base(saved, current):
         raise ValueError(f"{checkpoint} holds LoRA adapters of the base {dict(saved)}, but model.hf_path / "
                          f"model.name / loop.seed give the base {dict(current)}: resume on the base the adapters "
                          "were trained on, or use a new run_dir")
+
+
+def same_base(saved: Mapping, current: Mapping) -> bool:
+    """Whether two `base_identity` records name the same base: by the files' sha256 where ``current`` has one, else
+    by model name and seed.
+
+    Example:
+        >>> same_base(base_identity(None, "tiny", 3), base_identity(None, "tiny", 4))
+        False
+    """
+    keys = ("sha256",) if current.get("sha256") else ("model", "seed")
+    return all(saved.get(key) == current.get(key) for key in keys)

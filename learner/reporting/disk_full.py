@@ -40,3 +40,11 @@ class DiskFullLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         return not ("No space left on device" in record.getMessage() or disk_full_cause(error))
+
+
+def quiet_disk_full_logs() -> None:
+    """Drops the background writers' logs of a full disk, which the CLI reports once: orbax's threads (absl) and its
+    asyncio tasks whose exception nobody retrieved once the save failed (asyncio's "Task exception was never
+    retrieved", one per pending write)."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(DiskFullLogFilter())

@@ -1,8 +1,9 @@
 """Learning curves of a run, as one PNG, from its JSONL metrics.
 
 Draws with matplotlib's Agg canvas directly (no pyplot, no global backend), so it works headless and inside
-the training process. A panel whose metrics were never logged, or are zero at every step (rejection in a preset
-without rejection, tool errors in a run without any), is left out. Each panel's y range is that of its typical
+the training process. A panel whose metrics were never logged, or, but for the reward and validation panels (a reward
+of 0 is a result), are zero at every step (rejection in a preset without rejection, tool errors in a run without any),
+is left out. Each panel's y range is that of its typical
 values (`robust_limits`): a few spikes do not flatten the rest; they are drawn as markers at the panel's edge.
 """
 
@@ -31,6 +32,7 @@ DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("multi-turn (per episode)", ("multiturn/turns_mean", "multiturn/tool_calls_mean")),
     ("tool errors (per step)", ("multiturn/tool_errors",)),
 )
+SHOWN_AT_ZERO = frozenset({"reward", "validation"})  # panels kept when their metrics are 0 at every step
 SPIKE_SHARE = 0.02  # at most this share of a panel's values (one, in a short run) at each end may be off scale
 FLATTENING = 10.0  # ... and only when drawing them would squeeze the other values into a tenth of the panel
 
@@ -85,7 +87,7 @@ def learning_curves_figure(records: Sequence[Mapping[str, float]],
     present = []
     for title, keys in panels:
         keys = [key for key in keys if len(series[key])]
-        if keys and any(np.any(series[key][:, 1] != 0) for key in keys):  # left out: never logged, or always 0
+        if keys and (title in SHOWN_AT_ZERO or any(np.any(series[key][:, 1] != 0) for key in keys)):
             present.append((title, keys))
     if not present:
         raise ValueError("none of the plotted metrics is in the records (or all are zero)")

@@ -99,11 +99,13 @@ class Waiting:
         what: what is waited for, e.g. ``"starting the inference engine (log: runs/x/server.log)"``.
         stream: where to write (default stdout).
         enabled: False writes nothing (processes other than 0).
+        quiet_s: announce only a wait that lasts this long (then as above); 0: at once.
     """
 
     def __init__(self, what: str, stream: TextIO | None = None, enabled: bool = True, remind_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.what, self.enabled, self.clock = what, enabled, clock
+                 clock: Callable[[], float] = time.monotonic, quiet_s: float = 0.0):
+        self.what, self.enabled, self.clock, self.quiet_s = what, enabled, clock, quiet_s
+        self.announced = False
         self.stream = stream or sys.stdout
         self.interactive = self.stream.isatty()
         self.interval = 1.0 if self.interactive else remind_s
@@ -114,7 +116,8 @@ class Waiting:
     def start(self) -> Waiting:
         self.started = self.clock()
         if self.enabled:
-            self._write(f"{self.what} ...", end="" if self.interactive else "\n")
+            if not self.quiet_s:
+                self._announce()
             self.thread = threading.Thread(target=self._remind, name="tether-waiting", daemon=True)
             self.thread.start()
         return self
@@ -126,11 +129,19 @@ class Waiting:
             self.done.set()
             if self.thread is not None:
                 self.thread.join()
-                if self.interactive:
+                if self.interactive and self.announced:
                     self._write(f"\r\033[K{self.what}: {self.seconds:.1f} s")
         return self.seconds
 
+    def _announce(self) -> None:
+        self.announced = True
+        self._write(f"{self.what} ...", end="" if self.interactive else "\n")
+
     def _remind(self) -> None:
+        if self.quiet_s:
+            if self.done.wait(self.quiet_s):
+                return
+            self._announce()
         while not self.done.wait(self.interval):
             elapsed = self.clock() - self.started
             if self.interactive:

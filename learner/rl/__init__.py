@@ -14,6 +14,7 @@ from learner.rl.batch_assembly import Payload
 from learner.rl.batch_assembly import PayloadSpec
 from learner.rl.batch_assembly import assemble_payload
 from learner.rl.batch_assembly import demonstration_batch
+from learner.rl.canary import CanaryMismatchError
 from learner.rl.config import RunConfig
 from learner.rl.config import load_config
 from learner.rl.config import to_dict
@@ -38,6 +39,7 @@ from learner.rl.trainer import Trainer
 
 __all__ = [
     "AgreementHook",
+    "CanaryMismatchError",
     "CheckpointHook",
     "ConfigError",
     "EvalHook",

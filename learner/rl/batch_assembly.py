@@ -1,9 +1,10 @@
 """Host-side batches of a run: rollout groups -> a fixed-shape `TrainBatch`, demonstrations for the warm-up, and
 the typed payload process 0 broadcasts to the other processes.
 
-Every step's batch has one shape (``rows`` x ``length``), so the update compiles once. `PayloadSpec` is that shape,
-derived from the config alone: process 0 checks the payload it built against it, and the other processes receive
-into zeros of it (`jax.experimental.multihost_utils.broadcast_one_to_all` needs the same tree everywhere).
+Every step's payload has one shape (``rows`` x ``length``). `PayloadSpec` is that shape, derived from the config
+alone (the update then trains at the shortest of a few lengths that holds the batch's longest row: `Trainer.fit`):
+process 0 checks the payload it built against it, and the other processes receive into zeros of it
+(`jax.experimental.multihost_utils.broadcast_one_to_all` needs the same tree everywhere).
 
 An update with a scored window (``update.scored_window``: `learner.update.UpdateConfig.scored_window`) computes
 logprobs only for each row's first ``W`` tokens from its first trained one; a trained token beyond them would

@@ -152,6 +152,10 @@ class ServerSection:
     # A Generate attempt's deadline (+ 0.05 s per max_new_tokens); 5 attempts, each after a missed deadline twice
     # as long as the one before (a slow server, not a hung one, then finishes).
     generate_deadline_s: float = 30.0
+    # A Generate stream silent this long (no sample, chunk or heartbeat: a working engine sends one every quarter of
+    # it) is hung: asked again once, then the engine is taken out (an error line when none is left). A slow engine
+    # keeps sending, so it is never cut.
+    silence_timeout_s: float = _positive(45.0)
     max_relaunches: int = _non_negative(3)  # a launched engine that dies is relaunched (current weights) this often.
     probe_interval_s: float = _positive(2.0)  # between attempts to reach an engine that is down.
     give_up_after_s: float = _positive(120.0)  # the run ends when no engine has served for this long.
@@ -196,6 +200,9 @@ class UpdateSection:
     # multiple of 8) or "off" (every token). Batches whose trained tokens do not fit are refused, naming this key.
     scored_window: int | str = "auto"
     fast_compile: bool = False  # XLA backend optimisation level 0: faster compiles, slower steps (tests).
+    # Each batch trains at the shortest of a few lengths that holds its longest row (multiples of a quarter of the
+    # full length, from 128; every one compiled at start); false: every batch at the full length (one program).
+    length_buckets: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +250,16 @@ class CheckpointsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class CanarySection:
+    """The publish canary (learner.rl.canary; docs/engines/weight-updates.md): after a publish the engine samples
+    fixed prompts and the learner checks the logprobs it returns; a difference beyond the tolerance stops the run."""
+
+    every: int = _non_negative(50)  # verify the start's and step 1's publishes, then every this many steps; 0: off.
+    # Mean per-token |engine - learner| logprob allowed; None: the engine's and dtype's (learner.rl.canary).
+    tolerance: float | None = _bounded(None, 0, strict_low=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoopSection:
     """Length of the run, its seed, and what a resume may change."""
 
@@ -274,6 +291,7 @@ class RunConfig:
     distributed: DistributedSection = DistributedSection()
     checkpoints: CheckpointsSection = CheckpointsSection()
     loop: LoopSection = LoopSection()
+    canary: CanarySection = CanarySection()
 
     def __post_init__(self):
         for name, value, metadata in _bounded_fields(self):
@@ -297,8 +315,10 @@ def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
     if framework_config.framework_file(config.corrections) is not None:
         return framework_config.correction_config(config.corrections)
     if config.corrections.preset not in corrections.PRESETS:
-        raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS "
-                         f"({', '.join(corrections.PRESETS)})")
+        near = difflib.get_close_matches(config.corrections.preset, corrections.PRESETS, n=3)
+        raise ValueError(f"corrections.preset={config.corrections.preset!r}: not one of corrections.PRESETS"
+                         + (f"; did you mean {' or '.join(map(repr, near))}?" if near
+                            else f" ({', '.join(corrections.PRESETS)})"))
     try:
         return corrections.preset(config.corrections.preset, **config.corrections.overrides)
     except (TypeError, ValueError) as error:
@@ -499,6 +519,7 @@ def client_config(config: RunConfig, target: str, auth_token: str | None, vocab_
     (and counts) token ids the learner cannot embed even if the engine reports a larger vocabulary."""
     return _library("server", ClientConfig, renames={"deadline_base_s": "generate_deadline_s"}, target=target,
                     auth_token=auth_token, deadline_base_s=config.server.generate_deadline_s,
+                    silence_timeout_s=config.server.silence_timeout_s,
                     validation=ValidationConfig(vocab_size=vocab_size))
 
 

@@ -172,15 +172,92 @@ def correction_config(section) -> corrections.CorrectionConfig:
     return corrections.config_from_dict(merge(corrections.config_to_dict(config), section.overrides))
 
 
+def _flat(data: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{dotted key: leaf}`` (a mapping of no keys is a leaf)."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _fields(target: str) -> list[str]:
+    """The CorrectionConfig fields a table's target names: ``objective.clip_low/high`` -> ``objective.clip_low``,
+    ``objective.clip_high``; ``rejection (bounds)`` -> ``rejection``."""
+    head, _, names = target.split(" ")[0].rpartition(".")
+    first, *others = names.split("/")
+    stem = first.rpartition("_")[0]
+    return [f"{head}.{name}" if head else name for name in (first, *(f"{stem}_{o}" if stem else o for o in others))]
+
+
+def _source(field: str, migration: Migration, overridden: Iterable[str]) -> str:
+    """Where one field of the loss came from: ``corrections.overrides``, the file's key(s), the framework's default
+    (a loss key the file leaves out), or the front door's own value (a field no key of the framework sets, such as
+    verl's ``denominator = "kept"``)."""
+    if any(field == key or field.startswith(f"{key}.") for key in overridden):
+        return "corrections.overrides (the run config)"
+
+    def covering(target: str) -> int:  # how specifically the target names the field (0: not at all); a field that
+        # is a whole block left unset (importance: none) is named by the targets inside it
+        names = _fields(target)
+        inside = len(field) if any(name.startswith(f"{field}.") for name in names) else 0
+        return max([len(name) for name in names if field == name or field.startswith(f"{name}.")] + [inside])
+
+    rows = [(covering(row.tether.removeprefix("corrections.")), row) for row in migration.rows
+            if row.tether.startswith("corrections.")]
+    best = max((score for score, _ in rows), default=0)
+    if best:
+        return ", ".join(f"{row.key}" + (f" ({migration.framework}'s default)" if row.default else "")
+                         for score, row in rows if score == best)
+    theirs = [(covering(target), key) for key, target in MAPS[migration.framework].loss.items()]
+    best = max((score for score, _ in theirs), default=0)
+    if best:
+        keys = ", ".join(key for score, key in theirs if score == best)
+        return f"{migration.framework}'s default ({keys}: not in the file)"
+    return f"from_{migration.framework}'s value (no {migration.framework} key sets it)"
+
+
+def loss_table(section) -> str:
+    """The loss the run built (`correction_config`: the file's, with ``corrections.overrides``) as a tab-separated
+    table: every ``CorrectionConfig`` field, its value and where it came from."""
+    framework, path = framework_file(section)
+    migration = migrate(framework, str(path))
+    overridden = list(_flat(dict(section.overrides or {})))
+    lines = ["# the loss this run built (corrections.CorrectionConfig)", "field\tvalue\tsource"]
+    for field, value in _flat(corrections.config_to_dict(correction_config(section))).items():
+        lines.append(f"{field}\t{'none' if value in (None, [], {}) else _show(value)}\t"
+                     f"{_source(field, migration, overridden)}")
+    return "\n".join(lines) + "\n"
+
+
 MAPPING_FILE = "framework_config.tsv"
 
 
-def report(section, run_dir) -> None:
-    """Prints the mapping of the section's framework file and writes it to ``run_dir/framework_config.tsv``; nothing
-    without one."""
+def _run_target(framework: str, key: str) -> str | None:
+    """The run-config key a framework key maps to (None: it maps to none)."""
+    entry = MAPS[framework].run.get(key.removeprefix("--").replace("-", "_") if framework == "slime" else key)
+    return entry[0] if isinstance(entry, tuple) else entry
+
+
+def _run_value(config, key: str):
+    section, _, field = key.partition(".")
+    return getattr(getattr(config, section), field)
+
+
+def report(section, run_dir, config=None) -> None:
+    """Prints the mapping of the section's framework file and the loss it built, and writes both to
+    ``run_dir/framework_config.tsv``; nothing without one. With the run's ``config``, a run-config key whose file
+    value was not applied is listed with the value the run uses."""
     given = framework_file(section)
     if given is None:
         return
-    table = migrate(*given).table()
+    migration = migrate(*given)
+    table = migration.table() + loss_table(section)
+    if config is not None:
+        table += "".join(f"# {row.key} not applied: the run uses {key} = {_run_value(config, key)!r}\n"
+                         for row in migration.rows if row.tether.startswith("not applied")
+                         for key in [_run_target(migration.framework, row.key)] if key)
     print(table, end="", flush=True)
     write_atomically(pathlib.Path(run_dir) / MAPPING_FILE, table)

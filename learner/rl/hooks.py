@@ -266,7 +266,7 @@ class SummaryHook(Hook):
     measures it), the share of samples trained on, KL, versions, speed, and the last evaluation's metrics."""
 
     def on_start(self, run: Run) -> None:
-        self.started, self.history = time.monotonic(), {}
+        self.started, self.history = run.startup_times.started, {}  # the run's creation: start-up included
 
     def on_step(self, run: Run, record: StepRecord) -> None:
         self.history[record.step] = record.metrics
@@ -276,6 +276,7 @@ class SummaryHook(Hook):
             return
         config, steps = run.config, sorted(self.history)
         rewards = [self.history[s]["reward/mean"] for s in steps]
+        ends = min(20, max(len(steps) // 2, 1))  # 20 steps at each end; fewer in a short run, never overlapping
         kept = [self.history[s].get("rollout/kept_fraction", 1.0) for s in steps]
         last = self.history[steps[-1]]
         evaluated = [s for s in steps if any(key.startswith("eval/") for key in self.history[s])]
@@ -283,13 +284,14 @@ class SummaryHook(Hook):
             ("task", config.task.name),
             ("corrections", framework_config.corrections_name(config.corrections)),
             ("steps", f"{steps[0]}-{steps[-1]} of {config.loop.steps}"),
-            ("reward (first 20 -> last 20 steps)", f"{np.mean(rewards[:20]):.3f} -> {np.mean(rewards[-20:]):.3f}"),
+            (f"reward (first {ends} -> last {ends} steps)" if ends > 1 else "reward (first step -> last step)",
+             f"{np.mean(rewards[:ends]):.3f} -> {np.mean(rewards[-ends:]):.3f}"),
             ("samples trained on (mean, min share)", f"{np.mean(kept):.2f}, {np.min(kept):.2f}"),
             ("train/rollout kl k3 (last step)", f"{last.get('rollout_corr/k3_kl', float('nan')):.2e}"),
             ("clip fraction (last step)", f"{last.get('actor/pg_clipfrac', float('nan')):.3f}"),
             ("policy version learner / server",
              f"{last['policy/learner_version']:.0f} / {last['policy/server_version']:.0f}"),
-            ("wall time", f"{time.monotonic() - self.started:.0f} s"),
+            ("wall time (start-up included)", f"{time.monotonic() - self.started:.0f} s"),
             ("steps/s (RL loop)", f"{len(steps) / sum(self.history[s]['perf/step_s'] for s in steps):.2f}"),
             ("samples/s (RL loop)", f"{np.mean([self.history[s]['perf/samples_per_s'] for s in steps]):.1f}"),
             ("run directory", str(config.run_dir)),

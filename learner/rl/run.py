@@ -19,15 +19,22 @@ order, by one ``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
-new weights, and call the hooks (`learner.rl.hooks`: metrics, rollout log, progress, plot, checkpoints). Batches have
-one fixed shape (`learner.rl.batch_assembly.PayloadSpec`), so the update compiles once.
+new weights, and call the hooks (`learner.rl.hooks`: metrics, rollout log, progress, plot, checkpoints). Payloads have
+one fixed shape (`learner.rl.batch_assembly.PayloadSpec`); each batch is cut to the shortest of a few lengths that holds
+its longest row (`Trainer.fit`), every one compiled at start, so no step compiles.
 
 Resume: entering a run whose ``run_dir`` has checkpoints restores the latest; metrics and rollout log drop the steps
 after it. The saved data position is that of the first batch not yet trained, so the prompt order is that of an
 uninterrupted run. A resume that changes the task, corrections, group size or model is refused (naming the keys)
 unless ``loop.allow_config_change`` (checked against the checkpoint's metadata before any array is read); a run
 that already reached ``loop.steps`` is `finished`, says so, and yields nothing. A run killed before its first
-periodic checkpoint resumes from step 0 (the fresh start's checkpoint).
+periodic checkpoint resumes from step 0 (the fresh start's checkpoint). A resume says so: "resuming from step N
+(checkpoint of <time>)".
+
+Stop signals (one process): a first SIGINT or SIGTERM while the run is open raises `Interrupted` at the step reached
+(during a step's update and hooks: once they are done), and leaving the ``with`` block on it saves a checkpoint of
+that step, verified as a periodic one, before anything is closed; a second signal exits at once
+(`learner.rl.stop_signals`).
 
 Multi-host: every process makes the same calls. Process 0 owns the engine and the buffer and broadcasts each step's
 payload; every process runs the same update on the global mesh and writes checkpoints; process 0 publishes.
@@ -57,6 +64,7 @@ from learner.reporting.run_files import refuse_links
 from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
+from learner.rl.canary import publish_canary
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
 from learner.rl.engines import (
     build_engine,
@@ -68,9 +76,10 @@ from learner.rl.engines import (
 )
 from learner.rl.episodes import EpisodeEngine, episode_metrics
 from learner.rl.hooks import Hook, default_hooks
-from learner.rl.preflight import ConfigError, probe_engines, probe_rewards
+from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
 from learner.rl.prompt_stream import DataPosition, PromptStream
-from learner.rl.run_lock import hold_run_dir
+from learner.rl.run_lock import LOCK_FILE, hold_run_dir
+from learner.rl.stop_signals import Interrupted, StopSignals
 from learner.rl.trainer import Trainer, model_context
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
 from learner.update.batch import TrainBatch
@@ -96,6 +105,9 @@ class StepRecord:
 # What libraries and the engine process write under run_dir (orbax, tensorstore, the TensorBoard writer, the MLX
 # engine's weights, the server's log), checked for links before the run starts: no link may lead out of run_dir.
 CHECKED_FOR_LINKS = ("checkpoints", "rollout_log", "tensorboard", "engine_weights", "server.log")
+
+
+SLOW_PHASE_S = 15.0  # a step's rollout wait or update longer than this is announced while it lasts
 
 
 class ResumeConfigError(ValueError):
@@ -124,6 +136,7 @@ class Run:
         hooks = default_hooks(config) if hooks is None else list(hooks)
         self.hooks = [hook for hook in hooks if self.leader or not hook.leader_only]
         self.engine = self.buffer = None
+        self.canary_engine = None  # what the publish canary samples (the engine pool; learner.rl.canary)
         self.start_step = self.step = 0  # the step restored from (0: a fresh start), the last step done
         self._stack: contextlib.ExitStack | None = None
         self.startup_times = StartupTimes()  # where the start-up went, printed once the first step is done
@@ -134,6 +147,7 @@ class Run:
         # `startup_times`'s phases: startup/compiled_programs, startup/compile_s, startup/compile_cache_hits (loaded
         # from the persistent cache).
         self._startup_compiles: dict[str, float] = {}
+        self._signals = StopSignals()  # SIGINT / SIGTERM: save the step reached, then stop
 
     @property
     def finished(self) -> bool:
@@ -141,13 +155,34 @@ class Run:
         return self.step >= self.config.loop.steps
 
     def __enter__(self) -> Run:
-        with contextlib.ExitStack() as stack:
-            self._set_up(stack)
-            self._stack = stack.pop_all()
+        created = not self.run_dir.exists()
+        try:
+            with contextlib.ExitStack() as stack:
+                self._set_up(stack)
+                self._stack = stack.pop_all()
+        except BaseException:
+            if created and self.leader:  # a run refused at its start leaves no directory holding only its lock
+                lock = self.run_dir / LOCK_FILE
+                if [path.name for path in self.run_dir.iterdir()] == [LOCK_FILE] and not lock.is_symlink():
+                    lock.unlink()
+                    self.run_dir.rmdir()
+            raise
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if isinstance(exc, Interrupted) and self._stack is not None:
+                self._save_on_stop(exc)
+        finally:
+            self.close()
+
+    def _save_on_stop(self, stop: Interrupted) -> None:
+        """A stop signal's checkpoint: the step reached (the state is that step's: `StopSignals.hold`), saved unless
+        it is the latest already, and committed with its manifest before the run closes."""
+        if self.checkpointer.latest_step() != self.step:
+            self.save_checkpoint(self.step)
+        self.checkpointer.wait_until_finished()
+        stop.saved_step = self.step
 
     def close(self) -> None:
         """Closes hooks, buffer, engine and checkpointer (completing a save in flight), in reverse order."""
@@ -158,10 +193,12 @@ class Run:
     def _set_up(self, stack: contextlib.ExitStack) -> None:
         config = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if jax.process_count() == 1:  # several processes would each stop at another step: no agreed save
+            stack.enter_context(self._signals.installed())
         if self.leader:
             stack.enter_context(hold_run_dir(self.run_dir))  # before anything reads or writes the directory
             refuse_links(self.run_dir, CHECKED_FOR_LINKS)
-            framework_config.report(config.corrections, self.run_dir)
+            framework_config.report(config.corrections, self.run_dir, config)
         try:
             self.task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,
                                   model_context=model_context(config))
@@ -170,6 +207,7 @@ class Run:
         if self.leader:  # before the train state and the warm-up, which a bad reward or engine would waste
             probe_rewards(self.task)
             probe_engines(config)
+        check_lora(config)
         if config.warmup.steps and not isinstance(self.task, Demonstrations):
             raise ValueError(f"warmup.steps={config.warmup.steps}: task {config.task.name!r} has no "
                              "make_prompt and noisy_demonstration for a warm-up; set warmup.steps = 0")
@@ -196,6 +234,9 @@ class Run:
         if not fresh:
             with self.startup_times.phase("restore"):
                 self.start_step = self.step = self._restore()
+            if self.leader and not self.finished:
+                saved = self.checkpointer.saved_at(self.step)
+                print(f"resuming from step {self.step} (checkpoint of {saved or 'unknown time'})", flush=True)
             if self.finished:
                 if self.leader:
                     print(f"{config.run_dir}: already finished at step {self.step} of {config.loop.steps}; nothing "
@@ -211,6 +252,12 @@ class Run:
                 losses = self.trainer.start_fresh(on_warmup_step)
             if self.leader and losses:
                 print(f"warm-up: {len(losses)} steps, cross entropy {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+        lengths = self.trainer.bucket_lengths
+        if len(lengths) > 1:  # every program a step runs, compiled now: no step compiles
+            what = (f"compiling the RL update step for lengths {', '.join(map(str, lengths))} (each batch trains at "
+                    "the shortest that holds its longest row)")
+            with self.startup_times.phase("update programs", Waiting(what, enabled=self.leader)):
+                self.trainer.compile_buckets(self.spec.zeros().batch, raw_logprobs=self.spec.raw)
         if self.leader:
             with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
                 weights = self._published()
@@ -223,6 +270,7 @@ class Run:
                 check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                                config.server.address or "the embedded server")
                 self.server_version = self.engine.publish(self.trainer.policy_version, weights)
+            self.canary_engine = engine
             rollout = config.rollout
             self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
                                         max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
@@ -230,6 +278,11 @@ class Run:
             stack.callback(self.buffer.close)
         else:
             self._published()  # the gather is collective: every process takes part in process 0's
+        self.canary = publish_canary(config, self.trainer, broadcast)
+        if self.leader:
+            print(self.canary.describe(), flush=True)
+        with self.startup_times.phase("publish canary"):
+            self._start_canary = self._verify_publish(self.start_step)  # in the first step's metrics
         for hook in self.hooks:
             stack.callback(hook.close)
             hook.on_start(self)
@@ -258,10 +311,11 @@ class Run:
             compiling.stop()
             bar.close()
 
-    def _first(self, phase: str, what: str, first: bool):
-        """The first step's ``phase``, announced (process 0) and timed; nothing on later steps."""
+    def _first(self, phase: str, what: str, first: bool, later: str | None = None):
+        """The first step's ``phase``, announced (process 0) and timed; on later steps ``later`` is announced when
+        it lasts over `SLOW_PHASE_S` (a long step shows progress within it)."""
         if not first:
-            return contextlib.nullcontext()
+            return Waiting(later, enabled=self.leader, quiet_s=SLOW_PHASE_S) if later else contextlib.nullcontext()
         return self.startup_times.phase(phase, Waiting(what, enabled=self.leader))
 
     def _first_rollouts_wait(self) -> str:
@@ -297,10 +351,22 @@ class Run:
     def _check_resume(self, metadata: dict, step: int) -> None:
         """Refuses a checkpoint of another LoRA base or, unless allowed, of other settings (`changed_keys`)."""
         if self.trainer.lora is not None:
-            check_base_identity(metadata.get("lora_base"), self._base_identity,
-                                f"{self.run_dir / 'checkpoints'} step {step}")
+            try:
+                check_base_identity(metadata.get("lora_base"), self._base_identity,
+                                    f"{self.run_dir / 'checkpoints'} step {step}")
+            except ValueError as error:
+                raise ResumeConfigError(str(error)) from None
         changed = changed_keys(metadata.get("config") or {}, self.config)
-        if changed and not self.config.loop.allow_config_change:
+        allowed = self.config.loop.allow_config_change
+        shapes = ((model_shape((metadata.get("config") or {}).get("model") or {}),
+                   model_shape(to_dict(self.config)["model"])) if changed and allowed else ())
+        if shapes and None not in shapes and shapes[0] != shapes[1]:  # allowed or not, the arrays would not load
+            raise ResumeConfigError(
+                f"{self.run_dir / 'checkpoints'} holds step {step} of a model of another shape "
+                f"({', '.join(key for key in changed if key.startswith('model.'))} changed): its arrays cannot load "
+                "into this model, loop.allow_config_change or not. Use a new run_dir, or resume with the "
+                "checkpoint's model settings")
+        if changed and not allowed:
             raise ResumeConfigError(
                 f"{self.run_dir / 'checkpoints'} holds step {step} of a run with other settings: "
                 f"{', '.join(changed)} changed. Use a new run_dir, or set loop.allow_config_change = true to resume "
@@ -319,6 +385,17 @@ class Run:
         if publishes_adapters(self.config):
             return self.trainer.host_adapters()
         return self.trainer.host_weights(publish_dtype(self.config))
+
+    def _verify_publish(self, step: int) -> dict[str, float]:
+        """The publish canary (`learner.rl.canary`) on the publish after ``step`` (``start_step``: the start's) where
+        due, on every process; its ``canary/*`` metrics on process 0.
+
+        Raises:
+          CanaryMismatchError: the engine serves other weights than the learner published.
+        """
+        if not self.canary.due(step, self.start_step + 1):
+            return {}
+        return self.canary.verify(self.canary_engine, self.trainer.policy_version, self.leader)
 
     def save_checkpoint(self, step: int) -> None:
         """Starts saving the state, reference policy and data position as checkpoint ``step`` (asynchronous).
@@ -343,10 +420,15 @@ class Run:
         if self._stack is None:
             raise RuntimeError("Run.steps: enter the run first (`with Run(config) as run:`)")
         while self.step < self.config.loop.steps:
-            record = self._step(self.step + 1)
-            self.step = record.step
-            for hook in self.hooks:
-                hook.on_step(self, record)
+            try:
+                record = self._step(self.step + 1)  # holds stop signals from its update on
+                self.step = record.step
+                for hook in self.hooks:
+                    hook.on_step(self, record)
+            except BaseException:
+                self._signals.release(raise_pending=False)
+                raise
+            self._signals.release()  # a stop signal received during the update or the hooks: the step is complete
             yield record
         for hook in self.hooks:
             hook.on_end(self)
@@ -356,7 +438,8 @@ class Run:
         trainer, rollout = self.trainer, self.config.rollout
         first = step == self.start_step + 1  # announced and timed: rollouts sampled by programs still compiling
         if self.leader:
-            with self._first("first rollouts", self._first_rollouts_wait(), first):
+            with self._first("first rollouts", self._first_rollouts_wait(), first,
+                             later=f"step {step}: waiting for rollouts"):
                 groups = [self.buffer.get(trainer.policy_version) for _ in range(rollout.prompts_per_step)]
             records = [self.stream.next_record() for _ in groups]
             beyond_bound: list[str] = []  # rewards out of learner.tasks.REWARD_BOUND, skipped
@@ -374,9 +457,13 @@ class Run:
             self.stream.skip_batch()  # the batch process 0 issued; keeps this process's data position in step
             payload = self.spec.zeros()
         payload = Payload(*jax.tree.map(np.asarray, broadcast(payload, self.leader)))
+        payload = payload._replace(batch=trainer.fit(payload.batch))  # the shortest length that holds its rows
         samples = int(payload.real_rows)
         rollout_s = time.monotonic() - started
-        with self._first("first update", "compiling the RL update step", first):
+        self._signals.hold()  # from the update (it donates the state) to the step's hooks: `steps` releases
+        with self._first("first update", "running the first RL update (its programs compiled at start)"
+                         if trainer.precompiled else "compiling the RL update step", first,
+                         later=f"step {step}: running the RL update"):
             metrics, proximal = trainer.train(payload.batch, raw_logprobs=self.spec.raw)
         limit, skipped = self.config.optimizer.max_consecutive_skips, trainer.skipped_steps
         if skipped >= limit or (step == self.config.loop.steps and skipped >= step - self.start_step):
@@ -394,6 +481,7 @@ class Run:
             if rollout.fixed_staleness or self.config.loop.deterministic:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
+            canary = self._verify_publish(step)
             kept = samples / (rollout.prompts_per_step * rollout.num_samples)
             if kept < 0.5 and not self._warned_kept:
                 self._warned_kept = True
@@ -421,6 +509,10 @@ class Run:
                 **(self.task.metrics() if hasattr(self.task, "metrics") else {}),
                 **(episode_metrics([episode for group in groups for episode in group]) if self.episodic else {})})
             metrics["reward/skipped_samples"] = metrics.get("reward/skipped_samples", 0.0) + len(beyond_bound)
+            metrics.update({name.replace("canary/", "canary/start_"): value for name, value in
+                            (self._start_canary.items() if first else ()) if name.startswith("canary/")} | canary)
+        else:
+            self._verify_publish(step)
         return StepRecord(step=step, metrics=metrics, batch=payload.batch, samples=samples, rewards=rewards,
                           proximal_logprobs=proximal[:samples], policy_version=trainer.policy_version,
                           server_version=server_version)

@@ -37,6 +37,7 @@ from learner.rl.config import (
 )
 from learner.rl.preflight import ConfigError
 from learner.update.batch import TrainBatch
+from learner.update.bucketing import BucketConfig, bucket_lengths, cut_batch, pad_batch
 from learner.update.logprob_mode import rebuild_batch_logprobs
 from learner.update.optimizer import make_optimizer, skipped_updates
 from learner.update.step import make_update_fn, merge_model, recompute_logprobs
@@ -46,6 +47,20 @@ from learner.update.train_state import create_sharded_frozen, create_sharded_tra
 def bucket_length(length: int) -> int:
     """The padded batch length: the next power of two, at least 8 (few lengths, few compiled programs)."""
     return max(8, 1 << (length - 1).bit_length())
+
+
+MIN_UPDATE_BUCKET = 128  # the shortest update length of a bucketed run: shorter runs compile one program
+
+
+def update_buckets(length: int) -> BucketConfig:
+    """The update's lengths for a run whose rows hold up to ``length`` tokens (a power of two): multiples of a quarter
+    of it, at least ``MIN_UPDATE_BUCKET`` (each step trains at the shortest that holds its longest row).
+
+    >>> from learner.update.bucketing import bucket_lengths
+    >>> [bucket_lengths(update_buckets(n)) for n in (2048, 256, 128)]
+    [[512, 1024, 1536, 2048], [128, 192, 256], [128]]
+    """
+    return BucketConfig(min_length=min(length, MIN_UPDATE_BUCKET), multiple=max(length // 4, 8), max_length=length)
 
 
 def model_context(config: RunConfig) -> int:
@@ -118,7 +133,13 @@ class Trainer:
                               "(one of them may be -1: the remaining devices; mesh.cpu_devices sets the count on a "
                               "CPU)") from None
         self.data_parallel = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        self.update_config = update_config(config, correction_config(config), self.length, self.max_new_tokens)
+        # Each step trains at the shortest bucket that holds its batch's longest row (`fit`); seq-mean-token-sum-norm
+        # divides by the full length whatever the bucket, so the loss does not depend on it.
+        self.buckets = (update_buckets(self.length) if config.update.length_buckets
+                        else BucketConfig(min_length=self.length, max_length=self.length))
+        self.update_config = dataclasses.replace(
+            update_config(config, correction_config(config), self.length, self.max_new_tokens), norm_length=self.length)
+        self.precompiled = False  # `compile_buckets` ran: no step compiles
         multiple = self.update_config.row_multiple(self.data_parallel)
         self.rows = -(-config.rollout.prompts_per_step * config.rollout.num_samples // multiple) * multiple
         self.optimizer_config = optimizer_config(config, optimizer_updates(config, self.update_config))
@@ -171,6 +192,27 @@ class Trainer:
         sharding = batch_sharding(self.mesh)
         return jax.tree.map(
             lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]), batch)
+
+    @property
+    def bucket_lengths(self) -> list[int]:
+        """The update's lengths, shortest first (`update_buckets`)."""
+        return bucket_lengths(self.buckets)
+
+    def fit(self, batch: TrainBatch) -> TrainBatch:
+        """A host batch of ``length`` columns cut to the shortest bucket that holds its longest row."""
+        return pad_batch(batch, self.buckets)
+
+    def compile_buckets(self, batch: TrainBatch, raw_logprobs: bool = False) -> None:
+        """Compiles the programs a step runs (`train`) for every bucket length, ``batch`` giving the structure and
+        dtypes (its values are not used), so that no step compiles; the calls then find them in JAX's cache."""
+        for length in self.bucket_lengths:
+            device_batch = self.device_batch(cut_batch(batch, length))
+            if raw_logprobs:
+                self.rebuild_fn.lower(self.state.params, self.frozen, device_batch).compile()
+            if self.update_config.corrections.mode == "bypass":
+                self.proximal_fn.lower(self.state.params, self.frozen, device_batch).compile()
+            self.update_fn.lower(self.state, device_batch, self.reference, self.frozen).compile()
+        self.precompiled = True
 
     def train(self, batch: TrainBatch, raw_logprobs: bool = False) -> tuple[dict[str, float], np.ndarray]:
         """One RL update on a host batch; returns the mean metrics and the proximal logprobs (for the log).

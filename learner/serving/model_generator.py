@@ -42,7 +42,7 @@ from learner.model.precision import with_matmul_precision
 from learner.model.transformer import Transformer, cast_model
 from learner.reporting.compiles import compile_stats, count_compiles
 from learner.serving.orbax_weights import read_orbax
-from learner.serving.sampling import sample_token
+from learner.serving.sampling import sample_rows, sample_token
 from rollout_client.protocol import pb
 from rollout_client.sampling_params import LogprobMode
 from rollout_client.server.generator import Generator, GeneratorInfo, SequenceSpec, WeightSpec, check_weights_match
@@ -211,7 +211,7 @@ class ModelGenerator(Generator):
         self._cache, self._valid, token, logprob = prefill(
             self._params, self._cache, self._valid, slot, prompt, prompt_len, self._keys[slot],
             self._temperature[slot], self._top_k[slot], self._top_p[slot], self._min_p[slot], self._processed[slot])
-        token, logprob = np.asarray(token), np.asarray(logprob)
+        token, logprob = jax.device_get((token, logprob))  # the add's one wait for the device
         self._tokens[slot], self._positions[slot], self._active[slot] = token, prompt_len, True
         self._history[slot, :prompt_len] = spec.prompt_token_ids
         self._history[slot, min(prompt_len, self._info.max_seq_len - 1)] = token
@@ -239,11 +239,14 @@ class ModelGenerator(Generator):
     def step(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         rows = self._info.max_batch_size if self._batch_invariant else decode_rows(self._active)
         decode = self._compiled.get(("decode", rows), self._decode)
-        self._cache, self._valid, row_tokens, row_logprobs = decode(
-            self._params, self._cache, self._valid, *(array[:rows] for array in self._row_arrays()))
+        # One upload of the rows' state, one program, one wait for its tokens: per call of `decode_steps_per_call`
+        # tokens a row (tests/learner/test_decode_dispatches.py pins these counts).
+        row_inputs = jax.device_put(tuple(array[:rows] for array in self._row_arrays()))
+        self._cache, self._valid, row_tokens, row_logprobs = decode(self._params, self._cache, self._valid,
+                                                                    *row_inputs)
         tokens = np.zeros((self._info.max_batch_size, self._steps), np.int32)
         logprobs = np.zeros((self._info.max_batch_size, self._steps), np.float32)
-        tokens[:rows], logprobs[:rows] = np.asarray(row_tokens), np.asarray(row_logprobs)
+        tokens[:rows], logprobs[:rows] = jax.device_get((row_tokens, row_logprobs))
         self._record_history(tokens)
         self._tokens[self._active] = tokens[self._active, -1]
         self._positions[self._active] += self._steps
@@ -365,8 +368,7 @@ def _decode(graphdef, num_steps, params, full_cache, full_valid, tokens, positio
         hidden, cache = model.forward_cached(tokens[:, None], write_positions[:, None], cache, valid)
         logits = model.logits(hidden[:, 0])
         step_keys = jax.vmap(jax.random.fold_in)(keys, positions + 1)
-        new_tokens, logprobs = jax.vmap(sample_token)(logits, step_keys, temperature, top_k, top_p, min_p,
-                                                      processed)
+        new_tokens, logprobs = sample_rows(logits, step_keys, temperature, top_k, top_p, min_p, processed)
         return (cache, valid, new_tokens, positions + 1), (new_tokens, logprobs)
 
     (cache, valid, _, _), (new_tokens, logprobs) = jax.lax.scan(

@@ -65,6 +65,7 @@ from learner.tasks._protocols import Task
 from learner.tasks._protocols import Tokenizer
 from learner.tasks._registry import load_task
 from learner.tasks._registry import register_task
+from learner.tasks._registry import run_tokenizer
 from learner.tasks._registry import task_names
 from learner.tasks._rewards import BUILTIN_REWARDS
 from learner.tasks._rewards import REWARD_BOUND
@@ -113,6 +114,7 @@ __all__ = (
     "decode_completion",
     "evaluation_metrics",
     "load_function",
+    "run_tokenizer",
     "load_task",
     "make_reward",
     "message_segment_ids",

@@ -87,6 +87,21 @@ def load_task(name: str, args: Mapping[str, Any] | None = None, *, model_path: s
     return task
 
 
+def run_tokenizer(config: Mapping[str, Any]):
+    """The tokenizer a run used, from its config as plain data (as a checkpoint's metadata records it): its task's,
+    built as the run built it (with ``model.hf_path``).
+
+    Raises:
+      ValueError: the task does not load here (naming it and why).
+    """
+    task, model = config.get("task") or {}, config.get("model") or {}
+    try:
+        return load_task(task.get("name"), task.get("args"), model_path=model.get("hf_path")).tokenizer
+    except Exception as error:  # noqa: BLE001 -- whatever the task raises: the message names it
+        raise ValueError(f"the run's task {task.get('name')!r} does not load here ({type(error).__name__}: "
+                         f"{error}), so its tokenizer is unknown") from None
+
+
 def _valid_args(factory: Callable, args: Mapping[str, Any]) -> str:
     """``"; valid: a, b, ..."``: the factory's arguments, those nearest an unknown one first ("" if none is unknown)."""
     parameters = [name for name, p in inspect.signature(factory).parameters.items()

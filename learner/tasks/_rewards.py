@@ -24,20 +24,15 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import pathlib
 import re
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from learner.reward_workers import RewardWorkers, load_function, timeout_error
 from learner.tasks._daemon_thread import in_daemon_thread
 from learner.tasks._math_answers import equivalent_latex, gsm8k_extract, gsm8k_reference, last_boxed
 
@@ -109,39 +104,6 @@ BUILTIN_REWARDS: dict[str, Callable[..., RewardFn]] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "boxed": boxed, "format": format_reward}
 
 
-_LOAD_LOCK = threading.Lock()
-
-
-def load_function(target: str) -> Callable:
-    """The function ``"package.module:function"`` (imported from ``sys.path``) or ``"path/to/file.py:function"``
-    (loaded from the file, relative to the working directory) names."""
-    location, _, attribute = target.rpartition(":")
-    if not location or not attribute:
-        raise ValueError(f"{target!r}: give 'package.module:function' or 'path/to/file.py:function'")
-    if location.endswith(".py") or "/" in location:
-        path = pathlib.Path(location).resolve()
-        if not path.is_file():
-            raise ValueError(f"{target!r}: no file {path}")
-        name = f"_tether_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-        with _LOAD_LOCK:  # the module is in sys.modules before it has run: another thread must not see it half-made
-            if name not in sys.modules:
-                spec = importlib.util.spec_from_file_location(name, path)
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module
-                try:
-                    spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[name]
-                    raise
-            module = sys.modules[name]
-    else:
-        try:
-            module = importlib.import_module(location)
-        except ImportError as err:
-            raise ValueError(f"{target!r}: {err}") from err
-    if not callable(getattr(module, attribute, None)):
-        raise ValueError(f"{target!r}: {location} has no function {attribute!r}")
-    return getattr(module, attribute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +115,9 @@ class Reward:
     weight: float = 1.0
     batched: bool = False  # fn takes lists (completions, prompts, rows) and returns a number per sample
     inline: bool = False  # called in the caller's thread, without the timeout (the built-ins: pure and fast)
+    # ``(import path, args)`` of a reward named by its import path: a synchronous one then runs in worker processes
+    # (`learner.tasks._reward_workers`), killed at the timeout; None: called here (threads, or inline).
+    source: tuple[str, dict] | None = None
 
     @property
     def is_async(self) -> bool:
@@ -183,19 +148,20 @@ def make_reward(entry: str | Mapping[str, Any], answer_column: str | None, key: 
             inspect.signature(factory).bind(answer_column, **args)
         except TypeError as err:
             raise ValueError(f"{key}.args: {name}: {err}") from None
-        fn, label, batched, inline = factory(answer_column, **args), name, False, True
+        fn, label, batched, inline, source = factory(answer_column, **args), name, False, True, None
     elif ":" in name:
         try:
             fn = load_function(name)
         except ValueError as err:
             raise ValueError(f"{key}: {err}") from None
-        label, inline = name.rpartition(":")[2], False
+        label, inline, source = name.rpartition(":")[2], False, (name, dict(args))
         batched = bool(entry.get("batched", getattr(fn, "batched", False)))
         fn = functools.partial(fn, **args) if args else fn
     else:
         raise ValueError(f"{key}: unknown reward {name!r}; built-in: {', '.join(BUILTIN_REWARDS)}, or "
                          "'package.module:function', or 'path/to/file.py:function'")
-    return Reward(label=str(entry.get("label", label)), fn=fn, weight=float(weight), batched=batched, inline=inline)
+    return Reward(label=str(entry.get("label", label)), fn=fn, weight=float(weight), batched=batched, inline=inline,
+                  source=source)
 
 
 class RewardError(RuntimeError):
@@ -235,9 +201,11 @@ class RewardSet:
       on_error: ``"skip"``: a failing sample's total is NaN (the loop leaves it out of its group; counted), ``"stop"``:
         raise `RewardError`.
       timeout_s: wall-clock limit of each call of a user reward (a batched reward: of the whole call); None: no
-        limit. Synchronous rewards then run in daemon threads, ``workers`` at a time (a call past its limit is
-        abandoned, not killed: it cannot block the process's exit); asynchronous ones are cancelled. Built-in
-        rewards (``inline``) run in the caller's thread, without a limit.
+        limit. Synchronous rewards named by import path then run in worker processes, ``workers`` at a time, each
+        call's limit from its own start (a call past it is killed with its worker: a batch with hung calls takes
+        at most one timeout more, and holds no thread or process after); other synchronous ones in daemon threads,
+        ``workers`` at a time (a call past its limit is abandoned, not killed); asynchronous ones are cancelled.
+        Built-in rewards (``inline``) run in the caller's thread, without a limit.
       workers: calls in flight at once.
     """
 
@@ -253,6 +221,7 @@ class RewardSet:
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"reward_timeout_s={timeout_s!r}: a positive number of seconds, or none")
         self.rewards, self.on_error, self.timeout_s, self.workers = list(rewards), on_error, timeout_s, workers
+        self._processes: RewardWorkers | None = None  # started at the first call that needs them
 
     def score(self, completions: Sequence[str], prompts: Sequence[str], rows: Sequence[Mapping[str, Any]],
               sample_names: Sequence[str] | None = None) -> RewardScores:
@@ -281,12 +250,14 @@ class RewardSet:
             total[i] = np.nan
         return RewardScores(np.asarray(total, np.float32), per_reward, errors)
 
-    def check_callable(self, completion: str, prompt: str, row: Mapping[str, Any]) -> str | None:
-        """Calls each reward once on one sample: what is wrong with a reward that cannot be called with the reward
-        signature (TypeError) or returns something other than a number, or None. Other exceptions may depend on
-        the completion and are not reported here."""
+    def check_callable(self, completions: Sequence[str], prompts: Sequence[str], rows: Sequence[Mapping[str, Any]]
+                       ) -> str | None:
+        """Calls each reward once on these samples (a batched one on all of them at once: give two or more, so that
+        a batched reward returning one value is found): what is wrong with a reward that cannot be called with the
+        reward signature (TypeError), returns something other than a number, or a batched one that returns another
+        count; or None. Other exceptions may depend on the completion and are not reported here."""
         for reward in self.rewards:
-            _, failures = self._run(reward, [completion], [prompt], [row])
+            _, failures = self._run(reward, completions, prompts, rows)
             for _, error in failures:
                 if isinstance(error, (TypeError, NotANumberError)):
                     return f"reward {reward.label!r}: {type(error).__name__}: {error}"
@@ -300,6 +271,9 @@ class RewardSet:
             calls = [functools.partial(reward.fn, c, p, r) for c, p, r in zip(completions, prompts, rows)]
         if reward.is_async:
             outcomes = _run_async(calls, self.timeout_s, self.workers)
+        elif reward.source is not None and self.timeout_s is not None:
+            self._processes = self._processes or RewardWorkers(self.workers)
+            outcomes = self._processes.run(*reward.source, [call.args for call in calls], self.timeout_s)
         else:
             outcomes = _run_sync(calls, None if reward.inline else self.timeout_s, self.workers)
         n = len(completions)
@@ -310,7 +284,7 @@ class RewardSet:
                 try:
                     result = list(result)
                     if len(result) != n:
-                        raise ValueError(f"returned {len(result)} values for {n} samples")
+                        raise NotANumberError(f"returned {len(result)} values for {n} samples")
                 except (TypeError, ValueError) as err:
                     error = err
             outcomes = [(None, error)] * n if error is not None else [(value, None) for value in result]
@@ -328,7 +302,8 @@ class RewardSet:
 
 
 class NotANumberError(ValueError):
-    """A reward returned something other than a number (None, a string, a list)."""
+    """A reward returned something other than a number (None, a string, a list), or a batched reward another count
+    of numbers than it was given samples."""
 
 
 def _number(value) -> float:
@@ -342,10 +317,6 @@ def _number(value) -> float:
     return float(value)
 
 
-def _timeout_error(timeout_s: float) -> TimeoutError:
-    return TimeoutError(f"no result within reward_timeout_s = {timeout_s} s (the call was abandoned)")
-
-
 def _run_sync(calls: Sequence[Callable[[], Any]], timeout_s: float | None, workers: int) -> list[tuple]:
     """``(result, None)`` or ``(None, exception)`` per call; with a timeout, in daemon threads, ``workers`` at once."""
     if timeout_s is None:
@@ -356,7 +327,7 @@ def _run_sync(calls: Sequence[Callable[[], Any]], timeout_s: float | None, worke
         concurrent.futures.wait(futures, timeout=timeout_s)
         for future in futures:
             if not future.done():
-                outcomes.append((None, _timeout_error(timeout_s)))
+                outcomes.append((None, timeout_error(timeout_s)))
             elif future.exception() is not None:
                 outcomes.append((None, future.exception()))
             else:
@@ -379,7 +350,7 @@ def _run_async(calls: Sequence[Callable[[], Any]], timeout_s: float | None, work
             try:
                 return await asyncio.wait_for(call(), timeout_s), None
             except TimeoutError:
-                return None, _timeout_error(timeout_s)
+                return None, timeout_error(timeout_s)
             except Exception as err:
                 return None, err
 

@@ -46,7 +46,8 @@ def check_corrections(config: corrections.CorrectionConfig, count: int) -> None:
 
 
 def adapter_loss_terms(corrected: corrections.Corrected, adapter: jax.Array, count: int,
-                       config: corrections.CorrectionConfig) -> tuple[jax.Array, jax.Array]:
+                       config: corrections.CorrectionConfig, max_len: int | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
     """``[count]`` loss numerators (with gradient) and denominators of each adapter's rows of one batch.
 
     Args:
@@ -54,6 +55,7 @@ def adapter_loss_terms(corrected: corrections.Corrected, adapter: jax.Array, cou
         adapter: ``[B]`` int, the adapter of each row.
         count: the number of adapters N.
         config: the corrections' config (its reduction and denominator).
+        max_len: the length ``seq-mean-token-sum-norm`` divides by (`corrections.compute`'s); None: the batch's.
 
     Returns:
         ``(numerators, denominators)``, ``[N]`` each; adapter k's loss is ``numerators[k] / max(denominators[k],
@@ -62,7 +64,7 @@ def adapter_loss_terms(corrected: corrections.Corrected, adapter: jax.Array, cou
     row_sums = jnp.sum(corrected.per_token_loss.astype(jnp.float32), axis=-1)  # [B]: 0 outside the final mask
     row_counts = corrected.row_stats["valid" if config.denominator == "original" else "kept"]
     count_rows = config.denominator == "kept"
-    length = corrected.per_token_loss.shape[-1]
+    length = max_len or corrected.per_token_loss.shape[-1]
 
     def terms(member):  # member: [B] 1.0 on the adapter's rows, which are its batch
         return corrections.loss_terms_from_rows(row_sums * member, row_counts * member, config.reduction, length,

@@ -63,6 +63,30 @@ def bucket_length(length: int, config: BucketConfig) -> int:
     return bucket
 
 
+def bucket_lengths(config: BucketConfig) -> list[int]:
+    """Every bucket length of a bounded ``config``, shortest first.
+
+    Example:
+        >>> bucket_lengths(BucketConfig(min_length=128, multiple=512, max_length=2048))
+        [512, 1024, 1536, 2048]
+    """
+    if config.max_length is None:
+        raise ValueError("bucket_lengths needs BucketConfig.max_length.")
+    return sorted({bucket_length(length, config) for length in range(1, config.max_length + 1)})
+
+
+def cut_batch(batch: TrainBatch, length: int) -> TrainBatch:
+    """``batch``'s token axis cut (or zero-padded) to ``length`` columns; the per-row leaves (``sampling``,
+    ``adapter``) unchanged."""
+
+    def cut(x):
+        x = np.asarray(x)[:, :length]
+        return np.pad(x, ((0, 0), (0, length - x.shape[1])))
+
+    return jax.tree.map(cut, batch.replace(sampling=None, adapter=None)).replace(sampling=batch.sampling,
+                                                                                  adapter=batch.adapter)
+
+
 def pad_batch(batch: TrainBatch, config: BucketConfig, row_multiple: int = 1) -> TrainBatch:
     """Cuts ``batch`` to its longest real row, then pads T to its bucket and B to a multiple of ``row_multiple``.
 

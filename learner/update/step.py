@@ -101,6 +101,8 @@ class UpdateConfig:
     rows_per_chunk: int | None = None  # rows per chunk of the corrections' per-sequence pass (None: its default).
     scored_window: int | None = None  # score only this many tokens per row, from its first loss_mask token (static;
     # every trained token must lie in it); None: every token. See learner.logprobs.chunked.
+    norm_length: int | None = None  # the length seq-mean-token-sum-norm divides by (times the rows); None: the
+    # batch's T. Set it when batches come in several lengths (learner.update.bucketing), so the loss does not change.
     fuse_proximal: bool = True  # an on-policy update takes its proximal logprobs from its training pass
     # (proximal_from_training_pass); False: a proximal pass of their own even then (the same numbers, one forward more).
 
@@ -120,6 +122,9 @@ class UpdateConfig:
                                                or not isinstance(self.scored_window, int) or self.scored_window < 1):
             raise ValueError(f"UpdateConfig.scored_window={self.scored_window!r} must be an int >= 1 or None "
                              "(None: every token).")
+        if self.norm_length is not None and (isinstance(self.norm_length, bool) or not isinstance(self.norm_length, int)
+                                             or self.norm_length < 1):
+            raise ValueError(f"UpdateConfig.norm_length={self.norm_length!r} must be an int >= 1 or None.")
         if self.rows_per_chunk is not None and (not isinstance(self.rows_per_chunk, int) or self.rows_per_chunk < 0):
             raise ValueError(f"UpdateConfig.rows_per_chunk={self.rows_per_chunk!r} must be an int >= 0 or None.")
         if not self.temperature > 0:
@@ -260,12 +265,13 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
         logprobs, batch.advantages, batch.loss_mask, config.corrections, proximal_logprobs=proximal,
         rollout_logprobs=batch.rollout_logprobs, ref_logprobs=ref, entropy=entropy,
         policy_lag=policy_version - batch.policy_version, key=key, weight_scale=weight_scale,
-        rows_per_chunk=config.rows_per_chunk)
+        rows_per_chunk=config.rows_per_chunk, max_len=config.norm_length)
     count = stacked_adapter_count(params)
     if count == 1:
         numerators, denominators = corrected.loss_numerator[None], corrected.loss_denominator[None]
     else:
-        numerators, denominators = adapter_loss_terms(corrected, row_adapters(batch), count, config.corrections)
+        numerators, denominators = adapter_loss_terms(corrected, row_adapters(batch), count, config.corrections,
+                                                      config.norm_length)
     return jnp.sum(numerators), (numerators, denominators, corrected.row_stats,
                                  proximal if from_training_pass else None)
 

@@ -14,7 +14,8 @@ it published would otherwise skip loading it again. `publish` sends the weights 
 once all have confirmed.
 
 When no member is left that could come back (every launched one out of relaunches, and every external one down for
-``give_up_after_s``), every waiting request fails with `EnginesDownError`, whose message names each address and,
+``give_up_after_s``, or hung: silent on a Generate stream, `ServerSilentError`, so not taken back by a probe its
+health check answers), every waiting request fails with `EnginesDownError`, whose message names each address and,
 for a launched engine, its log file and exit code.
 
 A single engine is a pool of one: that is how the loop survives a dead or restarted engine.
@@ -85,6 +86,7 @@ class Member:
     down_since: float | None = None
     last_failure: str = ""
     took_weights: bool = False  # some publish to it was confirmed: its control endpoint was right once
+    hung: bool = False  # taken out for its silence (`ServerSilentError`): an external one is not probed back
 
     def process_state(self) -> str:
         """For a launched engine: its exit code and log file."""
@@ -110,6 +112,16 @@ def describe_error(error: BaseException) -> str:
         return f"{type(error).__name__}: {error.code().name}: {error.details()}"
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _named(error: BaseException, call: str) -> BaseException:
+    """A gRPC error status or protocol break of ``call`` as an `EngineCallError` naming the engine and the status
+    (one line); any other error as it is."""
+    if isinstance(error, (grpc.RpcError, errors.ProtocolError)):
+        named = errors.EngineCallError(f"{call} failed: {describe_error(error)}")
+        named.__cause__ = error
+        return named
+    return error
 
 
 def _engine_down(error: BaseException) -> bool:
@@ -216,13 +228,15 @@ class EnginePool(Engine):
         elif _engine_down(error) or self._dead(engine):
             # A launched engine whose process runs was restarting (or was briefly unreachable): resend, a few times.
             alive = getattr(engine, "process", None) is not None and not self._dead(engine)
-            if not cut_by_update and not (alive and resends < _RESENDS_TO_A_LIVE_ENGINE):
+            if isinstance(error, errors.ServerSilentError):  # hung, however alive its process or health check
+                self._take_out(member, engine, describe_error(error), hung=True)
+            elif not cut_by_update and not (alive and resends < _RESENDS_TO_A_LIVE_ENGINE):
                 self._take_out(member, engine, describe_error(error))
             with self._lock:
                 self._counts["engines/redispatched"] += 1
             self._dispatch(request, outer, resends + 1)
         else:
-            outer.set_exception(error)
+            outer.set_exception(_named(error, f"a request to the engine at {member.address}"))
 
     @staticmethod
     def _dead(engine: Engine) -> bool:
@@ -231,11 +245,11 @@ class EnginePool(Engine):
 
     # Health.
 
-    def _take_out(self, member: Member, engine: Engine, why: str) -> None:
+    def _take_out(self, member: Member, engine: Engine, why: str, hung: bool = False) -> None:
         with self._lock:
             if member.engine is not engine or not member.healthy:
                 return  # already taken out (or replaced) by another failed request
-            member.healthy = False
+            member.healthy, member.hung = False, hung
             member.down_since = time.monotonic()
             member.last_failure = why
             self._counts["engines/taken_out"] += 1
@@ -287,6 +301,8 @@ class EnginePool(Engine):
                 return
             member.address = engine_address(engine, member.address)
         else:
+            if member.hung:  # its health check and server info answer while its Generate streams stay silent
+                return
             engine = member.engine
             try:
                 engine.info()
@@ -304,7 +320,7 @@ class EnginePool(Engine):
                 member.engine = engine  # closed on the next relaunch
             return
         with self._lock:
-            member.engine, member.healthy, member.down_since = engine, True, None
+            member.engine, member.healthy, member.down_since, member.hung = engine, True, None, False
             self._counts["engines/taken_back"] += 1
         logger.warning("engine at %s back in service%s", member.address,
                        f" (relaunch {member.relaunches})" if member.relaunch is not None else "")
@@ -317,13 +333,15 @@ class EnginePool(Engine):
         for member in self.members:
             if member.relaunch is not None and member.relaunches < self.config.max_relaunches:
                 return None
-            if member.relaunch is None and now - member.down_since < self.config.give_up_after_s:
+            if member.relaunch is None and not member.hung and now - member.down_since < self.config.give_up_after_s:
                 return None
         parts = []
         for member in self.members:
             if member.relaunch is not None:
                 parts.append(f"the launched engine at {member.address}{member.process_state()} was relaunched "
                              f"{member.relaunches} times (max_relaunches) and is down: {member.last_failure}")
+            elif member.hung:
+                parts.append(f"the engine at {member.address} is hung ({member.last_failure})")
             else:
                 parts.append(f"the engine at {member.address} has been unreachable for "
                              f"{now - member.down_since:.0f} s: {member.last_failure}")
@@ -364,7 +382,7 @@ class EnginePool(Engine):
                 # engine); one that never answered is a wrong address, reported now (not after give_up_after_s).
                 self._take_out(member, engine, f"publish failed: {describe_error(error)}")
             else:
-                raise error
+                raise _named(error, f"publishing to the engine at {member.address}")
         if not confirmed:
             return self._wait_for_one(policy_version)
         return min(confirmed)

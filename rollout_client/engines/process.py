@@ -100,7 +100,8 @@ class EngineProcess:
     def _start(self, command: list[str], env: Mapping[str, str]) -> subprocess.Popen:
         # O_NOFOLLOW: a link planted at the log's name is refused (ELOOP), never written through
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "ab") as log:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # its own session: a terminal's Ctrl-C reaches the learner alone, which stops the run (and then the engine)
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property
     def pid(self) -> int:

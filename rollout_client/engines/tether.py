@@ -17,6 +17,7 @@ from rollout_client.engines.base import (
     VersionReporting,
     WeightTransport,
 )
+from rollout_client.errors import PolicyVersionError
 from rollout_client.request_guards import PromptLimits, check_request
 from rollout_client.sampling_params import KvCache, LogprobMode, PauseMode
 from rollout_client.shared_weights import SharedWeightsFile
@@ -84,18 +85,18 @@ class TetherEngine(Engine):
         left alone.
 
         Raises:
-          RuntimeError: the server serves a newer version than ``policy_version``, or an external server serves
+          PolicyVersionError: the server serves a newer version than ``policy_version``, or an external server serves
             version 0 as a fresh learner does (its weights cannot be replaced: versions must increase).
         """
         served = self.client.server_info().policy_version
         if served > policy_version:
-            raise RuntimeError(f"the server already serves policy version {served}, newer than the learner's "
-                               f"{policy_version}: restart the server (versions must increase)")
+            raise PolicyVersionError(f"the server already serves policy version {served}, newer than the learner's "
+                                     f"{policy_version}: restart the server (versions must increase)")
         if served == policy_version:
             if self.process is None and policy_version == 0:  # an external server's version 0 is its own weights
-                raise RuntimeError("the external server serves policy version 0, as does the fresh learner, so its "
-                                   "weights cannot be replaced (versions must increase): set warmup.steps > 0 or "
-                                   "model.hf_path, or serve the learner's initial weights")
+                raise PolicyVersionError("the external server serves policy version 0, as does the fresh learner, so "
+                                         "its weights cannot be replaced (versions must increase): set warmup.steps "
+                                         "> 0 or model.hf_path, or serve the learner's initial weights")
             return served  # our launched server from the same seed, or a version we pushed
         if self.shared_weights is not None:
             return self.client.publish_weights(policy_version, path=self.shared_weights.write(weights),

@@ -76,7 +76,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             unfinished = len(sequence_ids)
             while unfinished:
-                spec, output = await outputs.get()
+                try:  # a heartbeat when nothing else was sent for heartbeat_s (rollout.v1: the client hears silence)
+                    spec, output = await asyncio.wait_for(outputs.get(), _heartbeat_interval(request.heartbeat_s))
+                except TimeoutError:
+                    yield pb.GenerateResponse(heartbeat=pb.Heartbeat(paused=self._scheduler.paused))
+                    continue
                 if output.finish_reason is None:
                     yield self.chunk_message(spec, output)
                 else:
@@ -230,3 +234,9 @@ def _dtype(name: str) -> np.dtype:
         return np.dtype(name)
     except TypeError:
         raise ValueError(f"tensor.dtype: unknown dtype {name!r}") from None
+
+
+def _heartbeat_interval(heartbeat_s: float) -> float | None:
+    """How long a Generate stream waits for an output before it sends a heartbeat: None (forever) when the request
+    asked for none; at least 50 ms, so a tiny value cannot flood the stream."""
+    return max(heartbeat_s, 0.05) if heartbeat_s > 0 else None

@@ -707,6 +707,8 @@ def pipeline(cfg, lp, adv, m, proximal, roll, ref=None, entropy=None, policy_lag
     cap = imp["high"] if imp is not None and imp["high"] else 2.0
     metrics.update(weight_stats(bounded, raw, mm, cap, imp["low"] if imp is not None else None,
                                 imp["level"] if imp is not None else "token"))
+    if imp is None:  # no weights configured: none is clipped (the ratios still differ from 1)
+        metrics[P + "tis_clipfrac"] = 0.0
     if imp is not None and imp["batch_normalize"]:
         metrics[P + "rollout_is_batch_norm_factor"] = batch_norm_factor(weights, mm, imp["level"])
         weights = batch_normalize(weights, mm, imp["level"])

@@ -47,3 +47,29 @@ def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
     assert "prefill and decode programs in" in server_log
     print(json.dumps({key: value for key, value in records[0].items() if key.startswith("startup/")}),
           "generate/retries:", [r["generate/retries"] for r in records])
+
+
+@pytest.mark.slow  # 183 s at load 12-16 on the 2-core CPU with an empty compilation cache
+def test_the_cpu_recipe_finishes_three_steps_and_no_step_compiles(tmp_path):
+    """configs/gsm8k_cpu.toml as docs/models.md tells a user to try it (scripts/make_gsm8k_tiny.py's inputs): 3 steps,
+    every update program compiled at start (the first update is announced as running, not compiling), none built
+    after step 1, and a reward of 0 at every step keeps its panel in learning_curves.png."""
+    import make_gsm8k_tiny
+
+    from learner.reporting.plots import DEFAULT_PANELS, learning_curves_figure
+
+    files = make_gsm8k_tiny.main([str(tmp_path / "files")])
+    sets = {"model.hf_path": files["model"], "task.args.path": files["train"], "run_dir": tmp_path / "run"}
+    command = [sys.executable, "-m", "learner.train", "--config", str(REPO_ROOT / "configs" / "gsm8k_cpu.toml")]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={json.dumps(str(value))}"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env={**train_env(), "XLA_FLAGS": ""}, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "compiling the RL update step for lengths 128, 192, 256" in result.stdout
+    assert "running the first RL update (its programs compiled at start) ..." in result.stdout
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["compile/programs"] == records[2]["compile/programs"]  # no program built after step 1
+    titles = [axes.get_title() for axes in learning_curves_figure(records, DEFAULT_PANELS).axes]
+    assert titles[0] == "reward"

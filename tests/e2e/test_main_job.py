@@ -80,6 +80,9 @@ def check_run(run_dir: pathlib.Path, steps: int, *overrides: str) -> list[dict]:
         assert 0.0 <= record["rollout_corr/staleness_mean"] <= 1.0
         if "rollout.partial=true" not in overrides:  # a publish waits for the samples in flight: one version each
             assert (record["rollout/partial_fraction"], record["rollout/versions_per_sample_max"]) == (0.0, 1.0)
+    # the publish canary (canary.every = 50) verified the start's and step 1's publishes: float32 on both sides
+    assert max(records[0]["canary/start_mean_abs_diff"], records[0]["canary/mean_abs_diff"]) < 1e-5
+    assert all("canary/mean_abs_diff" not in record for record in records[1:])
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "learning_curves.png").stat().st_size > 10_000
 
@@ -115,7 +118,8 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     assert all(line in lines for line in announced), stdout[:3000]
     assert [lines.index(line) for line in announced] == sorted(lines.index(line) for line in announced)
     assert re.search(r"^start-up: [\d.]+ s to the end of the first step: train state [\d.]+ s, warm-up [\d.]+ s, "
-                     r"engine start [\d.]+ s, first rollouts [\d.]+ s, first update [\d.]+ s, other -?[\d.]+ s$",
+                     r"engine start [\d.]+ s, publish canary [\d.]+ s, first rollouts [\d.]+ s, first update [\d.]+ s, "
+                     r"other -?[\d.]+ s$",
                      stdout, re.MULTILINE), stdout[:3000]
     # The warm-up's bar and the RL bar (a line per step at most every 5 s off a terminal: the first and last at least)
     assert re.search(r"^warm-up \[#+\] 2/2 loss \d+\.\d{3} [\d.]+ step/s$", stderr, re.MULTILINE), stderr[-3000:]
@@ -127,7 +131,8 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     records = read_metrics(run_dir / "metrics.jsonl")
     phases = [value for key, value in records[0].items() if key.startswith("startup/") and key.endswith("_s")
               and key not in ("startup/total_s", "startup/compile_s")]  # the phases and "other"
-    assert {"startup/engine_start_s", "startup/warmup_s", "startup/first_update_s"} <= set(records[0])
+    assert {"startup/engine_start_s", "startup/warmup_s", "startup/publish_canary_s",
+            "startup/first_update_s"} <= set(records[0])
     assert abs(sum(phases) - records[0]["startup/total_s"]) < 1e-3 * records[0]["startup/total_s"] + 1e-3
     assert records[0]["startup/compiled_programs"] > 0 and "startup/total_s" not in records[1]
     # Every program is built by the end of step 2: the server's before it served, the learner's in steps 1-2.

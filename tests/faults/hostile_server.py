@@ -7,10 +7,11 @@ from ``--vocab-size``, as a server for a larger model would.
 Run as ``python -m tests.faults.hostile_server [server args]``.
 """
 
+import grpc
 import numpy as np
 
 from rollout_client.packed_arrays import LOGPROB_DTYPE, TOKEN_ID_DTYPE
-from rollout_client.protocol import pb
+from rollout_client.protocol import MAX_MESSAGE_BYTES, pb
 from rollout_client.server.__main__ import add_scripted_arguments, scripted_engine
 from rollout_client.server.cli import run, server_parser
 from rollout_client.server.service import RolloutServicer
@@ -85,6 +86,11 @@ FAULTS = {
     "too_long": _one_token_more,
     "out_of_learner_vocab": _set_token(OUT_OF_LEARNER_VOCAB),
     "duplicate": None,  # Sample 0's final message is sent twice, the second with other tokens.
+    # Faults of the reply (issue #49): the samples of the call are dropped, the run goes on.
+    "missing_final": None,  # Sample 0's final message is never sent; the stream ends normally.
+    "unknown_index": None,  # Sample 0's final message comes as sample_index 1000.
+    "oversize": None,  # Sample 0's final message is over gRPC's size limit: the call ends RESOURCE_EXHAUSTED.
+    "internal": None,  # The call ends with status INTERNAL before any message.
 }
 
 
@@ -93,8 +99,18 @@ class HostileServicer(RolloutServicer):
 
     async def Generate(self, request, context):
         fault = request.request_id.split("/")[0]
+        if fault == "internal":
+            await context.abort(grpc.StatusCode.INTERNAL, "tests.faults.hostile_server: internal")
         async for message in super().Generate(request, context):
             if not (message.HasField("final") and message.sample_index == 0 and fault in FAULTS):
+                yield message
+            elif fault == "missing_final":
+                continue
+            elif fault == "unknown_index":
+                message.sample_index = 1000
+                yield message
+            elif fault == "oversize":
+                message.final.sampling.stop_strings.append("x" * MAX_MESSAGE_BYTES)
                 yield message
             elif fault == "duplicate":
                 yield message

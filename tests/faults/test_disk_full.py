@@ -58,3 +58,41 @@ def test_orbax_logs_of_a_full_disk_are_dropped_and_others_kept():
     assert not DiskFullLogFilter().filter(log.makeRecord(log.name, logging.ERROR, __file__, 1,
                                                          f"_SignalingThread.run() raised: {TENSORSTORE}", (), None))
     assert DiskFullLogFilter().filter(log.makeRecord(log.name, logging.ERROR, __file__, 1, "other", (), None))
+
+
+_UNRETRIEVED = """
+import asyncio, gc, sys
+from learner.reporting.disk_full import quiet_disk_full_logs
+from tests.faults.test_disk_full import TENSORSTORE
+if sys.argv[1] == "quiet":
+    quiet_disk_full_logs()
+
+async def write():
+    raise ValueError(TENSORSTORE)
+
+async def save():
+    for _ in range(3):  # orbax's pending writes: tasks whose exception nobody retrieves once the save failed
+        asyncio.get_running_loop().create_task(write())
+    await asyncio.sleep(0.1)
+
+asyncio.run(save())
+gc.collect()
+"""
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_tasks_failing_on_a_full_disk_log_nothing_after_the_error_line(quiet):
+    """Issue #49: the disk-full line was followed by 24 "Task exception was never retrieved" tracebacks from orbax's
+    writers (asyncio logs each such task when it is collected); the CLI's filter drops them (a real subprocess)."""
+    import subprocess
+    import sys
+
+    from tests.e2e.test_main_job import REPO_ROOT, train_env
+
+    done = subprocess.run([sys.executable, "-c", _UNRETRIEVED, "quiet" if quiet else "loud"], cwd=REPO_ROOT,
+                          env=train_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if quiet:
+        assert done.stderr == ""
+    else:  # the control: without the filter, each task logs its traceback
+        assert done.stderr.count("Task exception was never retrieved") == 3

@@ -1,6 +1,7 @@
 """Bad input to ``python -m learner.train``: one ``error:`` line on stderr naming the key (or file) and the fix, exit
 1, never a traceback; each found before anything trains (a real subprocess per case)."""
 
+import re
 import subprocess
 import sys
 
@@ -26,9 +27,12 @@ CASES = {
 }
 
 
-def error_line(command, cwd=REPO_ROOT) -> str:
-    """Runs ``command``; asserts exit 1 with exactly one ``error:`` line and no traceback; returns the line."""
+def error_line(command, cwd=REPO_ROOT, stdout: list | None = None) -> str:
+    """Runs ``command``; asserts exit 1 with exactly one ``error:`` line and no traceback; returns the line (and
+    appends what it printed on stdout to ``stdout``)."""
     result = subprocess.run(command, cwd=cwd, env=train_env(), capture_output=True, text=True, timeout=240)
+    if stdout is not None:
+        stdout.append(result.stdout)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -70,7 +74,8 @@ def test_a_resume_with_another_model_is_refused_listing_every_changed_key(tmp_pa
 
 @pytest.mark.slow  # a real run up to step 1
 def test_ctrl_c_mid_run_is_one_line_and_exit_130(tmp_path):
-    """SIGINT (Ctrl-C) while training: exit 130 with one line, no traceback (matplotlib's, or any other)."""
+    """SIGINT (Ctrl-C) while training: exit 130 with one line naming the checkpoint saved, no traceback (matplotlib's,
+    or any other)."""
     import signal
     import time
 
@@ -92,4 +97,5 @@ def test_ctrl_c_mid_run_is_one_line_and_exit_130(tmp_path):
         process.wait()
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert "interrupted: rerun the same command to resume from the latest checkpoint" in stderr
+    assert re.search(r"^interrupted \(SIGINT\): checkpoint (\d+) saved and verified; rerun the same command to resume "
+                     r"from step \1$", stderr, re.MULTILINE), stderr[-3000:]

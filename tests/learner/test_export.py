@@ -26,7 +26,7 @@ from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
 from learner.checkpoints.safetensors_io import load_safetensors, write_safetensors
 from learner.export import export_run, main, read_checkpoint_params
-from learner.model.lora import LoraConfig, LoRAParam
+from learner.model.lora import LoraConfig, LoRAParam, base_identity
 from learner.model.param_paths import named_leaves, update_named
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 from learner.rl.config import load_config, to_dict
@@ -287,7 +287,8 @@ def lora_run(tmp_path, tokenizer):
     run_config = to_dict(load_config(None, ["model.hf_path='base'", "model.lora.rank=4", "model.lora.alpha=8.0"]))
     with Checkpointer(CheckpointConfig(str(tmp_path / "run" / "checkpoints"), async_save=False)) as saver:
         saver.save(2, create_train_state(model, optax.adam(1e-3)), policy_version=2, config=run_config,
-                   data_iterator=DataPosition({"epoch": 0, "index": 8}))
+                   data_iterator=DataPosition({"epoch": 0, "index": 8}),
+                   extra_metadata={"lora_base": base_identity(str(base), "tiny", 0)})
     return tmp_path, base, model
 
 
@@ -306,7 +307,7 @@ def test_exports_load_from_anywhere_are_0644_and_log_no_warning(lora_run, caplog
         with caplog.at_level("WARNING"):
             main(["run", "peft"])
             main(["run", "merged", "--merged"])
-            main(["run", "named", "--base-model", "Qwen/Qwen2.5-0.5B"])
+            main(["run", "named", "--base-model", "Qwen/Qwen2.5-0.5B", "--allow-other-base"])
     finally:
         os.umask(umask)
     assert [record.getMessage() for record in caplog.records if record.levelname != "INFO"] == []
@@ -349,3 +350,42 @@ def test_peft_loads_the_adapter_from_another_working_directory(lora_run, monkeyp
     with torch.no_grad():
         ids = torch.tensor(TOKENS[None].astype(np.int64))
         np.testing.assert_allclose(adapted(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
+
+
+def _named_model_run(tmp_path, *overrides):
+    """A run directory of the default config's named model (no model.hf_path) holding checkpoint 3."""
+    run_dir = tmp_path / "run"
+    run_config = load_config(REPO_ROOT_CONFIG, [f"run_dir={json.dumps(str(run_dir))}", *overrides])
+    model = Transformer(model_config(run_config.model.name), rngs=nnx.Rngs(0))
+    with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"), async_save=False)) as saver:
+        saver.save(3, create_train_state(model, optax.adam(1e-3)), policy_version=3, config=to_dict(run_config))
+    return run_dir, run_config
+
+
+REPO_ROOT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "default.toml"
+
+
+def test_the_default_runs_export_round_trips_its_tasks_tokenizer_in_transformers(tmp_path):
+    """The README's run has no model.hf_path: the export writes its task's tokenizer (ids, eos), and transformers'
+    AutoTokenizer reads a prompt of the task to the ids the run trained on, and back."""
+    from learner.tasks import load_task
+
+    transformers = importlib.import_module("transformers")
+    run_dir, run_config = _named_model_run(tmp_path)
+    main([str(run_dir), str(tmp_path / "out")])
+    task = load_task(run_config.task.name, run_config.task.args)
+    prompt_ids = task.prompts()[0]["prompt_ids"]  # bos, the question, the separator
+    text = task.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert loaded.encode(text, add_special_tokens=False) == task.tokenizer.encode(text).tolist()
+    assert loaded.decode(prompt_ids.tolist()) == "<bos>" + text + "<sep>"
+    assert loaded.eos_token_id == task.tokenizer.eos_id
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == task.tokenizer.eos_id
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_an_export_whose_task_does_not_load_is_one_error_line(tmp_path, capsys):
+    run_dir, _ = _named_model_run(tmp_path, 'task.name="no_such_module:task"')
+    with pytest.raises(SystemExit, match=r"^error: the run's task 'no_such_module:task' does not load here "):
+        main([str(run_dir), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

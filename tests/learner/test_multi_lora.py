@@ -24,7 +24,15 @@ from corrections._config import REDUCTIONS
 from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer, restore_target
 from learner.checkpoints.peft_export import peft_tensors
 from learner.export import export_run, main
-from learner.model.lora import LoRA, LoraConfig, LoRAParam, StackedLoRAParam, merge_adapters, select_adapters
+from learner.model.lora import (
+    LoRA,
+    LoraConfig,
+    LoRAParam,
+    StackedLoRAParam,
+    base_identity,
+    merge_adapters,
+    select_adapters,
+)
 from learner.model.param_paths import named_leaves
 from learner.model.sharding import make_mesh, state_shardings
 from learner.model.transformer import Projection, Transformer, model_config
@@ -302,7 +310,8 @@ def test_stacked_checkpoint_restores_on_another_mesh_and_exports_one_peft_adapte
     run_config["model"]["lora"]["adapters"] = list(NAMES)  # what a library run of two adapters records
     run_dir = tmp_path / "run"
     with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"), async_save=False)) as checkpointer:
-        checkpointer.save(3, state, policy_version=3, config=run_config)
+        checkpointer.save(3, state, policy_version=3, config=run_config, extra_metadata={
+            "lora_base": base_identity(None, run_config["model"]["name"], run_config["loop"]["seed"])})
         mesh = make_mesh(1, 2, 4)
         restored = checkpointer.restore(restore_target(state, train_state_shardings(state, optimizer, mesh))).state
     leaves = jax.tree.leaves(restored.params, is_leaf=lambda x: isinstance(x, nnx.Variable))

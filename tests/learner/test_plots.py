@@ -63,6 +63,15 @@ def test_panels_that_are_zero_at_every_step_are_left_out_and_multi_turn_is_drawn
     assert matplotlib.image.imread(png).shape == (3.5 * 50, 2 * 5 * 50, 4)  # 2 panels: one row of two
 
 
+def test_a_reward_of_zero_at_every_step_keeps_its_panel():
+    """A reward of 0 throughout is a result (a random checkpoint on GSM8K), not a metric never logged."""
+    records = [{"step": step, "reward/mean": 0.0, "rollout_corr/rollout_rs_masked_fraction": 0.0,
+                "eval/reward_mean": 0.0} for step in range(1, 4)]
+    panels = (("reward", ("reward/mean",)), ("rejection fraction", ("rollout_corr/rollout_rs_masked_fraction",)),
+              ("validation", ("eval/reward_mean",)))
+    assert [axes.get_title() for axes in learning_curves_figure(records, panels).axes] == ["reward", "validation"]
+
+
 def test_one_spike_does_not_flatten_the_mismatch_panel(tmp_path):
     """chi2 ~2e-3 for 100 steps and 40.0 at one: the panel's range is that of the other values (the spike is
     marked on its edge and counted in the legend); a smooth series keeps matplotlib's own range."""

@@ -3,6 +3,7 @@
 import io
 import re
 import threading
+import time
 
 from learner.reporting.progress import WARMUP_FIELDS, ProgressBar, Waiting
 
@@ -77,3 +78,19 @@ def test_a_wait_on_a_terminal_ends_its_line_with_the_time_waited_and_a_disabled_
     with Waiting("building the train state", stream=quiet, enabled=False):
         pass
     assert quiet.getvalue() == ""
+
+
+def test_a_quiet_wait_is_announced_only_once_it_lasts():
+    """A later step's phase (``quiet_s``): silent when short, announced and reminded when long."""
+    short = Stream(tty=False)
+    with Waiting("step 7: running the RL update", stream=short, quiet_s=60.0):
+        pass
+    assert short.getvalue() == ""
+    long = Stream(tty=False)
+    waiting = Waiting("step 7: running the RL update", stream=long, quiet_s=0.01, remind_s=0.01).start()
+    while "still waiting" not in long.getvalue():
+        time.sleep(0.01)
+    waiting.stop()
+    lines = long.getvalue().splitlines()
+    assert lines[0] == "step 7: running the RL update ..."
+    assert re.fullmatch(r"step 7: running the RL update: still waiting \(\d+ s\)", lines[1])

@@ -20,6 +20,10 @@ deadlines, validation drops and `Sample` assembly apply to these engines unchang
   request aborted by `Abort` is not continued.
 - A stream that ends without the engine's final message (aborted, or the engine stopping) is an ABORT sample with
   the tokens received; the client keeps it if it asked for the abort, and drops and counts it otherwise.
+- Heartbeats (rollout.v1's ``heartbeat_s``): while a call waits for its samples, a heartbeat every ``heartbeat_s``
+  as long as the engine makes progress (a message of any of its streams since the last heartbeat), admission is
+  held (a publish), or the engine has streamed nothing yet (it may compile its programs on first use): an engine
+  that hangs once it has served stays silent, and the client takes its silence for a hang.
 - A failed call to a launched engine first asks ``check_alive``, which raises a clear error if the engine's process
   died (address, log, exit code) instead of retrying a dead server.
 """
@@ -123,6 +127,7 @@ class SmgStub:
         self.policy_version = 0  # the version the engine serves; stamped on the tokens of requests admitted now
         self.model_info = None  # the engine's GetModelInfoResponse, once fetched
         self.engine_calls = 0  # Generate calls sent to the engine
+        self.progress = 0  # messages received on the engine's Generate streams: a heartbeat's evidence of progress
         self._admission = asyncio.Event()
         self._admission.set()
         self._in_flight: dict[str, set[str]] = {}  # rollout.v1 request id -> its engine request ids now running
@@ -204,7 +209,9 @@ class _FanOut:
 
     async def __aiter__(self):
         stub, request = self._stub, self._request
-        await stub._admission.wait()
+        async for item in self._waiting(stub._admission.wait()):
+            if not isinstance(item, _Done):
+                yield item
         if stub.model_info is None:
             await stub.GetServerInfo(pb.GetServerInfoRequest(), self._timeout, self._metadata)
         prompt = np.frombuffer(request.prompt_token_ids, TOKEN_ID_DTYPE).tolist()
@@ -215,7 +222,10 @@ class _FanOut:
                        for group in groups]
         try:
             for _ in self._indices:
-                message = await finals.get()
+                async for item in self._waiting(finals.get()):
+                    if not isinstance(item, _Done):
+                        yield item
+                message = item.value
                 if message is not None:  # None: that engine request failed; the others' samples come first
                     yield message
             failures = [result for result in await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -224,6 +234,22 @@ class _FanOut:
                 raise min(failures, key=lambda error: isinstance(error, grpc.aio.AioRpcError))
         finally:
             self.cancel()
+
+    async def _waiting(self, awaitable):
+        """Awaits ``awaitable``, meanwhile yielding a heartbeat every ``heartbeat_s`` (none when 0) while the engine
+        makes progress, admission is held, or the engine has streamed nothing yet (it may compile on first use);
+        then yields ``_Done(result)``."""
+        stub, task = self._stub, asyncio.ensure_future(awaitable)
+        interval = max(self._request.heartbeat_s, 0.05) if self._request.heartbeat_s > 0 else None
+        seen = stub.progress
+        try:
+            while not (await asyncio.wait({task}, timeout=interval))[0]:
+                if stub.progress != seen or not stub._admission.is_set() or not stub.progress:
+                    seen = stub.progress
+                    yield pb.GenerateResponse(heartbeat=pb.Heartbeat(paused=not stub._admission.is_set()))
+        finally:
+            task.cancel()
+        yield _Done(task.result())
 
     async def _sample(self, indices: list[int], prompt: list[int], version: int, finals: asyncio.Queue) -> None:
         """One engine request for ``indices`` (and one more per sample a publish interrupted, with
@@ -267,6 +293,7 @@ class _FanOut:
                 message.lora_id = stub.dialect.adapter_id(version)
             call = stub.engine.Generate(message, timeout=self._timeout, metadata=self._metadata)
             async for response in call:
+                stub.progress += 1
                 kind = response.WhichOneof("response")
                 part = getattr(response, kind)
                 if part.index >= len(states):
@@ -324,6 +351,13 @@ class _FanOut:
             finish_reason=finish, prompt_tokens=prompt_tokens, completion_tokens=count,
             timings=pb.Timings(queue_s=0.0, generate_s=elapsed),
             sampling=echoed_sampling(self._request.sampling, sent)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    """What `_FanOut._waiting` awaited, once done."""
+
+    value: object
 
 
 class SmgHealth:

@@ -45,6 +45,8 @@ from learner.rl.config import (
     ("loop.steps=1.5", "loop.steps=1.5: expected int"),
     ("loop.checkpoint_every=2", "loop.checkpoint_every: unknown field;"),
     ("corrections.preset='nope'", "corrections.preset='nope': not one of corrections.PRESETS"),
+    ("corrections.preset='decoupled_geo_rs_tokn_tis'", "corrections.preset='decoupled_geo_rs_tokn_tis': not one of "
+     "corrections.PRESETS; did you mean 'decoupled_geo_rs_token_tis'"),
     ("corrections.overrides={clip=3}", "corrections.overrides:"),
 ])
 def test_each_error_names_the_key_the_user_wrote(override, message):

@@ -162,7 +162,14 @@ def test_run_from_a_verl_launch_script(tmp_path):
     assert "actor_rollout_ref.actor.kl_loss_coef\t0.02\tcorrections.kl_coef" in table
     assert "actor_rollout_ref.actor.ppo_epochs\t1 (verl's default: not in the file)\tupdate.ppo_epochs" in table
     assert re.search(rf"\| corrections +\| from_verl={re.escape(str(path))} ", stdout)  # the summary, not the preset
+    # the loss it built, each value with its source: the file's key, verl's default, or from_verl's own
+    assert "objective.clip_high\t0.28\tactor_rollout_ref.actor.clip_ratio_high\n" in table
+    assert ("objective.clip_low\t0.2\tverl's default (actor_rollout_ref.actor.clip_ratio, "
+            "actor_rollout_ref.actor.clip_ratio_low: not in the file)\n") in table
+    assert "objective.dual_clip\t3.0\tverl's default (actor_rollout_ref.actor.clip_ratio_c: not in the file)" in table
+    assert "denominator\t'kept'\tfrom_verl's value (no verl key sets it)" in table
     (record,) = read_metrics(run_dir / "metrics.jsonl")
+    assert record["rollout_corr/tis_clipfrac"] == 0.0  # no truncated IS configured
     assert record["rollout/samples"] == 16 and 1 <= record["rollout/completion_tokens_mean"] <= 2
     with Checkpointer(CheckpointConfig(str(run_dir / "checkpoints"))) as checkpointer:
         assert checkpointer.latest_step() == 1
@@ -200,6 +207,29 @@ data.max_response_length: 4
 
 
 @pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning", "ignore::corrections.TrainingKeysWarning")
+def test_the_loss_table_names_each_fields_source_and_a_mini_batch_not_applied_says_why(tmp_path):
+    """Every CorrectionConfig field gets one row: an override, the file's key, verl's default, from_verl's own."""
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\n  actor:\n    ppo_mini_batch_size: 3\n"
+                    "    clip_ratio_high: 0.28\ndata:\n  train_batch_size: 4\n")
+    config = load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(str(path))}",
+                                          "corrections.overrides={entropy_coef=0.01}"])
+    table = framework_config.loss_table(config.corrections).splitlines()
+    fields = [line.split("\t")[0] for line in table[2:]]
+    assert fields == list(framework_config._flat(corrections.config_to_dict(correction_config(config))))
+    rows_by_field = {line.split("\t")[0]: line.split("\t")[1:] for line in table[2:]}
+    assert rows_by_field["objective.clip_high"] == ["0.28", "actor_rollout_ref.actor.clip_ratio_high"]
+    assert rows_by_field["entropy_coef"] == ["0.01", "corrections.overrides (the run config)"]
+    assert rows_by_field["importance"][0] == "none" and rows_by_field["importance"][1].startswith("verl's default (")
+    mini_batch = rows(framework_config.migrate("verl", str(path)))["actor_rollout_ref.actor.ppo_mini_batch_size"]
+    assert mini_batch[1] == ("not applied: data.train_batch_size = 4 is not a multiple of it, so it gives no whole "
+                             "number of mini-batches; update.num_minibatches keeps the run config's value (set it)")
+    framework_config.report(config.corrections, tmp_path, config)
+    written = (tmp_path / framework_config.MAPPING_FILE).read_text()
+    assert ("# actor_rollout_ref.actor.ppo_mini_batch_size not applied: the run uses update.num_minibatches = "
+            f"{config.update.num_minibatches}\n") in written
+
+
 def test_dotted_keys_mean_the_nested_keys_everywhere(tmp_path):
     """A YAML of dotted keys (as Hydra's command line writes them) gives the run mapping, the loss and the table of
     the nested YAML: n, the learning rate, the batch and mini-batches were dropped, and every key listed "not used"

@@ -5,6 +5,7 @@ import types
 
 import numpy as np
 
+from learner.reporting.progress import StartupTimes
 from learner.rl import AgreementHook, CheckpointHook, MetricsHook, StepRecord, SummaryHook, default_hooks, load_config
 from learner.update.batch import TrainBatch
 
@@ -15,7 +16,7 @@ def _run(tmp_path, steps=5, start_step=0, restored_from=None):
                                 start_step=start_step, step=start_step, process_index=0, saved=saved,
                                 save_checkpoint=saved.append,
                                 checkpointer=types.SimpleNamespace(latest_step=lambda: restored_from),
-                                trainer=types.SimpleNamespace(policy_version=7))
+                                trainer=types.SimpleNamespace(policy_version=7), startup_times=StartupTimes())
     return run
 
 
@@ -69,7 +70,8 @@ def test_summary_and_agreement_at_the_end(tmp_path, capsys):
             hook.on_step(run, record)
         hook.on_end(run)
     table = capsys.readouterr().out
-    assert "| reward (first 20 -> last 20 steps)   | 0.583 -> 0.583" in table
+    assert "| reward (first step -> last step)     | 0.250 -> 1.000" in table  # 3 steps: not "first 20"
+    assert "| wall time (start-up included)" in table
     assert "| samples trained on (mean, min share) | 0.75, 0.50" in table
     assert "| steps/s (RL loop)                    | 2.00" in table
     assert "| eval/pass@1 (step 2)                 | 0.500" in table  # the last evaluation

@@ -314,11 +314,11 @@ def _raises_on_empty(completion, prompt, row):
 def test_check_callable_finds_a_wrong_signature_or_a_none_before_training():
     from learner.rl.preflight import ConfigError, probe_rewards
 
-    assert RewardSet([Reward("ok", _parsed)]).check_callable("1", "p", {}) is None
-    assert RewardSet([Reward("empty", _raises_on_empty)]).check_callable("", "p", {}) is None  # may depend on it
-    problem = RewardSet([Reward("ok", _parsed), Reward("two", _two_args)]).check_callable("1", "p", {})
+    assert RewardSet([Reward("ok", _parsed)]).check_callable(["1"], ["p"], [{}]) is None
+    assert RewardSet([Reward("empty", _raises_on_empty)]).check_callable([""], ["p"], [{}]) is None  # may depend on it
+    problem = RewardSet([Reward("ok", _parsed), Reward("two", _two_args)]).check_callable(["1"], ["p"], [{}])
     assert problem.startswith("reward 'two': TypeError: ") and "positional argument" in problem
-    assert (RewardSet([Reward("none", _none)]).check_callable("", "p", {})
+    assert (RewardSet([Reward("none", _none)]).check_callable([""], ["p"], [{}])
             == "reward 'none': NotANumberError: returned None, not a finite number")
 
     class Task:

@@ -24,6 +24,7 @@ import json
 import pathlib
 import shutil
 import threading
+import time
 import urllib.parse
 
 import grpc
@@ -52,6 +53,7 @@ class FakeEngine:
     offset: int = 0  # the loaded weights (from WEIGHTS_FILE)
     weight_version: str = "default"
     hold_after: int | None = None  # a request stops after this many tokens until it is aborted
+    step_delay_s: float = 0.0  # each token takes this long (a slow engine)
     fail: dict = dataclasses.field(default_factory=dict)  # HTTP path -> (status, body) to answer instead;
     #   "ListLoadedLoRAAdapters" -> True: that RPC lists nothing (a faulty engine)
     legacy_version_endpoint: bool = False  # SGLang: 404 on /model_info, answer /get_weight_version
@@ -96,6 +98,7 @@ class FakeEngine:
                     if aborted.is_set():
                         finish = "abort"
                         break
+                    time.sleep(self.step_delay_s)
                     sampled = token(sum(prompt), step, index, self.offset)
                     yield index, sampled, logprob(step, index)
                     if sampled in stops:
@@ -409,8 +412,9 @@ class FakeServers:
     def reset(self) -> FakeEngine:
         """A fresh engine state for the next test (same servers)."""
         fresh = FakeEngine()
-        for name in ("offset", "weight_version", "hold_after", "fail", "legacy_version_endpoint", "generate_requests",
-                     "abort_requests", "http_calls", "lora_adapters", "lora_ids", "lora_rpcs", "lora_calls"):
+        for name in ("offset", "weight_version", "hold_after", "step_delay_s", "fail", "legacy_version_endpoint",
+                     "generate_requests", "abort_requests", "http_calls", "lora_adapters", "lora_ids", "lora_rpcs",
+                     "lora_calls"):
             setattr(self.engine, name, getattr(fresh, name))
         self.engine.resumed.set()
         self.engine.holding.clear()

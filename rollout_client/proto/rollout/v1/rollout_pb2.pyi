@@ -83,7 +83,7 @@ class TokenIdList(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_samples", "sample_indices", "logprob_mode", "min_policy_version", "stream_chunk_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "num_samples", "sample_indices", "logprob_mode", "min_policy_version", "stream_chunk_tokens", "heartbeat_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class GenerateRequest(_message.Message):
     LOGPROB_MODE_FIELD_NUMBER: _ClassVar[int]
     MIN_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     STREAM_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: bytes
     sampling: SamplingParams
@@ -100,7 +101,8 @@ class GenerateRequest(_message.Message):
     logprob_mode: LogprobMode
     min_policy_version: int
     stream_chunk_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., logprob_mode: _Optional[_Union[LogprobMode, str]] = ..., min_policy_version: _Optional[int] = ..., stream_chunk_tokens: _Optional[int] = ...) -> None: ...
+    heartbeat_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., sample_indices: _Optional[_Iterable[int]] = ..., logprob_mode: _Optional[_Union[LogprobMode, str]] = ..., min_policy_version: _Optional[int] = ..., stream_chunk_tokens: _Optional[int] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("start", "end", "policy_version")
@@ -151,14 +153,22 @@ class SampleResult(_message.Message):
     def __init__(self, token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("sample_index", "chunk", "final")
+    __slots__ = ("sample_index", "chunk", "final", "heartbeat")
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     sample_index: int
     chunk: SampleChunk
     final: SampleResult
-    def __init__(self, sample_index: _Optional[int] = ..., chunk: _Optional[_Union[SampleChunk, _Mapping]] = ..., final: _Optional[_Union[SampleResult, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, sample_index: _Optional[int] = ..., chunk: _Optional[_Union[SampleChunk, _Mapping]] = ..., final: _Optional[_Union[SampleResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    def __init__(self, paused: _Optional[bool] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

@@ -78,7 +78,8 @@ class RolloutServiceServicer:
         """Generates num_samples completions of one prompt. Each sample ends with exactly
         one message carrying `final`; with stream_chunk_tokens set, `chunk` messages may
         precede it. A sample's completion is the concatenation of its chunks and its final
-        message, in order.
+        message, in order. With heartbeat_s set, `heartbeat` messages (sample_index 0)
+        tell the client the server is alive while nothing else is sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
