@@ -33,9 +33,11 @@ def die_with_parent(parent_pid: int, signal_number: int = signal.SIGKILL) -> Non
 
 
 def kill_group_on_exit() -> None:
-    """Makes this process a process group leader and forks a watcher that SIGKILLs the group when it exits."""
-    os.setpgid(0, 0)
+    """Makes this process a process group leader (unless it is one: `EngineProcess` starts it in its own session)
+    and forks a watcher that SIGKILLs the group when it exits."""
     leader = os.getpid()
+    if os.getpgrp() != leader:
+        os.setpgid(0, 0)
     if os.fork() != 0:
         return
     # The watcher: woken by SIGTERM when the leader exits (or at once if it already has), kills what is left.
