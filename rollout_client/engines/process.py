@@ -31,10 +31,12 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
-from rollout_client.engines import child as child_module
 from rollout_client.errors import RolloutUnavailableError
 
 _LOG_TAIL_CHARS = 3000
+# rollout_client/engines/child.py by its path, not imported: run with ``-m`` after an import of it, runpy warns in the
+# server's log (its first line, which launched servers may use to report).
+_CHILD_FILE = pathlib.Path(__file__).with_name("child.py")
 
 
 class EngineExitedError(RolloutUnavailableError, RuntimeError):
@@ -80,7 +82,7 @@ class EngineProcess:
         self.address = f"127.0.0.1:{port}" if port is not None else "127.0.0.1 (port not yet bound)"
         environment = {**os.environ, **(env or {})}
         runner = ([sys.executable, "-m", "rollout_client.engines.child"] if python is None
-                  else [os.fspath(python), child_module.__file__])
+                  else [os.fspath(python), os.fspath(_CHILD_FILE)])
         child = [*runner, str(os.getpid()), *(["--group"] if group else []), module, *args, "--host", "127.0.0.1"]
         if port is not None:
             self._process = self._start([*child, "--port", str(port)], environment)
