@@ -296,9 +296,10 @@ class SummaryHook(Hook):
             ("samples/s (RL loop)", f"{np.mean([self.history[s]['perf/samples_per_s'] for s in steps]):.1f}"),
             ("run directory", str(config.run_dir)),
         ]
-        if evaluated:
+        if evaluated:  # the last evaluation; its fault counters (dropped, skipped samples) only where not 0
             rows += [(f"{key} (step {evaluated[-1]})", f"{value:.3f}")
-                     for key, value in sorted(self.history[evaluated[-1]].items()) if key.startswith("eval/")]
+                     for key, value in sorted(self.history[evaluated[-1]].items())
+                     if key.startswith("eval/") and (value or not key.endswith("_samples"))]
         print(summary_table(rows), flush=True)
 
 

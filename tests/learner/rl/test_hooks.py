@@ -66,7 +66,7 @@ def test_summary_and_agreement_at_the_end(tmp_path, capsys):
             record = _record(step, reward)
             record.metrics["rollout/kept_fraction"] = 0.5 if step == 2 else 0.875
             if step == 2:
-                record.metrics["eval/pass@1"] = 0.5
+                record.metrics.update({"eval/pass@1": 0.5, "eval/dropped_samples": 0.0, "eval/skipped_samples": 3.0})
             hook.on_step(run, record)
         hook.on_end(run)
     table = capsys.readouterr().out
@@ -75,6 +75,7 @@ def test_summary_and_agreement_at_the_end(tmp_path, capsys):
     assert "| samples trained on (mean, min share) | 0.75, 0.50" in table
     assert "| steps/s (RL loop)                    | 2.00" in table
     assert "| eval/pass@1 (step 2)                 | 0.500" in table  # the last evaluation
+    assert "eval/skipped_samples (step 2)" in table and "eval/dropped_samples" not in table  # counters where not 0
     record = json.loads((tmp_path / "process_0.json").read_text())
     assert (record["steps"], record["reward_mean"], record["policy_version"]) == ([1, 2, 3], [0.25, 0.5, 1.0], 7)
 
