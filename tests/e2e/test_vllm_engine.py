@@ -131,14 +131,25 @@ def test_a_synchronous_run_of_the_tied_model_matches_the_learner_also_after_vllm
 
 def test_partial_rollouts_on_vllm_continue_interrupted_samples_under_the_new_version(files, tmp_path):
     """``rollout.partial``: a publish aborts the samples vLLM is generating and the client continues each from its
-    exact token ids; samples span two versions, each token stamped, and every token's logprob is its version's."""
+    exact token ids; samples span two versions, each token stamped, and every token's logprob is its version's.
+
+    A publish meets running samples only while the run is rollout-bound: the buffer submits the next groups as it takes
+    the step's, so they are still generating at the publish only when the engine needs longer for them than the
+    learner's update. On this CPU the tiny model's vLLM is faster than the learner (16 x 8 samples of ~35 tokens at
+    vLLM's 128 sequences: ~2 s of generation within a ~2.5 s update; 12 steps without a continuation, where the same
+    run met a publish ~2 steps in 10 before), so meeting one was timing, not the loop. ``server.max_batch_size = 1``
+    (vLLM's ``--max-num-seqs``) generates the step's 128 samples one at a time (~9 s) against a one-epoch,
+    one-mini-batch update (~1.5-8 s on the loaded 2-core CPU): a publish meets samples running or queued within a few
+    steps (measured in two runs: steps 5 and 3, partial fraction 0.008, 105 and 132 continuations).
+    """
     steps = 12  # at most: the run stops at the first step with samples of two versions
     run_dir = tmp_path / "run"
-    # No warm-up: the random model rarely stops, so samples run to max_new_tokens, across publishes (whether a publish
-    # comes while samples run is timing: ~2 steps in 10 measured). It earns no reward either: the entropy bonus makes
-    # every update change the weights, so that versions differ.
+    # No warm-up: the random model's samples run long (~35 of 64 tokens on average), across publishes. It earns no
+    # reward either: the entropy bonus makes every update change the weights, so that versions differ.
     config = load_config(CONFIG, _overrides(files, run_dir, f"loop.steps={steps}", "warmup.steps=0",
                                             "rollout.prompts_per_step=16", "rollout.num_samples=8",
+                                            "server.max_batch_size=1", "update.num_minibatches=1",
+                                            "update.ppo_epochs=1",
                                             "rollout.max_staleness=1", "rollout.partial=true",
                                             "rollout.max_new_tokens=64", "checkpoints.every=1",
                                             f"checkpoints.keep_last={steps + 1}", "optimizer.learning_rate=1e-2",
