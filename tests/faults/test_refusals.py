@@ -132,6 +132,7 @@ def _checkpoint(run_dir, *overrides, lora_base=None):
                           extra_metadata=None if lora_base is None else {"lora_base": lora_base})
 
 
+@pytest.mark.slow  # two runs (the one resumed and the resume): 14-28 s in the default run
 def test_resuming_lora_adapters_on_another_base_is_one_line(tmp_path):
     trained_on = {"path": None, "sha256": None, "model": "tiny", "seed": 5}
     _checkpoint(tmp_path / "run", "model.lora.rank=4", lora_base=trained_on)
@@ -141,6 +142,7 @@ def test_resuming_lora_adapters_on_another_base_is_one_line(tmp_path):
                     "'tiny', 'seed': 0}: resume on the base the adapters were trained on, or use a new run_dir")
 
 
+@pytest.mark.slow  # two runs (the one resumed and the resume): 14-28 s in the default run
 def test_resuming_a_full_fine_tune_as_lora_is_one_line(tmp_path):
     _checkpoint(tmp_path / "run")
     line = _refusal(tmp_path, "model.lora.rank=4", resume=True)
@@ -148,6 +150,7 @@ def test_resuming_a_full_fine_tune_as_lora_is_one_line(tmp_path):
                     "run's checkpoint; resume it with model.lora.rank = 0, or use a new run_dir")
 
 
+@pytest.mark.slow  # two runs (the one resumed and the resume): 14-28 s in the default run
 def test_resuming_another_model_shape_says_so_even_with_allow_config_change(tmp_path):
     _checkpoint(tmp_path / "run", 'model.name="small"')
     line = _refusal(tmp_path, "loop.allow_config_change=true", resume=True)

@@ -58,6 +58,7 @@ def test_the_bucketed_update_equals_the_full_length_one(reduction, window):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), got_params, want_params)
 
 
+@pytest.mark.slow  # the control of the bucketed update's exactness test (18-27 s)
 def test_without_the_fixed_norm_length_dr_grpo_would_change_with_the_bucket():
     """The control: dividing by the batch's own length scales seq-mean-token-sum-norm's loss by 64 / 24."""
     corrections = CorrectionConfig(importance=ImportanceWeights("token", high=2.0), reduction="seq-mean-token-sum-norm")
