@@ -70,7 +70,8 @@ def test_a_silent_server_is_reported_after_two_silences_not_after_the_growing_de
 
 @pytest.mark.slow  # two tokens of 25 s each
 def test_a_slow_server_sending_heartbeats_is_never_cut(slow):
-    config = ClientConfig(target=slow.target, silence_timeout_s=SLOW_SILENCE_S)
+    # a 600 s first deadline: only a silence could cut these 50 s
+    config = ClientConfig(target=slow.target, silence_timeout_s=SLOW_SILENCE_S, deadline_base_s=600.0)
     with RolloutClient(config) as client:
         started = time.monotonic()
         samples = client.generate(RolloutRequest([5], SamplingParams(max_new_tokens=2, seed=3), num_samples=2))
