@@ -9,15 +9,15 @@ import jax.numpy as jnp
 from corrections._masked import clamp_log_ratio, masked_count, masked_mean, masked_sum
 
 
-def _groups(rewards, group_size: int) -> jax.Array:
+def _groups(rewards: jax.Array, group_size: int) -> jax.Array:
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
         raise ValueError(f"rewards: shape {rewards.shape} is not [B] with B a multiple of group_size={group_size}.")
     return rewards.reshape(-1, group_size)
 
 
-def grpo_advantages(rewards, group_size: int, normalize_std: bool = True, eps: float = 1e-6,
-                    scored=None) -> jax.Array:
+def grpo_advantages(rewards: jax.Array, group_size: int, normalize_std: bool = True, eps: float = 1e-6,
+                    scored: jax.Array | None = None) -> jax.Array:
     """GRPO: ``(r - group mean) / (group std + eps)``; std is unbiased (ddof=1) as torch.std in verl and SkyRL.
     A group of one sample gets advantage 0. ``normalize_std=False`` is Dr. GRPO.
 
@@ -49,7 +49,7 @@ def grpo_advantages(rewards, group_size: int, normalize_std: bool = True, eps: f
     return centered.reshape(-1)
 
 
-def dr_grpo_advantages(rewards, group_size: int) -> jax.Array:
+def dr_grpo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """Dr. GRPO: ``r - group mean`` (no std division).
 
     >>> dr_grpo_advantages([1.0, 0.0, 0.5, 0.5], group_size=2).tolist()
@@ -58,7 +58,7 @@ def dr_grpo_advantages(rewards, group_size: int) -> jax.Array:
     return grpo_advantages(rewards, group_size, normalize_std=False)
 
 
-def rloo_advantages(rewards, group_size: int) -> jax.Array:
+def rloo_advantages(rewards: jax.Array, group_size: int) -> jax.Array:
     """RLOO: ``r - mean of the other samples of the group``; 0 for a group of one.
 
     >>> rloo_advantages([1.0, 0.0, 0.0], group_size=3).tolist()
@@ -71,7 +71,8 @@ def rloo_advantages(rewards, group_size: int) -> jax.Array:
     return (groups - others).reshape(-1)
 
 
-def reinforce_pp_advantages(token_rewards, mask, gamma: float = 1.0, eps: float = 1e-8) -> jax.Array:
+def reinforce_pp_advantages(token_rewards: jax.Array, mask: jax.Array, gamma: float = 1.0,
+                            eps: float = 1e-8) -> jax.Array:
     """REINFORCE++: discounted returns of per-token rewards [B, T], whitened over the batch's valid tokens
     (mean, unbiased variance, ``rsqrt(var + eps)``) as verl's ``masked_whiten``.
 
@@ -82,7 +83,7 @@ def reinforce_pp_advantages(token_rewards, mask, gamma: float = 1.0, eps: float 
     """
     rewards = jnp.where(jnp.asarray(mask).astype(bool), jnp.asarray(token_rewards, jnp.float32), 0.0)
 
-    def step(carry, reward):
+    def step(carry: jax.Array, reward: jax.Array) -> tuple[jax.Array, jax.Array]:
         carry = reward + gamma * carry
         return carry, carry
 
@@ -94,7 +95,7 @@ def reinforce_pp_advantages(token_rewards, mask, gamma: float = 1.0, eps: float 
     return jnp.where(jnp.asarray(mask).astype(bool), (returns - mean) * jax.lax.rsqrt(var + eps), 0.0)
 
 
-def broadcast_to_tokens(advantages, mask) -> jax.Array:
+def broadcast_to_tokens(advantages: jax.Array, mask: jax.Array) -> jax.Array:
     """Sequence advantages [B] -> per-token [B, T], 0 at padding.
 
     >>> import numpy as np
@@ -105,7 +106,8 @@ def broadcast_to_tokens(advantages, mask) -> jax.Array:
     return jnp.where(mask.astype(bool), jnp.asarray(advantages, jnp.float32)[:, None], 0.0)
 
 
-def kl_penalty(logprobs, ref_logprobs, estimator: str = "low_var_kl", importance_ratio=None) -> jax.Array:
+def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "low_var_kl",
+               importance_ratio: float | jax.Array | None = None) -> jax.Array:
     """Per-token KL(pi || ref) estimate with ``l = lp - ref``: k1 ``l``, k2 ``l^2/2``, k3 ``exp(-l) - 1 + l`` (``l``
     clamped to [-20, 20] before the exp, as verl, SkyRL and slime; k1 and k2 take no exp and are not clamped),
     low_var_kl the same as k3, the result clamped to [-10, 10] (verl). ``importance_ratio`` (slime's

@@ -7,6 +7,9 @@ reducing, so values at masked positions never reach an output or a gradient.
 import jax
 import jax.numpy as jnp
 
+Axis = int | tuple[int, ...] | None
+"""The axes a masked reduction runs over; None: all of them."""
+
 SAFETY = 20.0
 """Bound on every log-ratio (and per-sequence sum of log-ratios) before ``exp``: exp(20) ~ 4.9e8."""
 
@@ -15,7 +18,7 @@ METRIC_LOGPROB_FLOOR = -1e4
 that an extreme value such as -3e38 keeps sums, means and squares finite."""
 
 
-def masked_sum(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+def masked_sum(x: jax.Array, mask: jax.Array, axis: Axis = None) -> jax.Array:
     """Sum of ``x`` where ``mask`` is set; padding values (NaN, inf) never leak.
 
     >>> import numpy as np
@@ -39,12 +42,12 @@ def zero_padding(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask.astype(bool), x, 0.0)
 
 
-def masked_count(mask: jax.Array, axis=None) -> jax.Array:
+def masked_count(mask: jax.Array, axis: Axis = None) -> jax.Array:
     """Number of set mask entries, as float32."""
     return jnp.sum(jnp.asarray(mask).astype(jnp.float32), axis=axis)
 
 
-def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+def masked_mean(x: jax.Array, mask: jax.Array, axis: Axis = None) -> jax.Array:
     """Mean of ``x`` over set mask entries; 0 for an empty mask (denominator ``max(count, 1)``).
 
     >>> import numpy as np
@@ -56,14 +59,14 @@ def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     return masked_sum(x, mask, axis) / jnp.maximum(masked_count(mask, axis), 1.0)
 
 
-def masked_max(x: jax.Array, mask: jax.Array, axis=None, empty: float = 0.0) -> jax.Array:
+def masked_max(x: jax.Array, mask: jax.Array, axis: Axis = None, empty: float = 0.0) -> jax.Array:
     """Max of ``x`` over set mask entries; ``empty`` where the mask has none."""
     m = jnp.asarray(mask).astype(bool)
     out = jnp.max(jnp.where(m, x, -jnp.inf), axis=axis)
     return jnp.where(jnp.any(m, axis=axis), out, empty)
 
 
-def masked_min(x: jax.Array, mask: jax.Array, axis=None, empty: float = 0.0) -> jax.Array:
+def masked_min(x: jax.Array, mask: jax.Array, axis: Axis = None, empty: float = 0.0) -> jax.Array:
     """Min of ``x`` over set mask entries; ``empty`` where the mask has none."""
     m = jnp.asarray(mask).astype(bool)
     out = jnp.min(jnp.where(m, x, jnp.inf), axis=axis)

@@ -20,12 +20,16 @@ from corrections._masked import SAFETY, clamp_log_ratio, masked_count, masked_me
 
 sg = jax.lax.stop_gradient
 
+Loss = tuple[jax.Array, dict[str, jax.Array]]
+"""What an objective returns: the per-token loss and its ``aux`` metrics, each per token too."""
 
-def _f32(*arrays):
+
+def _f32(*arrays: jax.Array) -> list[jax.Array]:
     return [jnp.asarray(a, jnp.float32) for a in arrays]
 
 
-def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.2, dual_clip=None):
+def ppo_clip_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, clip_low: float = 0.2,
+                  clip_high: float = 0.2, dual_clip: float | None = None) -> Loss:
     """PPO clip ``max(-r*A, -clip(r, 1-clip_low, 1+clip_high)*A)`` with optional dual clip for ``A < 0``.
 
     Dual clip (verl, SkyRL: c = 3.0) bounds the loss of negative-advantage tokens by ``-c*A``.
@@ -49,7 +53,7 @@ def ppo_clip_loss(logprobs, old_logprobs, advantages, clip_low=0.2, clip_high=0.
     return loss, aux
 
 
-def reinforce_loss(logprobs, advantages, old_logprobs=None):
+def reinforce_loss(logprobs: jax.Array, advantages: jax.Array, old_logprobs: jax.Array | None = None) -> Loss:
     """REINFORCE / pure IS base ``-A * lp``; behaviour weights multiply it (verl ``loss_type=reinforce``).
     With ``old_logprobs`` (in bypass mode the rollout's) ``ppo_kl`` is ``old - lp`` as verl reports it.
 
@@ -63,7 +67,8 @@ def reinforce_loss(logprobs, advantages, old_logprobs=None):
     return -adv * lp, aux
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, clip_low=1.0, clip_high=4.0):
+def cispo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, clip_low: float = 1.0,
+               clip_high: float = 4.0) -> Loss:
     """CISPO (MiniMax-M1): ``-sg(clip(r, 1-clip_low, 1+clip_high)) * A * lp``; clipfrac counts ``clipped != r``.
 
     >>> import numpy as np
@@ -80,7 +85,8 @@ def cispo_loss(logprobs, old_logprobs, advantages, clip_low=1.0, clip_high=4.0):
     return -sg(clipped) * adv * lp, aux
 
 
-def sapo_loss(logprobs, old_logprobs, advantages, tau_pos=1.0, tau_neg=1.05):
+def sapo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, tau_pos: float = 1.0,
+              tau_neg: float = 1.05) -> Loss:
     """SAPO soft gate: ``-gate*A``, ``gate = sigmoid(tau*(r-1)) * 4/tau``, tau by the sign of A.
 
     >>> import numpy as np
@@ -94,7 +100,8 @@ def sapo_loss(logprobs, old_logprobs, advantages, tau_pos=1.0, tau_neg=1.05):
     return -gate * adv, {"ppo_kl": -log_ratio}
 
 
-def rollout_is_loss(logprobs, rollout_logprobs, advantages, clip_low=0.2, clip_high=0.2):
+def rollout_is_loss(logprobs: jax.Array, rollout_logprobs: jax.Array, advantages: jax.Array, clip_low: float = 0.2,
+                    clip_high: float = 0.2) -> Loss:
     """GLM-5 rollout IS (SkyRL ``rollout_is``): ``-sg(where(1-lo < r < 1+hi, r, 0)) * A * lp``, ``r = exp(lp - roll)``.
 
     >>> import numpy as np
@@ -109,7 +116,7 @@ def rollout_is_loss(logprobs, rollout_logprobs, advantages, clip_low=0.2, clip_h
     return -weight * adv * lp, {"pg_clipfrac": (~inside).astype(jnp.float32)}
 
 
-def cross_entropy_loss(logprobs):
+def cross_entropy_loss(logprobs: jax.Array) -> Loss:
     """Supervised cross entropy ``-lp``.
 
     >>> import numpy as np
@@ -120,8 +127,9 @@ def cross_entropy_loss(logprobs):
     return -lp, {}
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high=4e-4, log_ratio_cap=10.0,
-              form="token"):
+def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
+              clip_low: float = 3e-4, clip_high: float = 4e-4, log_ratio_cap: float = 10.0,
+              form: str = "token") -> Loss:
     """GSPO for ONE sequence. ``form="token"`` (GSPO-token, verl/SkyRL): ``log r_t = sg(mean_valid(lp - old)) +
     lp - sg(lp)``, capped at ``log_ratio_cap`` (and floored at -20), then PPO clip: its value is the sequence
     ratio, its gradient per token. ``form="sequence"`` (AReaL): ``log r = mean_valid(lp - old)`` with the gradient
@@ -145,12 +153,13 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_low=3e-4, clip_high
     return jnp.maximum(unclipped, clipped), aux
 
 
-def _centered_covariance(advantages, logprobs, mask):
+def _centered_covariance(advantages: jax.Array, logprobs: jax.Array, mask: jax.Array) -> jax.Array:
     lp = sg(logprobs)
     return (advantages - masked_mean(advantages, mask)) * (lp - masked_mean(lp, mask))
 
 
-def _ranked_selection(score, eligible, count, key=None):
+def _ranked_selection(score: jax.Array, eligible: jax.Array, count: jax.Array,
+                      key: jax.Array | None = None) -> jax.Array:
     """Boolean [B, T] selecting the ``count`` eligible entries of highest score (random ones if key is given)."""
     if key is not None:
         score = jax.random.uniform(key, score.shape)
@@ -159,8 +168,9 @@ def _ranked_selection(score, eligible, count, key=None):
     return (rank < count).reshape(score.shape) & eligible
 
 
-def clip_cov_loss(logprobs, old_logprobs, advantages, mask, key, clip_low=0.2, clip_high=0.2,
-                  clip_cov_ratio=2e-4, clip_cov_low=1.0, clip_cov_high=5.0):
+def clip_cov_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array, key: jax.Array,
+                  clip_low: float = 0.2, clip_high: float = 0.2, clip_cov_ratio: float = 2e-4,
+                  clip_cov_low: float = 1.0, clip_cov_high: float = 5.0) -> Loss:
     """Clip-Cov over a [B, T] batch (verl/SkyRL): PPO clip, then cut the gradient of
     ``max(int(ratio * n_valid), 1)`` random unclipped tokens whose centred covariance of A and lp lies strictly
     inside ``(clip_cov_low, clip_cov_high)``.
@@ -186,7 +196,8 @@ def clip_cov_loss(logprobs, old_logprobs, advantages, mask, key, clip_low=0.2, c
     return loss, {"pg_clipfrac": cut.astype(jnp.float32), "ppo_kl": -clamp_log_ratio(lp - old)}
 
 
-def kl_cov_loss(logprobs, old_logprobs, advantages, mask, kl_cov_ratio=2e-3, kl_cov_coef=1.0):
+def kl_cov_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
+                kl_cov_ratio: float = 2e-3, kl_cov_coef: float = 1.0) -> Loss:
     """KL-Cov over a [B, T] batch (verl/SkyRL): ``-A*r``, plus ``coef * |lp - old|`` on the
     ``max(1, int(n_valid * ratio))`` valid tokens of largest centred covariance of A and lp. Its ``ppo_kl`` is
     verl's for kl-cov: ``|lp - old|``.
@@ -222,7 +233,7 @@ class ObjectiveSpec:
     (True, False)
     """
 
-    loss: Callable[..., tuple[jax.Array, dict]]
+    loss: Callable[..., Loss]
     reads_proximal: bool = False  # reads ``old``: decoupled mode then requires proximal_logprobs.
     reads_rollout: bool = False  # reads ``roll``: rollout_logprobs are required in either mode.
     whole_batch: bool = False  # selects tokens across the [B, T] batch: runs once, before the per-sequence pass.

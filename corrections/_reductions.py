@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from corrections._masked import masked_count, masked_sum
 
 
-def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_len: int | None = None,
-               count_rows: bool = False):
+def loss_terms(loss: jax.Array, mask: jax.Array, denominator_mask: jax.Array | None = None, mode: str = "token-mean",
+               max_len: int | None = None, count_rows: bool = False) -> tuple[jax.Array, jax.Array]:
     """Returns ``(numerator, denominator)`` of a reduction; the reduced loss is ``numerator / max(denominator, 1)``.
 
     Modes: ``token-mean`` sum(loss*m) / sum(m_den); ``seq-mean-token-mean`` sum over rows of
@@ -44,7 +44,8 @@ def loss_terms(loss, mask, denominator_mask=None, mode: str = "token-mean", max_
                                 count_rows)
 
 
-def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_rows: bool = False, num_rows=None):
+def loss_terms_from_rows(row_sums: jax.Array, row_counts: jax.Array, mode: str, max_len: int, count_rows: bool = False,
+                         num_rows: int | jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``loss_terms`` from per-row loss sums and per-row denominator counts ([B] arrays). ``count_rows`` makes
     ``seq-mean-token-sum-norm`` divide by (rows with a non-zero count) * max_len, as verl does, instead of B * max_len;
     ``num_rows`` stands for B where only some of the rows are the batch's (e.g. one LoRA adapter's rows).
@@ -68,13 +69,13 @@ def loss_terms_from_rows(row_sums, row_counts, mode: str, max_len: int, count_ro
     raise ValueError(f"reduction mode={mode!r} is not an option.")
 
 
-def divide_loss(numerator, denominator) -> jax.Array:
+def divide_loss(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """``numerator / max(denominator, 1)``: 0 for an empty batch, never NaN."""
     return numerator / jnp.maximum(jax.lax.stop_gradient(denominator), 1.0)
 
 
-def reduce_loss(loss, mask, denominator_mask=None, mode: str = "token-mean", max_len: int | None = None,
-                count_rows: bool = False):
+def reduce_loss(loss: jax.Array, mask: jax.Array, denominator_mask: jax.Array | None = None, mode: str = "token-mean",
+                max_len: int | None = None, count_rows: bool = False) -> jax.Array:
     """The scalar loss of ``loss_terms`` (``count_rows``: verl's seq-mean-token-sum-norm, see there).
 
     >>> import numpy as np

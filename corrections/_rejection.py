@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from corrections._masked import clamp_log_ratio, masked_max, masked_mean, masked_sum, safe_exp
 
 
-def _in_bounds(value, low, high):
+def _in_bounds(value: jax.Array, low: float | None, high: float | None) -> jax.Array:
     keep = jnp.ones_like(value, dtype=bool)
     if low is not None:
         keep &= value >= low
@@ -20,7 +20,7 @@ def _in_bounds(value, low, high):
     return keep
 
 
-def token_mask(log_ratio, mask, low=None, high=None) -> jax.Array:
+def token_mask(log_ratio: jax.Array, mask: jax.Array, low: float | None = None, high: float | None = None) -> jax.Array:
     """Keeps token t iff ``low <= rho_t <= hi`` (inclusive); ``rho = exp(clamp(lr))`` (SkyRL, AReaL, verl token_k1).
 
     >>> import numpy as np
@@ -30,7 +30,8 @@ def token_mask(log_ratio, mask, low=None, high=None) -> jax.Array:
     return _in_bounds(safe_exp(jnp.asarray(log_ratio)), low, high)
 
 
-def outlier_sequence_mask(log_ratio, mask, low=None, high=None) -> jax.Array:
+def outlier_sequence_mask(log_ratio: jax.Array, mask: jax.Array, low: float | None = None,
+                          high: float | None = None) -> jax.Array:
     """Veto: drops the sequence if any valid token has ``rho > high`` or ``rho < low`` (strict).
 
     >>> import numpy as np
@@ -44,7 +45,7 @@ def outlier_sequence_mask(log_ratio, mask, low=None, high=None) -> jax.Array:
     return jnp.broadcast_to(~jnp.any(bad), rho.shape)
 
 
-def k_statistic(log_ratio, k: str) -> jax.Array:
+def k_statistic(log_ratio: jax.Array, k: str) -> jax.Array:
     """Per-token divergence estimate of ``l = clamp(lr)``: k1 ``l``, k2 ``l^2/2``, k3 ``exp(l) - 1 - l``."""
     l = clamp_log_ratio(jnp.asarray(log_ratio))
     if k == "k1":
@@ -54,7 +55,7 @@ def k_statistic(log_ratio, k: str) -> jax.Array:
     return jnp.expm1(l) - l
 
 
-def sequence_statistic(values, mask, aggregate: str) -> jax.Array:
+def sequence_statistic(values: jax.Array, mask: jax.Array, aggregate: str) -> jax.Array:
     """Aggregates per-token values over a sequence's valid tokens: ``seq_sum``, ``seq_mean`` or ``seq_max``."""
     if aggregate == "seq_sum":
         return masked_sum(values, mask)
@@ -63,7 +64,8 @@ def sequence_statistic(values, mask, aggregate: str) -> jax.Array:
     return masked_max(values, mask)
 
 
-def divergence_mask(log_ratio, mask, rule: str, low=None, high=None) -> jax.Array:
+def divergence_mask(log_ratio: jax.Array, mask: jax.Array, rule: str, low: float | None = None,
+                    high: float | None = None) -> jax.Array:
     """verl's k-family rejection (``token_k1`` ... ``seq_max_k3``) with bounds that mean what they say.
 
     k1 rules keep ``low <= exp(stat) <= high`` (stat = clamped log-ratio, summed or averaged per sequence:
@@ -87,7 +89,8 @@ def divergence_mask(log_ratio, mask, rule: str, low=None, high=None) -> jax.Arra
     return _in_bounds(stat, None, high)
 
 
-def geometric_sequence_mask(log_ratio, mask, low=0.999, high=1.001) -> jax.Array:
+def geometric_sequence_mask(log_ratio: jax.Array, mask: jax.Array, low: float = 0.999,
+                            high: float = 1.001) -> jax.Array:
     """Keeps the sequence iff ``low <= exp(masked_mean(lr)) <= high`` (SkyRL geometric, verl Geo-RS).
 
     >>> import numpy as np
@@ -99,7 +102,7 @@ def geometric_sequence_mask(log_ratio, mask, low=0.999, high=1.001) -> jax.Array
     return divergence_mask(log_ratio, mask, "seq_mean_k1", low, high)
 
 
-def product_sequence_mask(log_ratio, mask, low=0.5, high=2.0) -> jax.Array:
+def product_sequence_mask(log_ratio: jax.Array, mask: jax.Array, low: float = 0.5, high: float = 2.0) -> jax.Array:
     """Keeps the sequence iff ``low <= exp(sum m*lr) <= high`` (SkyRL product, verl seq_sum_k1).
 
     >>> import numpy as np
@@ -111,7 +114,8 @@ def product_sequence_mask(log_ratio, mask, low=0.5, high=2.0) -> jax.Array:
     return divergence_mask(log_ratio, mask, "seq_sum_k1", low, high)
 
 
-def opsm_mask(logprobs, old_logprobs, advantages, mask, delta=1e-4) -> jax.Array:
+def opsm_mask(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
+              delta: float = 1e-4) -> jax.Array:
     """slime OPSM done right (PR #1917): drops the whole sequence iff ``mean_valid(A) < 0`` and
     ``mean_valid(old - lp) > delta``, both over the sequence's valid tokens.
 

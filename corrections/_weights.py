@@ -22,7 +22,8 @@ def _finish(weights: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(mask.astype(bool), weights, 0.0))
 
 
-def unbounded_ratios(log_ratio, mask, level: str = "token", clamp_each_token: bool = False) -> jax.Array:
+def unbounded_ratios(log_ratio: jax.Array, mask: jax.Array, level: str = "token",
+                     clamp_each_token: bool = False) -> jax.Array:
     """The ratio before any bound, for ONE sequence ([T]; vmap it over a batch), on every position:
     ``exp(clamp(lr))`` per token, or the sequence's ``exp(clamp(sum_t m*lr))`` (``sequence``) or
     ``exp(clamp(masked_mean(lr)))`` (``geometric``; with ``clamp_each_token``, the fw cookbook's
@@ -43,7 +44,8 @@ def unbounded_ratios(log_ratio, mask, level: str = "token", clamp_each_token: bo
     return jnp.broadcast_to(safe_exp(reduce(log_ratio, mask)), log_ratio.shape)
 
 
-def token_tis_weights(log_ratio, mask, high=2.0, low=0.0, overflow="truncate") -> jax.Array:
+def token_tis_weights(log_ratio: jax.Array, mask: jax.Array, high: float | None = 2.0, low: float = 0.0,
+                      overflow: str = "truncate") -> jax.Array:
     """Per-token truncated IS: ``clip(exp(clamp(lr)), low, high)`` (verl/SkyRL token TIS, slime vanilla_tis).
 
     >>> import numpy as np
@@ -53,7 +55,8 @@ def token_tis_weights(log_ratio, mask, high=2.0, low=0.0, overflow="truncate") -
     return _finish(bound_weights(unbounded_ratios(log_ratio, mask, "token"), low, high, overflow), mask)
 
 
-def sequence_tis_weights(log_ratio, mask, high=5.0, low=0.0, overflow="truncate") -> jax.Array:
+def sequence_tis_weights(log_ratio: jax.Array, mask: jax.Array, high: float | None = 5.0, low: float = 0.0,
+                         overflow: str = "truncate") -> jax.Array:
     """Sequence TIS: ``clip(exp(clamp(sum_t m*lr)), low, high)`` broadcast to every valid token.
 
     >>> import numpy as np
@@ -63,7 +66,8 @@ def sequence_tis_weights(log_ratio, mask, high=5.0, low=0.0, overflow="truncate"
     return _finish(bound_weights(unbounded_ratios(log_ratio, mask, "sequence"), low, high, overflow), mask)
 
 
-def geometric_sequence_weights(log_ratio, mask, high=None, low=0.0, overflow="truncate") -> jax.Array:
+def geometric_sequence_weights(log_ratio: jax.Array, mask: jax.Array, high: float | None = None, low: float = 0.0,
+                               overflow: str = "truncate") -> jax.Array:
     """Geometric-mean sequence weight ``exp(clamp(masked_mean(lr)))`` (slime mis.py, AReaL), optionally bounded.
 
     >>> import numpy as np
@@ -73,7 +77,7 @@ def geometric_sequence_weights(log_ratio, mask, high=None, low=0.0, overflow="tr
     return _finish(bound_weights(unbounded_ratios(log_ratio, mask, "geometric"), low, high, overflow), mask)
 
 
-def icepop_weights(log_ratio, mask, low=0.5, high=5.0) -> jax.Array:
+def icepop_weights(log_ratio: jax.Array, mask: jax.Array, low: float = 0.5, high: float = 5.0) -> jax.Array:
     """IcePop: the ratio where ``low <= rho <= high`` (inclusive), else 0; the loss mask is unchanged.
 
     >>> import numpy as np
@@ -83,7 +87,8 @@ def icepop_weights(log_ratio, mask, low=0.5, high=5.0) -> jax.Array:
     return token_tis_weights(log_ratio, mask, high=high, low=low, overflow="mask")
 
 
-def off_policy_is_weights(logprobs, rollout_logprobs, mask, low=0.0, high=2.0) -> jax.Array:
+def off_policy_is_weights(logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array, low: float = 0.0,
+                          high: float = 2.0) -> jax.Array:
     """slime's off-policy IS (PR #2084): ``clip(exp(sg(lp) - roll), low, high)``, one weight for mismatch and
     staleness; with a REINFORCE base ``-w*A*lp`` this is CISPO.
 
@@ -102,7 +107,7 @@ SEQUENCE_WEIGHTS = {
 }
 
 
-def batch_mean_weight(row_means, row_counts, level: str = "token") -> jax.Array:
+def batch_mean_weight(row_means: jax.Array, row_counts: jax.Array, level: str = "token") -> jax.Array:
     """The batch mean weight from per-row masked means and valid counts ([B] arrays): the token mean for token
     weights, the mean over non-empty rows of the row means for sequence-level weights."""
     row_counts = jnp.asarray(row_counts, jnp.float32)
@@ -111,7 +116,7 @@ def batch_mean_weight(row_means, row_counts, level: str = "token") -> jax.Array:
     return masked_mean(row_means, row_counts > 0)
 
 
-def batch_normalize_weights(weights, mask, level: str = "token") -> jax.Array:
+def batch_normalize_weights(weights: jax.Array, mask: jax.Array, level: str = "token") -> jax.Array:
     """Divides [B, T] weights by their batch mean (verl ``rollout_is_batch_normalize``, slime mis.py).
 
     The mean is the masked token mean for token weights, and the mean over non-empty rows of per-row masked
@@ -126,6 +131,6 @@ def batch_normalize_weights(weights, mask, level: str = "token") -> jax.Array:
     return jax.lax.stop_gradient(weights / normalizer(mean))
 
 
-def normalizer(mean) -> jax.Array:
+def normalizer(mean: jax.Array) -> jax.Array:
     """The divisor of batch normalisation: the mean, or 1 where the mean is <= 1e-8 (normalisation skipped)."""
     return jnp.where(mean > 1e-8, mean, 1.0)
