@@ -30,38 +30,43 @@ from corrections._masked import (
 
 PREFIX = "rollout_corr/"
 
+Metrics = dict[str, jax.Array]
+"""Named arrays: a batch's metrics (scalars), or the per-row statistics they are combined from ([B] each)."""
 
-def _ratio(numerator, denominator):
+
+def _ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """``numerator / denominator``, 0 where the denominator is 0."""
     return jnp.where(denominator > 0, numerator / jnp.where(denominator > 0, denominator, 1.0), 0.0)
 
 
-def _pooled_moments(count, mean, m2):
+def _pooled_moments(count: jax.Array, mean: jax.Array, m2: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Chan's parallel combination of per-row (count, mean, sum of squared deviations) -> (total, mean, m2)."""
     total = jnp.sum(count)
     pooled_mean = _ratio(jnp.sum(count * mean), total)
     return total, pooled_mean, jnp.sum(m2) + jnp.sum(count * (mean - pooled_mean) ** 2)
 
 
-def _correlation(comoment, m2_x, m2_y, count, min_variance=1e-10):
+def _correlation(comoment: jax.Array, m2_x: jax.Array, m2_y: jax.Array, count: jax.Array,
+                 min_variance: float = 1e-10) -> jax.Array:
     """Pearson correlation from pooled moments; 0 when either side is constant (variance below float32 noise)."""
     constant = (m2_x <= min_variance * count) | (m2_y <= min_variance * count)
     return jnp.where(constant, 0.0, _ratio(comoment, jnp.sqrt(m2_x * m2_y)))
 
 
-def _valid_extremum(reduced, count):
+def _valid_extremum(reduced: jax.Array, count: jax.Array) -> jax.Array:
     """A masked maximum or minimum from the reduction of ``where(valid, x, -+inf)``: 0 for an empty sequence."""
     return jnp.where(count > 0, reduced, 0.0)
 
 
-def _square_deviations(x, mean, valid):
+def _square_deviations(x: jax.Array, mean: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid, (x - mean) ** 2, 0.0)
 
 
-def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> Statistic:
+def mismatch_row_stats(old_logprobs: jax.Array, rollout_logprobs: jax.Array | None, mask: jax.Array) -> Statistic:
     """Per-sequence partial statistics of ``mismatch_metrics`` for ONE sequence ([T] arrays, 0 at padding).
     Without rollout logprobs (None) only the training-policy ones (verl's ``compute_offpolicy_metrics``)."""
-    old, roll = (None if x is None else jnp.maximum(x, METRIC_LOGPROB_FLOOR) for x in (old_logprobs, rollout_logprobs))
+    old = jnp.maximum(old_logprobs, METRIC_LOGPROB_FLOOR)
+    roll = None if rollout_logprobs is None else jnp.maximum(rollout_logprobs, METRIC_LOGPROB_FLOOR)
     valid = jnp.asarray(mask).astype(bool)
     sums = {"count": valid.astype(jnp.float32), "old": old}
     if roll is None:
@@ -103,13 +108,16 @@ def mismatch_row_stats(old_logprobs, rollout_logprobs, mask) -> Statistic:
     }
 
 
-def mismatch_from_rows(stats: dict) -> dict:
+def mismatch_from_rows(stats: Metrics) -> Metrics:
     """Combines [B] ``mismatch_row_stats`` into the batch metrics (see ``mismatch_metrics``)."""
     count = stats["count"]
     rows = count > 0
     tokens = jnp.sum(count)
     mt = stats["mean_old"]
-    row_mean = lambda x: _ratio(masked_sum(x, rows), jnp.sum(rows))  # noqa: E731
+
+    def row_mean(x: jax.Array) -> jax.Array:
+        return _ratio(masked_sum(x, rows), jnp.sum(rows))
+
     metrics = {"training_ppl": row_mean(safe_exp(-mt)), "training_log_ppl": row_mean(-mt)}
     if "mean_roll" not in stats:
         return {PREFIX + k: v.astype(jnp.float32) for k, v in metrics.items()}
@@ -142,7 +150,7 @@ def mismatch_from_rows(stats: dict) -> dict:
     return {PREFIX + k: v.astype(jnp.float32) for k, v in metrics.items()}
 
 
-def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
+def mismatch_metrics(old_logprobs: jax.Array, rollout_logprobs: jax.Array | None, mask: jax.Array) -> Metrics:
     """Train/inference mismatch between ``old`` (trainer) and ``roll`` (server) logprobs on [B, T].
 
     ``kl = masked_mean(roll - old)``; ``k3_kl = masked_mean(exp(lr) - lr - 1)`` with ``lr = clamp(old - roll)``
@@ -169,8 +177,9 @@ def mismatch_metrics(old_logprobs, rollout_logprobs, mask) -> dict:
     return mismatch_from_rows(vmap_statistic(mismatch_row_stats)(old, zero_padding(rollout_logprobs, mask), mask))
 
 
-def weight_row_stats(weights, raw_ratios, mask, cap: float, low: float | None = None, bounds: tuple | None = None,
-                     applied=None, weighted: bool = True) -> Statistic:
+def weight_row_stats(weights: jax.Array, raw_ratios: jax.Array, mask: jax.Array, cap: float, low: float | None = None,
+                     bounds: tuple[float, float | None] | None = None, applied: jax.Array | None = None,
+                     weighted: bool = True) -> Statistic:
     """Per-sequence partial statistics of ``weight_metrics`` for ONE sequence: ``weights`` are the bounded ratios
     of every valid token (0 at padding), ``raw_ratios`` the unbounded ones; ``low`` (> 0) is the lower bound the
     low fractions use (else ``1 / cap``); with ``bounds = (low, high)`` (``high`` may be None) also the valid
@@ -197,7 +206,7 @@ def weight_row_stats(weights, raw_ratios, mask, cap: float, low: float | None = 
     second = yield Reductions(sums={"m2": _square_deviations(weights, mean, valid)})
     raw_mean = _ratio(first.sums["raw"], count)
     row_ratio = _valid_extremum(first.maxima["raw"], count)  # a sequence-level ratio: the same at every valid token
-    extra = {}
+    extra: Metrics = {}
     if bounds is not None:
         extra["out_of_bounds"] = first.sums["out_of_bounds"]
     if applied is not None:
@@ -220,20 +229,23 @@ def weight_row_stats(weights, raw_ratios, mask, cap: float, low: float | None = 
     }
 
 
-def with_weight_scale(stats: dict, scale) -> dict:
+def with_weight_scale(stats: Metrics, scale: jax.Array) -> Metrics:
     """``weight_row_stats`` that also record the divisor of batch normalisation (the metrics stay those of the
     weights before it, as verl reports them)."""
     return dict(stats, scale=jnp.broadcast_to(scale, stats["count"].shape))
 
 
-def weight_from_rows(stats: dict, level: str = "token") -> dict:
+def weight_from_rows(stats: Metrics, level: str = "token") -> Metrics:
     """Combines [B] ``weight_row_stats`` into the batch metrics (see ``weight_metrics``)."""
     count = stats["count"]
     rows = count > 0
     n_rows = jnp.sum(rows)
     total, mean, m2 = _pooled_moments(count, stats["mean"], stats["m2"])
     mean_square = _ratio(jnp.sum(stats["sum_squares"]), total)
-    row_fraction = lambda x: _ratio(masked_sum(x, rows), n_rows)  # noqa: E731
+
+    def row_fraction(x: jax.Array) -> jax.Array:
+        return _ratio(masked_sum(x, rows), n_rows)
+
     if level == "token":
         high, low = _ratio(jnp.sum(stats["above_cap"]), total), _ratio(jnp.sum(stats["below_low"]), total)
         largest, smallest = masked_max(stats["max"], rows), masked_min(stats["min"], rows)
@@ -267,7 +279,8 @@ def weight_from_rows(stats: dict, level: str = "token") -> dict:
     return {PREFIX + k: v for k, v in metrics.items()}
 
 
-def weight_metrics(weights, raw_ratios, mask, cap: float, low: float | None = None, level: str = "token") -> dict:
+def weight_metrics(weights: jax.Array, raw_ratios: jax.Array, mask: jax.Array, cap: float, low: float | None = None,
+                   level: str = "token") -> Metrics:
     """Importance-weight statistics over valid tokens, verl's: mean, std, max, min of the (bounded) weights, the
     fraction of raw ratios above ``cap`` and below ``low`` (``1/cap`` without one), the effective sample size
     (see ``effective_sample_size``), the per-sequence ``rollout_is_seq_*`` (over non-empty rows: the row means
@@ -286,7 +299,7 @@ def weight_metrics(weights, raw_ratios, mask, cap: float, low: float | None = No
     return weight_from_rows(row_stats, level)
 
 
-def effective_sample_size(weights, mask) -> jax.Array:
+def effective_sample_size(weights: jax.Array, mask: jax.Array) -> jax.Array:
     """``1 / masked_mean(n^2)`` with ``n = w / masked_mean(w)``, i.e. ``mean(w)^2 / mean(w^2)``: the fraction of
     the batch the weights are worth. 0 when every weight is 0 (verl raises ZeroDivisionError there, PR #7559).
 
@@ -300,7 +313,7 @@ def effective_sample_size(weights, mask) -> jax.Array:
     return weight_metrics(weights, weights, mask, 1.0)[PREFIX + "rollout_is_eff_sample_size"]
 
 
-def rejection_row_stats(keep, mask) -> Statistic:
+def rejection_row_stats(keep: jax.Array, mask: jax.Array) -> Statistic:
     """For ONE sequence: valid tokens a rule rejected, and whether it touched the sequence."""
     valid = jnp.asarray(mask).astype(bool)
     reduced = yield Reductions(sums={"count": valid.astype(jnp.float32),
@@ -309,7 +322,7 @@ def rejection_row_stats(keep, mask) -> Statistic:
     return {"count": reduced.sums["count"], "rejected": rejected, "touched": (rejected > 0).astype(jnp.float32)}
 
 
-def rejection_from_rows(name: str, stats: dict) -> dict:
+def rejection_from_rows(name: str, stats: Metrics) -> Metrics:
     """Combines [B] ``rejection_row_stats`` into ``{name}_masked_fraction`` and ``{name}_seq_masked_fraction``."""
     rows = (stats["count"] > 0).astype(jnp.float32)
     return {
@@ -318,14 +331,14 @@ def rejection_from_rows(name: str, stats: dict) -> dict:
     }
 
 
-def row_fraction_mean(stats: dict) -> jax.Array:
+def row_fraction_mean(stats: Metrics) -> jax.Array:
     """The mean over non-empty rows of each row's rejected fraction (slime's ``opsm_clipfrac``, a sum of
     per-sample means divided by the sample count) from [B] ``rejection_row_stats``."""
     rows = stats["count"] > 0
     return _ratio(masked_sum(_ratio(stats["rejected"], stats["count"]), rows), jnp.sum(rows))
 
 
-def behave_row_stats(log_ratio, behave) -> Statistic:
+def behave_row_stats(log_ratio: jax.Array, behave: jax.Array) -> Statistic:
     """For ONE sequence: AReaL's ``behave_approx_kl`` sums over its ``behave`` tokens (kept, weight > 0): the
     log-ratio ``lr`` and AReaL's k3 of it, ``exp(-lr) - 1 + lr`` (lr clamped to [-20, 20])."""
     lr = clamp_log_ratio(log_ratio)
@@ -334,14 +347,15 @@ def behave_row_stats(log_ratio, behave) -> Statistic:
     return dict(reduced.sums)
 
 
-def behave_from_rows(stats: dict) -> dict:
+def behave_from_rows(stats: Metrics) -> Metrics:
     """AReaL's ``behave_approx_kl`` (mean of ``prox - behave`` over its tokens) and its k3 form."""
     tokens = jnp.sum(stats["count"])
     return {PREFIX + "behave_approx_kl": _ratio(jnp.sum(stats["sum"]), tokens),
             PREFIX + "behave_approx_kl_k3": _ratio(jnp.sum(stats["sum_k3"]), tokens)}
 
 
-def rule_statistic_row_stats(token_stat, seq_stat, mask, upper, lower) -> Statistic:
+def rule_statistic_row_stats(token_stat: jax.Array, seq_stat: jax.Array | None, mask: jax.Array, upper: float,
+                             lower: float | None) -> Statistic:
     """For ONE sequence and one k-family rule on its own (verl's ``compute_rs_metrics``): ``token_stat`` [T] the
     per-token statistic, ``seq_stat`` the sequence's (None for a token rule), ``upper`` / ``lower`` the bounds the
     statistic must stay within (``lower`` None: no lower fraction, 0 is the clamp of the std)."""
@@ -351,7 +365,8 @@ def rule_statistic_row_stats(token_stat, seq_stat, mask, upper, lower) -> Statis
     lower = -jnp.inf if lower is None else lower
     sums = {"count": valid.astype(jnp.float32), "sum": jnp.where(valid, per_token, 0.0),
             "clamped_sum": jnp.where(valid, clamped, 0.0), "clamped_square_sum": jnp.where(valid, clamped**2, 0.0)}
-    maxima, minima = {}, {}
+    maxima: Metrics = {}
+    minima: Metrics = {}
     if seq_stat is None:
         sums.update(high=(valid & (token_stat > upper)).astype(jnp.float32),
                     low=(valid & (token_stat < lower)).astype(jnp.float32))
@@ -373,14 +388,17 @@ def rule_statistic_row_stats(token_stat, seq_stat, mask, upper, lower) -> Statis
             "seq_low": (seq < lower).astype(jnp.float32)}
 
 
-def rule_statistic_from_rows(name: str, stats: dict, token_level: bool, has_lower: bool) -> dict:
+def rule_statistic_from_rows(name: str, stats: Metrics, token_level: bool, has_lower: bool) -> Metrics:
     """Combines [B] ``rule_statistic_row_stats`` into verl's ``{name}_{mean,std,max,min,fraction_high,
     fraction_low}`` and ``{name}_seq_{mean,std,max,min,max_deviation,fraction_high[,fraction_low]}`` over valid
     tokens and non-empty rows (verl's std: population std of the statistic clamped to its bounds)."""
     count = stats["count"]
     rows = count > 0
     tokens, n_rows = jnp.sum(count), jnp.sum(rows)
-    row_mean = lambda x: _ratio(masked_sum(x, rows), n_rows)  # noqa: E731
+
+    def row_mean(x: jax.Array) -> jax.Array:
+        return _ratio(masked_sum(x, rows), n_rows)
+
     mean_clamped = _ratio(jnp.sum(stats["clamped_sum"]), tokens)
     variance = _ratio(jnp.sum(stats["clamped_square_sum"]), tokens) - mean_clamped**2
     seq = stats["seq"]
@@ -408,7 +426,7 @@ def rule_statistic_from_rows(name: str, stats: dict, token_level: bool, has_lowe
     return {f"{PREFIX}{name}_{k}": v for k, v in metrics.items()}
 
 
-def over_under_from_rows(name: str, stats: dict) -> dict:
+def over_under_from_rows(name: str, stats: Metrics) -> Metrics:
     """SkyRL's ``{name}_over_high_ratio`` / ``{name}_under_low_ratio``: the fraction of non-empty rows whose
     statistic was above / below the rule's bounds (``stats``: [B] ``count``, ``over``, ``under``)."""
     rows = stats["count"] > 0
@@ -417,7 +435,7 @@ def over_under_from_rows(name: str, stats: dict) -> dict:
             f"{PREFIX}{name}_under_low_ratio": _ratio(masked_sum(stats["under"], rows), n_rows)}
 
 
-def rejection_metrics(name: str, keep, mask) -> dict:
+def rejection_metrics(name: str, keep: jax.Array, mask: jax.Array) -> Metrics:
     """For one rule: the fraction of valid tokens it rejects, and of non-empty sequences it touches.
 
     >>> import numpy as np
@@ -428,7 +446,7 @@ def rejection_metrics(name: str, keep, mask) -> dict:
     return rejection_from_rows(name, vmap_statistic(rejection_row_stats)(keep, mask))
 
 
-def staleness_metrics(policy_lag, mask) -> dict:
+def staleness_metrics(policy_lag: jax.Array, mask: jax.Array) -> Metrics:
     """Policy-version lag (learner version - token version) over valid tokens: mean and max.
 
     >>> import numpy as np
@@ -438,7 +456,7 @@ def staleness_metrics(policy_lag, mask) -> dict:
     return staleness_from_rows(vmap_statistic(staleness_row_stats)(zero_padding(policy_lag, mask), mask))
 
 
-def staleness_row_stats(policy_lag, mask) -> Statistic:
+def staleness_row_stats(policy_lag: jax.Array, mask: jax.Array) -> Statistic:
     """For ONE sequence (``policy_lag`` float32, 0 at padding): valid tokens, their summed lag and the largest."""
     valid = jnp.asarray(mask).astype(bool)
     reduced = yield Reductions(sums={"count": valid.astype(jnp.float32), "sum": policy_lag},
@@ -447,7 +465,7 @@ def staleness_row_stats(policy_lag, mask) -> Statistic:
     return {"count": count, "sum": reduced.sums["sum"], "max": _valid_extremum(reduced.maxima["max"], count)}
 
 
-def staleness_from_rows(stats: dict) -> dict:
+def staleness_from_rows(stats: Metrics) -> Metrics:
     """Combines [B] ``staleness_row_stats`` into ``staleness_mean`` and ``staleness_max``."""
     return {
         PREFIX + "staleness_mean": _ratio(jnp.sum(stats["sum"]), jnp.sum(stats["count"])),

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Generator, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Generator, Mapping
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -26,23 +26,25 @@ import numpy as np
 WINDOW = 32
 """Tokens summed sequentially before their sum joins the next level (XLA:CPU's tree-reduction window)."""
 
-_EMPTY: Mapping = types.MappingProxyType({})
+_EMPTY: Mapping[Any, jax.Array] = types.MappingProxyType({})
 
 
 class Reductions(NamedTuple):
     """One round of a statistic: name -> array reduced over its last axis (requests), or the results."""
 
-    sums: Mapping = _EMPTY
-    maxima: Mapping = _EMPTY
-    minima: Mapping = _EMPTY
+    # Keyed by a statistic's names (str); `reduce_together` merges rounds under (statistic index, name) keys.
+    sums: Mapping[Any, jax.Array] = _EMPTY
+    maxima: Mapping[Any, jax.Array] = _EMPTY
+    minima: Mapping[Any, jax.Array] = _EMPTY
 
 
 _KINDS = (("sums", 0.0, jax.lax.add), ("maxima", -np.inf, jax.lax.max), ("minima", np.inf, jax.lax.min))
 
-Statistic = Generator[Reductions, Reductions, dict]
+Statistic = Generator[Reductions, Reductions, dict[str, jax.Array]]
 
 
-def _windowed_reduce(operands: list, inits: list, combine):
+def _windowed_reduce(operands: list[jax.Array], inits: list[np.float32],
+                     combine: Callable[[Any, Any], tuple[jax.Array, ...]]) -> tuple[jax.Array, ...]:
     """``lax.reduce`` of every operand over its last axis, ``WINDOW`` elements at a time (padding with the inits)."""
     while operands[0].shape[-1] > WINDOW:
         pad = -operands[0].shape[-1] % WINDOW
@@ -50,7 +52,7 @@ def _windowed_reduce(operands: list, inits: list, combine):
                     for x, init in zip(operands, inits)]
         operands = [x.reshape(*x.shape[:-1], -1, WINDOW) for x in operands]
         operands = list(jax.lax.reduce(operands, inits, combine, (operands[0].ndim - 1,)))
-    return jax.lax.reduce(operands, inits, combine, (operands[0].ndim - 1,))
+    return tuple(jax.lax.reduce(operands, inits, combine, (operands[0].ndim - 1,)))
 
 
 def reduce_tokens(requests: Reductions) -> Reductions:
@@ -60,7 +62,10 @@ def reduce_tokens(requests: Reductions) -> Reductions:
     >>> float(out.sums["a"]), float(out.maxima["a"]), dict(out.minima)
     (3.0, 2.0, {})
     """
-    names, operands, inits, ops = [], [], [], []
+    names: list[tuple[str, Any]] = []
+    operands: list[jax.Array] = []
+    inits: list[np.float32] = []
+    ops: list[Callable[[jax.Array, jax.Array], jax.Array]] = []
     for kind, init, op in _KINDS:
         for name, array in getattr(requests, kind).items():
             names.append((kind, name))
@@ -73,16 +78,16 @@ def reduce_tokens(requests: Reductions) -> Reductions:
     if len(shapes) != 1:
         raise ValueError(f"reduce_tokens: every array must have one shape, got {sorted(shapes)}")
 
-    def combine(left, right):
+    def combine(left: tuple[jax.Array, ...], right: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         return tuple(op(a, b) for op, a, b in zip(ops, left, right))
 
-    results = {kind: {} for kind, _, _ in _KINDS}
+    results: dict[str, dict[Any, jax.Array]] = {kind: {} for kind, _, _ in _KINDS}
     for (kind, name), value in zip(names, _windowed_reduce(operands, inits, combine)):
         results[kind][name] = value
     return Reductions(**results)
 
 
-def reduce_together(statistics):
+def reduce_together(statistics: Any) -> Any:
     """Runs every statistic (a generator, see the module docstring) in a pytree in lockstep, one variadic reduction
     per round for all of them; returns the pytree with each generator replaced by what it returned (other leaves
     unchanged).
@@ -94,10 +99,12 @@ def reduce_together(statistics):
     {'a': 3.0, 'b': 3.0}
     """
     leaves, treedef = jax.tree.flatten(statistics, is_leaf=inspect.isgenerator)
-    pending = {i: leaf for i, leaf in enumerate(leaves) if inspect.isgenerator(leaf)}
-    replies = dict.fromkeys(pending)
+    # The first send is None (it starts the generator), each later one the reductions the statistic asked for.
+    pending = cast(dict[int, Generator[Reductions, Reductions | None, Any]],
+                   {i: leaf for i, leaf in enumerate(leaves) if inspect.isgenerator(leaf)})
+    replies: dict[int, Reductions | None] = dict.fromkeys(pending)
     while pending:
-        requests = {}
+        requests: dict[int, Reductions] = {}
         for i, statistic in list(pending.items()):
             try:
                 requests[i] = statistic.send(replies[i])
@@ -113,6 +120,6 @@ def reduce_together(statistics):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def vmap_statistic(statistic):
+def vmap_statistic(statistic: Callable[..., Statistic]) -> Callable[..., dict[str, jax.Array]]:
     """``statistic`` (a generator function of one sequence's arrays) run over the rows of [B, T] arrays."""
     return jax.vmap(lambda *arrays: reduce_together(statistic(*arrays)))
