@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from corrections._objectives import OBJECTIVES, ObjectiveSpec
 
@@ -33,7 +33,8 @@ def _choice(owner: str, field: str, value: str, options: tuple[str, ...]) -> Non
         raise ValueError(f"{owner}.{field}={value!r} is not an option; use one of {', '.join(options)}.")
 
 
-def _number(owner: str, field: str, value, *, minimum: float = 0.0, strict: bool = False, optional=False) -> None:
+def _number(owner: str, field: str, value: object, *, minimum: float = 0.0, strict: bool = False,
+            optional: bool = False) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -43,12 +44,13 @@ def _number(owner: str, field: str, value, *, minimum: float = 0.0, strict: bool
         raise ValueError(f"{owner}.{field}={value!r} must be {bound} {minimum}.")
 
 
-def _flag(owner: str, field: str, value) -> None:
+def _flag(owner: str, field: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{owner}.{field}={value!r} must be True or False.")
 
 
-def _ordered(owner: str, low, high, low_name="low", high_name="high") -> None:
+def _ordered(owner: str, low: float | None, high: float | None, low_name: str = "low",
+             high_name: str = "high") -> None:
     if low is not None and high is not None and low > high:
         raise ValueError(f"{owner}: {low_name}={low} > {high_name}={high}; the lower bound must not exceed the upper.")
 
@@ -78,7 +80,7 @@ class ImportanceWeights:
     # clamping the mean (the default). The two differ only where some |log-ratio| > 20.
     clamp_each_token: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _choice("importance", "level", self.level, WEIGHT_LEVELS)
         _choice("importance", "overflow", self.overflow, WEIGHT_OVERFLOWS)
         _choice("importance", "numerator", self.numerator, WEIGHT_NUMERATORS)
@@ -114,7 +116,7 @@ class RejectionRule:
     low: float | None = None  # lower ratio bound (k1 and outlier only).
     high: float | None = None  # upper ratio bound (k1, outlier) or upper statistic bound (k2, k3).
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "name", RULE_ALIASES.get(self.name, self.name))
         owner = f"rejection[{self.name}]"
         _choice("rejection", "name", self.name, REJECTION_RULES)
@@ -164,7 +166,7 @@ class Objective:
     # evenly over the row, and the advantage averaged over the kept tokens).
     gspo_form: str = "token"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _choice("objective", "name", self.name, tuple(OBJECTIVES))
         _choice("objective", "gspo_form", self.gspo_form, GSPO_FORMS)
         for field in ("clip_low", "clip_high", "log_ratio_cap", "clip_cov_low", "kl_cov_coef"):
@@ -219,7 +221,7 @@ class CorrectionConfig:
     # caller with chex.chexify(..., async_check=False) so that the call raises); False never.
     check_values: bool | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _choice("config", "mode", self.mode, MODES)
         _choice("config", "reduction", self.reduction, REDUCTIONS)
         _choice("config", "denominator", self.denominator, DENOMINATORS)
@@ -243,12 +245,15 @@ class CorrectionConfig:
         uses_rollout = self.objective.spec.reads_rollout  # OPSM reads proximal and current logprobs only
         return self.mode == "bypass" or self.importance is not None or bool(self.rejection) or uses_rollout
 
-    def replace(self, **changes) -> CorrectionConfig:
+    def replace(self, **changes: Any) -> CorrectionConfig:
         """A copy with top-level fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
-def _build(cls, owner: str, data: Mapping[str, Any]):
+_Config = TypeVar("_Config", ImportanceWeights, RejectionRule, Objective, CorrectionConfig)
+
+
+def _build(cls: type[_Config], owner: str, data: object) -> _Config:
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):

@@ -29,7 +29,7 @@ _K3_RS = {"name": "seq_mean_k3", "high": 0.01}
 _ICEPOP = {"level": "token", "low": 0.5, "high": 5.0, "overflow": "mask"}
 
 
-def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict:
+def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict[str, Any]:
     """``corrections.frameworks._files.merge`` of the updates in turn, on copies."""
     out = copy.deepcopy(dict(base))
     for update in updates:
@@ -37,7 +37,7 @@ def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict:
     return out
 
 
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # verl (rollout_corr presets), decoupled: PPO vs recomputed proximal logprobs, behaviour weights vs rollout.
     "disabled": _merge(_VERL, {}),
     "decoupled_token_is": _merge(_VERL, {"importance": _TOKEN_IS}),
@@ -94,11 +94,11 @@ PRESETS: dict[str, dict] = {
 
 
 
-def _geo_rs(rs_threshold="0.999_1.001"):
+def _geo_rs(rs_threshold: float | str = "0.999_1.001") -> dict[str, Any]:
     return dict(rollout_rs="seq_mean_k1", rollout_rs_threshold=rs_threshold)
 
 
-def _k3_rs(rs_threshold=0.01):
+def _k3_rs(rs_threshold: float | str = 0.01) -> dict[str, Any]:
     return dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=rs_threshold)
 
 
@@ -106,7 +106,7 @@ _BYPASS_PPO, _BYPASS_PG = dict(bypass_mode=True), dict(bypass_mode=True, loss_ty
 
 # verl's RolloutCorrectionConfig presets (verl 1dda039b, algorithm.py): each takes verl's own arguments and
 # returns verl's rollout_correction block, which ``from_verl`` reads. ``preset(name, **arguments)`` accepts them.
-VERL_PRESETS: dict[str, Callable[..., dict]] = {
+VERL_PRESETS: dict[str, Callable[..., dict[str, Any]]] = {
     "disabled": lambda: {},
     "decoupled_token_is": lambda threshold=2.0: dict(rollout_is="token", rollout_is_threshold=threshold),
     "decoupled_seq_is": lambda threshold=2.0: dict(rollout_is="sequence", rollout_is_threshold=threshold),
@@ -140,7 +140,8 @@ VERL_PRESETS: dict[str, Callable[..., dict]] = {
 REJECTION_MODES = ("merge", "replace")
 
 
-def _merge_rules(preset_rules: list, override_rules, mode: str, name: str) -> list:
+def _merge_rules(preset_rules: list[dict[str, Any]], override_rules: object, mode: str,
+                 name: str) -> list[dict[str, Any]]:
     """The preset's rejection rules with the overrides applied: ``"merge"`` updates the fields of a rule of the
     same name and appends a rule of a new name; ``"replace"`` drops the preset's rules first."""
     if mode not in REJECTION_MODES:
@@ -156,7 +157,8 @@ def _merge_rules(preset_rules: list, override_rules, mode: str, name: str) -> li
     rules = [dict(rule) for rule in preset_rules]
     for rule in override_rules:
         rule = dict(rule)
-        rule_name = RULE_ALIASES.get(rule.get("name"), rule.get("name"))
+        given_name: Any = rule.get("name")  # None when missing: config_from_dict says so
+        rule_name = RULE_ALIASES.get(given_name, given_name)
         same = [old for old in rules if RULE_ALIASES.get(old["name"], old["name"]) == rule_name]
         if same:
             same[0].update(rule, name=rule_name)
