@@ -40,7 +40,7 @@ class Reductions(NamedTuple):
 
 _KINDS = (("sums", 0.0, jax.lax.add), ("maxima", -np.inf, jax.lax.max), ("minima", np.inf, jax.lax.min))
 
-Statistic = Generator[Reductions, Reductions, dict[str, jax.Array]]
+Statistic = Generator[Reductions, Reductions, dict[str, Any]]
 
 
 def _windowed_reduce(operands: list[jax.Array], inits: list[np.float32],

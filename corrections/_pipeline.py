@@ -26,8 +26,8 @@ stay in cache (``rows_per_chunk``); elsewhere it is a plain ``vmap``, which keep
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, overload
 
 import chex
 import jax
@@ -36,13 +36,16 @@ import numpy as np
 
 from corrections import _diagnostics, _rejection, _weights
 from corrections._advantages import kl_penalty
-from corrections._config import CorrectionConfig
+from corrections._config import CorrectionConfig, RejectionRule
 from corrections._diagnostics import PREFIX
 from corrections._fused_reductions import Reductions, Statistic, reduce_together
 from corrections._masked import masked_max, masked_min, safe_exp, zero_padding
 from corrections._reductions import divide_loss, loss_terms_from_rows
 
 sg = jax.lax.stop_gradient
+
+Rows = dict[str, Any]
+"""Named inputs or partial statistics of the rows (None for an input not given; statistics nest by part)."""
 
 
 class Corrected(NamedTuple):
@@ -61,8 +64,8 @@ class Corrected(NamedTuple):
     loss: jax.Array  # scalar: loss_numerator / max(loss_denominator, 1).
     loss_numerator: jax.Array  # scalar; sum it over micro-batches for a global reduction.
     loss_denominator: jax.Array  # scalar, no gradient; sum it over micro-batches.
-    metrics: dict  # flat dict of float32 scalars: ``rollout_corr/...`` and ``actor/...``.
-    row_stats: dict  # [B] partial statistics the metrics come from, no gradient (see `metrics_from_row_stats`).
+    metrics: dict[str, jax.Array]  # flat dict of float32 scalars: ``rollout_corr/...`` and ``actor/...``.
+    row_stats: Rows  # [B] partial statistics the metrics come from, no gradient (see `metrics_from_row_stats`).
     weight_scale: jax.Array  # scalar the weights were divided by (batch normalisation); 1 without it.
 
 
@@ -70,7 +73,7 @@ LOGPROB_TOLERANCE = 1e-3
 """How far above 0 a checked logprob may be: float32 / bfloat16 rounding of a log-softmax, never a probability > 1."""
 
 
-def _require(bad, name: str, rule: str, values) -> None:
+def _require(bad: jax.Array | np.ndarray, name: str, rule: str, values: jax.Array | np.ndarray) -> None:
     """Asserts that ``bad`` [B, T] is nowhere set. An eager call names the first bad (row, column) and its value;
     under ``chex.chexify`` the check runs inside jit with the same message, less the position."""
     message = f"{name} must {rule}"
@@ -89,8 +92,8 @@ def _require(bad, name: str, rule: str, values) -> None:
         raise AssertionError(f"{message}; first bad value {values[row, column]} at (row, column) = ({row}, {column})")
 
 
-def check_batch(mask, rollout_logprobs=None, advantages=None, max_logprob=LOGPROB_TOLERANCE,
-                **named_logprobs) -> None:
+def check_batch(mask: jax.Array, rollout_logprobs: jax.Array | None = None, advantages: jax.Array | None = None,
+                max_logprob: float | None = LOGPROB_TOLERANCE, **named_logprobs: jax.Array | None) -> None:
     """Value checks: ``mask`` is 0/1; where it is 1, every given logprob array is finite and at most
     ``max_logprob`` (None: no bound), and ``advantages`` ([B] or [B, T]) are finite.
 
@@ -128,7 +131,9 @@ def check_batch(mask, rollout_logprobs=None, advantages=None, max_logprob=LOGPRO
         _require(valid & ~xp.isfinite(advantages), "advantages", "be finite where the mask is 1", advantages)
 
 
-def _check_inputs(config: CorrectionConfig, logprobs, mask, advantages, proximal, rollout, ref, entropy):
+def _check_inputs(config: CorrectionConfig, logprobs: jax.Array, mask: jax.Array, advantages: jax.Array,
+                  proximal: jax.Array | None, rollout: jax.Array | None, ref: jax.Array | None,
+                  entropy: jax.Array | None) -> None:
     chex.assert_rank(logprobs, 2)
     if 0 in logprobs.shape:
         raise ValueError(f"logprobs: shape {logprobs.shape} is empty; compute needs B >= 1 rows of T >= 1 tokens.")
@@ -149,7 +154,7 @@ def _check_inputs(config: CorrectionConfig, logprobs, mask, advantages, proximal
         raise ValueError("entropy is required when entropy_coef > 0; pass the per-token entropy.")
 
 
-def _phases(config: CorrectionConfig):
+def _phases(config: CorrectionConfig) -> tuple[tuple[RejectionRule, ...], tuple[RejectionRule, ...]]:
     """Rejection rules in application order: outlier vetoes, token rules, then sequence rules."""
     rules = config.rejection
     vetoes = tuple(rule for rule in rules if rule.name == "outlier")
@@ -169,7 +174,7 @@ SKYRL_RULE_NAMES = {"outlier": "outlier_seq", "seq_mean_k1": "geo_sequence_mask"
 """SkyRL's metric prefix of the rules it has; their ``_over_high_ratio`` / ``_under_low_ratio`` are emitted."""
 
 
-def _standalone_rule_stats(rule, log_ratio, valid) -> dict:
+def _standalone_rule_stats(rule: RejectionRule, log_ratio: jax.Array, valid: jax.Array) -> dict[str, Statistic]:
     """One rule on its own over the original mask (verl's per-rule metrics): rejection counts and, for the
     k-family, verl's statistic (k1 as ``-log rho``, whose bounds are ``-log high`` .. ``-log low``)."""
     if rule.name == "outlier":
@@ -183,13 +188,14 @@ def _standalone_rule_stats(rule, log_ratio, valid) -> dict:
         upper = jnp.inf if rule.low is None else -float(np.log(rule.low))
         lower = -jnp.inf if rule.high is None else -float(np.log(rule.high))
     else:
+        assert rule.high is not None  # RejectionRule requires it for k2/k3
         upper, lower = rule.high, None
     seq_stat = None if aggregate == "token" else _rejection.sequence_statistic(token_stat, valid, aggregate)
     return {"rejection": _diagnostics.rejection_row_stats(keep, valid),
             "statistic": _diagnostics.rule_statistic_row_stats(token_stat, seq_stat, valid, upper, lower)}
 
 
-def _over_under(rule, log_ratio, mask) -> dict:
+def _over_under(rule: RejectionRule, log_ratio: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
     """SkyRL's over/under flags of a rule for ONE sequence: outlier over the valid tokens, the geometric and
     product masks from the surviving tokens' statistic (a row with none left has ratio 1)."""
     if rule.name == "outlier":
@@ -204,15 +210,16 @@ def _over_under(rule, log_ratio, mask) -> dict:
     return {"over": over.astype(jnp.float32), "under": under.astype(jnp.float32)}
 
 
-def _sequence_decisions(log_ratio, weight_log_ratio, mask, config: CorrectionConfig):
+def _sequence_decisions(log_ratio: jax.Array, weight_log_ratio: jax.Array, mask: jax.Array, config: CorrectionConfig
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, tuple[dict[str, jax.Array], ...]]:
     """Steps 3-5 (but OPSM) for one sequence: (keep [T] bool, raw ratios [T], bounded ratios [T] on every valid
     token, applied weights [T], SkyRL over/under flags per rule)."""
     valid = mask.astype(bool)
     keep = valid
-    over_under = []
+    over_under: list[dict[str, jax.Array]] = []
     early, late = _phases(config)
 
-    def apply(rule, keep):
+    def apply(rule: RejectionRule, keep: jax.Array) -> jax.Array:
         if rule.name in SKYRL_RULE_NAMES:
             over_under.append(_over_under(rule, log_ratio, valid if rule.name == "outlier" else keep))
         if rule.name == "outlier":
@@ -239,7 +246,7 @@ def _sequence_decisions(log_ratio, weight_log_ratio, mask, config: CorrectionCon
 CHUNK_ELEMENTS = {"cpu": 65536}  # tokens per chunk of the per-sequence pass, by backend (0: vmap everything)
 
 
-def _clean(arrays: dict, mask) -> dict:
+def _clean(arrays: Rows, mask: jax.Array) -> Rows:
     """Step 1's cleaning of raw inputs (one sequence or the batch): float32, 0 at every padded position (None
     stays None; per-sequence advantages are broadcast over the tokens); ``old`` defaults to ``sg(lp)``."""
     clean = {name: None if a is None else zero_padding(a, mask) for name, a in arrays.items()}
@@ -248,12 +255,12 @@ def _clean(arrays: dict, mask) -> dict:
     return clean
 
 
-def _sequence_pass(row: dict, config: CorrectionConfig):
+def _sequence_pass(row: Rows, config: CorrectionConfig) -> tuple[dict[str, jax.Array], Rows]:
     """Step 1's zeroing and steps 2-7 for ONE sequence: per-token outputs and the sequence's partial statistics."""
     valid = row["mask"].astype(bool)
     clean = _clean({name: row[name] for name in ("lp", "old", "roll", "adv", "ref", "entropy", "lag")}, row["mask"])
     lp, old, roll, adv = clean["lp"], clean["old"], clean["roll"], clean["adv"]
-    stats = {}  # statistics (generators, see _fused_reductions), reduced together at the end
+    stats: Rows = {}  # statistics (generators, see _fused_reductions), reduced together at the end
     if clean["lag"] is not None:
         stats["staleness"] = _diagnostics.staleness_row_stats(clean["lag"], valid)
     trainer = sg(lp) if config.mode == "bypass" else old
@@ -264,11 +271,11 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
         keep, raw, bounded, weights, over_under = _sequence_decisions(
             log_ratio, sg(lp) - roll if current else log_ratio, valid, config)
         cap = importance.high if importance is not None and importance.high else 2.0
-        masking = importance is not None and importance.overflow == "mask"
         stats["mismatch"] = _diagnostics.mismatch_row_stats(trainer, roll, valid)
         stats["weights"] = _diagnostics.weight_row_stats(
             bounded, raw, valid, cap, importance.low if importance is not None else None,
-            (importance.low, importance.high) if masking else None, applied=weights, weighted=importance is not None)
+            (importance.low, importance.high) if importance is not None and importance.overflow == "mask" else None,
+            applied=weights, weighted=importance is not None)
         early, late = _phases(config)
         stats["rules"] = tuple(_standalone_rule_stats(rule, log_ratio, valid) for rule in early + late)
     else:
@@ -287,8 +294,8 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     else:
         loss, aux = config.objective.spec.loss(config.objective, lp=lp, old=old, roll=roll, adv=adv, mask=valid,
                                                kept=keep, key=None)
-    extra = []  # the KL and entropy terms, when configured
-    kl = None
+    extra: list[jax.Array] = []  # the KL and entropy terms, when configured
+    kl: jax.Array | None = None
     if config.kl_coef > 0:
         ratio = safe_exp(lp - old) if config.kl_importance_weighted else None
         kl = kl_penalty(lp, clean["ref"], config.kl_estimator, importance_ratio=ratio)
@@ -310,12 +317,14 @@ def _sequence_pass(row: dict, config: CorrectionConfig):
     return per_token, stats
 
 
-def _loss_row_stats(valid, keep, aux: dict, original: Mapping, kl, entropy) -> Statistic:
+def _loss_row_stats(valid: jax.Array, keep: jax.Array, aux: dict[str, jax.Array], original: Mapping[str, tuple[str,
+                    ...]],
+                    kl: jax.Array | None, entropy: jax.Array | None) -> Statistic:
     """The pass's own statistics of ONE sequence: valid and kept tokens, the objective's per-token metrics summed
     over the kept tokens (or, for those in ``original``, their sum, max and min over the original mask), SkyRL's
     ``clip_ratio`` (``pg_clipfrac`` over the original mask), the KL and entropy sums."""
     aux = {name: jnp.broadcast_to(values, valid.shape) for name, values in aux.items()}
-    sums = {"valid": valid.astype(jnp.float32), "kept": keep.astype(jnp.float32)}
+    sums: dict[Any, jax.Array] = {"valid": valid.astype(jnp.float32), "kept": keep.astype(jnp.float32)}
     sums.update({("aux", name): jnp.where(keep, values, 0.0) for name, values in aux.items() if name not in original})
     kept_original = [name for name in original if name in aux]
     sums.update({("original", name): jnp.where(valid, aux[name], 0.0) for name in kept_original})
@@ -329,7 +338,7 @@ def _loss_row_stats(valid, keep, aux: dict, original: Mapping, kl, entropy) -> S
                                maxima={name: jnp.where(valid, aux[name], -jnp.inf) for name in kept_original},
                                minima={name: jnp.where(valid, aux[name], jnp.inf) for name in kept_original})
     count = reduced.sums["valid"]
-    stats = {name: reduced.sums[name] for name in ("valid", "kept", "kl_loss", "entropy") if name in reduced.sums}
+    stats: Rows = {name: reduced.sums[name] for name in ("valid", "kept", "kl_loss", "entropy") if name in reduced.sums}
     stats["aux"] = {name: reduced.sums["aux", name] for name in aux if name not in original}
     stats["aux_original"] = {name: {"sum": reduced.sums["original", name],
                                     "max": jnp.where(count > 0, reduced.maxima[name], 0.0),
@@ -339,7 +348,7 @@ def _loss_row_stats(valid, keep, aux: dict, original: Mapping, kl, entropy) -> S
     return stats
 
 
-def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
+def _map_rows(fn: Callable[[Rows], Any], rows: Rows, rows_per_chunk: int | None) -> Any:
     if rows_per_chunk is None:
         # Chunks only under jit (eager calls would recompile the loop every time) and with one device: a loop
         # over the rows of a batch sharded over devices would gather the whole batch onto every device.
@@ -351,7 +360,7 @@ def _map_rows(fn, rows: dict, rows_per_chunk: int | None):
     return jax.lax.map(fn, rows, batch_size=rows_per_chunk)
 
 
-def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
+def metrics_from_row_stats(row_stats: Rows, config: CorrectionConfig) -> dict[str, jax.Array]:
     """Step 9: the metrics (all but ``actor/pg_loss``) from ``Corrected.row_stats``.
 
     Row statistics of several batches concatenated along the rows give the metrics of the batches together, exactly
@@ -368,7 +377,7 @@ def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
     >>> float(metrics_from_row_stats(both, cfg)["rollout_corr/rollout_is_max"])
     2.0
     """
-    metrics = {}
+    metrics: dict[str, jax.Array] = {}
     kept, valid = jnp.sum(row_stats["kept"]), jnp.sum(row_stats["valid"])
     metrics.update(_diagnostics.mismatch_from_rows(row_stats["mismatch"]))
     if "weights" in row_stats:
@@ -417,19 +426,37 @@ def metrics_from_row_stats(row_stats: dict, config: CorrectionConfig) -> dict:
     return {name: sg(jnp.asarray(value, jnp.float32)) for name, value in metrics.items()}
 
 
+@overload
+def _one_row(a: jax.Array) -> jax.Array: ...
+@overload
+def _one_row(a: None) -> None: ...
+def _one_row(a: jax.Array | None) -> jax.Array | None:
+    """A [T] array as a batch of one row, [1, T]; None stays None."""
+    return None if a is None else jnp.asarray(a)[None]
+
+
+@overload
+def _one_row_per_sequence(a: jax.Array) -> jax.Array: ...
+@overload
+def _one_row_per_sequence(a: None) -> None: ...
+def _one_row_per_sequence(a: jax.Array | None) -> jax.Array | None:
+    """A per-sequence input of one sequence (a scalar or [T]) as one row's: [1] or [1, T]; None stays None."""
+    return None if a is None else jnp.reshape(jnp.asarray(a), (1, -1)[:max(jnp.ndim(a), 1)])
+
+
 def compute(
-    logprobs,
-    advantages,
-    mask,
+    logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
     config: CorrectionConfig = CorrectionConfig(),  # noqa: B008
     *,
-    proximal_logprobs=None,
-    rollout_logprobs=None,
-    ref_logprobs=None,
-    entropy=None,
-    policy_lag=None,
-    key=None,
-    weight_scale=None,
+    proximal_logprobs: jax.Array | None = None,
+    rollout_logprobs: jax.Array | None = None,
+    ref_logprobs: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    policy_lag: jax.Array | None = None,
+    key: jax.Array | None = None,
+    weight_scale: jax.Array | None = None,
     rows_per_chunk: int | None = None,
     max_len: int | None = None,
 ) -> Corrected:
@@ -489,11 +516,10 @@ def compute(
     AssertionError: ...advantages must be finite where the mask is 1...
     """
     if jnp.ndim(logprobs) == 1:  # one sequence: a batch of one row, per-token outputs returned as [T]
-        row = lambda a: None if a is None else jnp.asarray(a)[None]  # noqa: E731
-        per_sequence = lambda a: None if a is None else jnp.reshape(jnp.asarray(a), (1, -1)[:max(jnp.ndim(a), 1)])  # noqa: E731
-        out = compute(row(logprobs), per_sequence(advantages), row(mask), config,
-                      proximal_logprobs=row(proximal_logprobs), rollout_logprobs=row(rollout_logprobs),
-                      ref_logprobs=row(ref_logprobs), entropy=row(entropy), policy_lag=per_sequence(policy_lag),
+        out = compute(_one_row(logprobs), _one_row_per_sequence(advantages), _one_row(mask), config,
+                      proximal_logprobs=_one_row(proximal_logprobs), rollout_logprobs=_one_row(rollout_logprobs),
+                      ref_logprobs=_one_row(ref_logprobs), entropy=_one_row(entropy),
+                      policy_lag=_one_row_per_sequence(policy_lag),
                       key=key, weight_scale=weight_scale, rows_per_chunk=rows_per_chunk, max_len=max_len)
         return out._replace(weights=out.weights[0], mask=out.mask[0], per_token_loss=out.per_token_loss[0])
     lp = jnp.asarray(logprobs)
@@ -514,7 +540,8 @@ def compute(
             check_batch(mask, max_logprob=LOGPROB_TOLERANCE if config.check_values else None, **given)
     old = roll if config.mode == "bypass" else proximal
     lag = None if policy_lag is None else jnp.asarray(policy_lag)
-    rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy, "lag": lag}
+    rows: Rows = {"lp": lp, "old": old, "roll": roll, "adv": adv, "mask": mask, "ref": ref, "entropy": entropy,
+                  "lag": lag}
     if config.objective.spec.whole_batch:
         key = jax.random.key(0) if key is None else key
         clean = _clean({"lp": lp, "old": old, "roll": roll, "adv": adv}, mask)
