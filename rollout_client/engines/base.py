@@ -17,11 +17,16 @@ import abc
 import concurrent.futures
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rollout_client.sampling_params import LogprobMode, PauseMode, SamplerOrder
+
+if TYPE_CHECKING:  # the client (and gRPC) loads only where a backend needs it
+    from rollout_client.client import RolloutRequest
+    from rollout_client.samples import Sample
 
 SAMPLER_STEPS = SamplerOrder.TEMPERATURE_FIRST.steps  # the transforms a sampler may apply, in Tether's order
 STEP_OFF = {"temperature": "1", "top_k": "0", "top_p": "1", "min_p": "0"}  # the value that turns each step off
@@ -71,7 +76,7 @@ class EngineCapabilities:
     honours_seed: bool  # the same seed gives the same samples (a retried request redraws the same tokens)
     partial_rollouts: PartialRollouts = PartialRollouts.NONE
 
-    def replayed_order(self, steps) -> SamplerOrder | None:
+    def replayed_order(self, steps: Collection[str]) -> SamplerOrder | None:
         """The order the learner replays that acts like this engine's on ``steps`` (the SAMPLER_STEPS a run uses),
         or None if neither does. Temperature-first is preferred where both act alike (it is the cheaper replay).
 
@@ -177,7 +182,7 @@ def _sampler_refusals(capabilities: EngineCapabilities, needs: EngineRequirement
     return refusals
 
 
-def _order_facts(order: tuple[str, ...], steps) -> dict[tuple[str, str], bool]:
+def _order_facts(order: tuple[str, ...], steps: Collection[str]) -> dict[tuple[str, str], bool]:
     """For each pair of ORDER_FACTS with both steps used: is the first applied before the second in ``order``?"""
     return {(a, b): order.index(a) < order.index(b) for a, b in ORDER_FACTS
             if a in steps and b in steps and a in order and b in order}
@@ -205,7 +210,7 @@ class Engine(abc.ABC):
         """Asks the engine for its current identity and policy version."""
 
     @abc.abstractmethod
-    def submit(self, request) -> concurrent.futures.Future:
+    def submit(self, request: RolloutRequest) -> concurrent.futures.Future[list[Sample]]:
         """Starts sampling a `rollout_client.RolloutRequest`; the future resolves to its list of `Sample`."""
 
     @abc.abstractmethod
@@ -229,5 +234,5 @@ class Engine(abc.ABC):
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
