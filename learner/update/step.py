@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ from learner.logprobs.chunked import token_logprobs
 from learner.model.lora import select_adapters, stacked_adapter_count
 from learner.model.precision import with_matmul_precision
 from learner.model.sharding import BATCH_AXES, batch_sharding
+from learner.model.transformer import Transformer
 from learner.update.adapter_loss import (
     adapter_loss_terms,
     adapter_norms,
@@ -77,6 +79,14 @@ from learner.update.adapter_loss import (
 from learner.update.batch import TrainBatch
 from learner.update.optimizer import skipped_updates
 from learner.update.train_state import TrainState
+
+ModelGraph = nnx.GraphDef[Transformer]
+"""The model's structure: `nnx.split`'s first part (the rest, its parameters, is a `Params`)."""
+Params = nnx.State[Any, Any]
+"""Model parameters (or gradients, or a LoRA model's frozen base) as an `nnx.State`."""
+Rows = tuple[TrainBatch, jax.Array | None, jax.Array | None]
+"""``(batch, proximal_logprobs, ref_logprobs)`` of some rows; the logprobs may be None."""
+Metrics = dict[str, jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +116,7 @@ class UpdateConfig:
     fuse_proximal: bool = True  # an on-policy update takes its proximal logprobs from its training pass
     # (proximal_from_training_pass); False: a proximal pass of their own even then (the same numbers, one forward more).
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.corrections, corrections.CorrectionConfig):
             raise ValueError("UpdateConfig.corrections must be a corrections.CorrectionConfig.")
         for name in ("num_minibatches", "num_microbatches", "ppo_epochs", "logprob_chunk_size"):
@@ -145,7 +155,7 @@ def _merge_rows(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def _scan(f, init, xs):
+def _scan(f: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -> tuple[Any, Any]:
     """`jax.lax.scan` of ``f`` over the leading axis of ``xs``; one step is a plain call (a shorter program to
     trace, lower and compile than a loop of one iteration)."""
     if jax.tree.leaves(xs)[0].shape[0] != 1:
@@ -154,11 +164,15 @@ def _scan(f, init, xs):
     return carry, jax.tree.map(lambda y: y[None], ys)
 
 
-def _constrain_rows(tree, mesh: Mesh | None, leading: int):
+_Tree = TypeVar("_Tree")
+
+
+def _constrain_rows(tree: _Tree, mesh: Mesh | None, leading: int) -> _Tree:
     """Pins the row axis (after ``leading`` split axes) of every leaf to the batch axes of ``mesh``."""
     if mesh is None:
         return tree
-    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(*(None,) * leading, BATCH_AXES)))
+    constrained: _Tree = jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, P(*(None,) * leading, BATCH_AXES)))
+    return constrained
 
 
 def _check_sampling(batch: TrainBatch, config: UpdateConfig) -> None:
@@ -168,13 +182,14 @@ def _check_sampling(batch: TrainBatch, config: UpdateConfig) -> None:
                          "each row's own temperature is replayed, so leave UpdateConfig.temperature at 1.0.")
 
 
-def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> nnx.Module:
+def merge_model(graphdef: ModelGraph, params: Params, frozen: Params | None = None) -> Transformer:
     """The model of ``params`` and, with LoRA, the ``frozen`` base (`learner.model.lora`)."""
-    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+    model: Transformer = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+    return model
 
 
-def _policy_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
-                     return_entropy: bool = False, frozen: nnx.State | None = None):
+def _policy_logprobs(graphdef: ModelGraph, params: Params, batch: TrainBatch, config: UpdateConfig,
+                     return_entropy: bool = False, frozen: Params | None = None) -> Any:
     """`learner.logprobs.token_logprobs` of ``batch``'s rows under ``params`` (and the ``frozen`` base): their
     sampling params replayed, or at ``config.temperature`` when the batch has none; over ``config.scored_window``
     tokens from each row's first ``loss_mask`` token when set."""
@@ -202,8 +217,8 @@ def first_scored_token(loss_mask: jax.Array) -> jax.Array:
     return jnp.argmax(loss_mask != 0, axis=1).astype(jnp.int32)
 
 
-def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, config: UpdateConfig,
-                       mesh: Mesh | None = None, frozen: nnx.State | None = None) -> jax.Array:
+def recompute_logprobs(graphdef: ModelGraph, params: Params, batch: TrainBatch, config: UpdateConfig,
+                       mesh: Mesh | None = None, frozen: Params | None = None) -> jax.Array:
     """``[B, T]`` logprobs of the batch's tokens under ``params``, one micro-batch of rows at a time, no gradient
     (only in each row's scored window when ``config.scored_window`` is set: 0 elsewhere).
 
@@ -217,7 +232,8 @@ def recompute_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBa
     """
     _check_sampling(batch, config)
     parts = config.num_minibatches * config.num_microbatches
-    rows = batch.replace(advantages=None, rollout_logprobs=None, policy_version=None)  # unread here
+    # None leaves: unread here (a TrainBatch holds arrays, and None where a pytree leaf is absent).
+    rows = dataclasses.replace(batch, advantages=None, rollout_logprobs=None, policy_version=None)  # type: ignore[arg-type]
     chunks = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, parts), rows), mesh, 1)
     logprobs = _merge_rows(jax.lax.map(lambda chunk: _policy_logprobs(graphdef, params, chunk, config,
                                                                       frozen=frozen), chunks))
@@ -249,7 +265,9 @@ def proximal_from_training_pass(config: UpdateConfig) -> bool:
     return importance is None or not importance.batch_normalize or config.num_microbatches == 1
 
 
-def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfig, weight_scale=None, frozen=None):
+def _loss_terms(params: Params, graphdef: ModelGraph, rows: Rows, policy_version: jax.Array, key: jax.Array,
+                config: UpdateConfig, weight_scale: jax.Array | None = None, frozen: Params | None = None
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, dict[str, Any], jax.Array | None]]:
     """Loss numerator of one micro-batch; aux: the numerators and denominators of each adapter (``[N]``, N = 1
     without stacked adapters: the numerator and denominator), the corrections' row statistics and, when ``rows``
     has no proximal logprobs in decoupled mode (`proximal_from_training_pass`), the training pass's logprobs
@@ -279,18 +297,19 @@ def _loss_terms(params, graphdef, rows, policy_version, key, config: UpdateConfi
 class MinibatchGradients(NamedTuple):
     """What `minibatch_gradients` returns for one mini-batch."""
 
-    grads: nnx.State  # gradient of `loss`, in the parameters' dtypes; NaN everywhere when the loss is not finite
+    grads: Params  # gradient of `loss`, in the parameters' dtypes; NaN everywhere when the loss is not finite
     grad_norm: jax.Array  # its global norm, NaN with it; [N], each adapter's, with N stacked adapters
     loss: jax.Array  # the global loss: sum(numerators) / max(sum(denominators), 1); the adapters' losses summed
     denominator: jax.Array  # the summed denominator (of every adapter)
-    metrics: dict  # the corrections' metrics of the whole mini-batch (every micro-batch's row statistics together)
+    metrics: Metrics  # the corrections' metrics of the whole mini-batch (every micro-batch's row statistics together)
     proximal: jax.Array | None  # [rows, T] the training pass's logprobs used as the proximal ones, or None
     adapter_losses: jax.Array  # [N] each adapter's loss (learner.update.adapter_loss); [1] without stacked adapters
 
 
-def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key: jax.Array, *,
-                        graphdef: nnx.GraphDef, config: UpdateConfig, mesh: Mesh | None = None,
-                        param_shardings=None, weight_scale=None, frozen=None) -> MinibatchGradients:
+def minibatch_gradients(params: Params, rows: Rows, policy_version: jax.Array, key: jax.Array, *,
+                        graphdef: ModelGraph, config: UpdateConfig, mesh: Mesh | None = None,
+                        param_shardings: Any = None, weight_scale: jax.Array | None = None,
+                        frozen: Params | None = None) -> MinibatchGradients:
     """Gradient and loss of one mini-batch, accumulated over ``config.num_microbatches`` micro-batches.
 
     The gradient is the float32 sum over micro-batches times one scalar (``1 / denominator``, or NaN when the loss
@@ -300,7 +319,7 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     ``1 / denominator[k]``.
 
     Args:
-        params: model parameters (nnx.State).
+        params: model parameters (Params).
         rows: ``(batch, proximal_logprobs, ref_logprobs)`` of the mini-batch; the logprobs may be None (proximal
             None in decoupled mode: the training pass's own, see `proximal_from_training_pass`).
         policy_version: int32 scalar, the learner's version (staleness metrics).
@@ -315,11 +334,14 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
     """
     n = config.num_microbatches
     micro_rows = _constrain_rows(jax.tree.map(lambda x: _split_rows(x, n), rows), mesh, 1)
-    constrain_like_params = (lambda tree: tree if param_shardings is None
-                             else jax.lax.with_sharding_constraint(tree, param_shardings))
+
+    def constrain_like_params(tree: Params) -> Params:
+        return tree if param_shardings is None else jax.lax.with_sharding_constraint(tree, param_shardings)
+
     grad_fn = jax.value_and_grad(_loss_terms, has_aux=True)
 
-    def accumulate(carry, xs):
+    def accumulate(carry: tuple[Params, jax.Array, jax.Array], xs: tuple[Rows, jax.Array]
+                   ) -> tuple[tuple[Params, jax.Array, jax.Array], tuple[dict[str, Any], jax.Array | None]]:
         grads_sum, numerator_sum, denominator_sum = carry
         micro, micro_key = xs
         (_, (numerators, denominators, row_stats, proximal)), grads = grad_fn(
@@ -352,9 +374,10 @@ def minibatch_gradients(params: nnx.State, rows, policy_version: jax.Array, key:
                               adapter_losses)
 
 
-def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.GraphDef,
+def minibatch_update(state: TrainState, rows: Rows, key: jax.Array, *, graphdef: ModelGraph,
                      optimizer: optax.GradientTransformation, config: UpdateConfig, mesh: Mesh | None = None,
-                     param_shardings=None, weight_scale=None, frozen=None) -> tuple[TrainState, dict, jax.Array | None]:
+                     param_shardings: Any = None, weight_scale: jax.Array | None = None,
+                     frozen: Params | None = None) -> tuple[TrainState, Metrics, jax.Array | None]:
     """One optimizer update on one mini-batch (``rows`` as in `minibatch_gradients`); returns state, metrics and
     the proximal logprobs the training pass provided (`MinibatchGradients.proximal`, else None).
 
@@ -380,10 +403,10 @@ def minibatch_update(state: TrainState, rows, key: jax.Array, *, graphdef: nnx.G
     if out.adapter_losses.shape[0] > 1:
         metrics.update({f"actor/pg_loss_adapter{k}": loss for k, loss in enumerate(out.adapter_losses)})
         metrics.update({f"actor/grad_norm_adapter{k}": norm for k, norm in enumerate(out.grad_norm)})
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics, out.proximal
+    return dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1), metrics, out.proximal
 
 
-def whole_batch_weight_scale(batch: TrainBatch, proximal, config: UpdateConfig):
+def whole_batch_weight_scale(batch: TrainBatch, proximal: jax.Array | None, config: UpdateConfig) -> jax.Array | None:
     """Batch normalisation's divisor over the whole rollout batch (verl's: the weights' mean over every row of the
     training step), or None where each micro-batch must use its own.
 
@@ -393,7 +416,8 @@ def whole_batch_weight_scale(batch: TrainBatch, proximal, config: UpdateConfig):
     """
     corrections_config = config.corrections
     importance = corrections_config.importance
-    if importance is None or not importance.batch_normalize or corrections_config.mode != "decoupled":
+    if (importance is None or not importance.batch_normalize or corrections_config.mode != "decoupled"
+            or proximal is None):
         return None
     weights_only = corrections_config.replace(kl_coef=0.0, entropy_coef=0.0)  # needs no ref logprobs or entropy
     return corrections.compute(proximal, batch.advantages, batch.loss_mask, weights_only, proximal_logprobs=proximal,
@@ -401,10 +425,10 @@ def whole_batch_weight_scale(batch: TrainBatch, proximal, config: UpdateConfig):
                                rows_per_chunk=config.rows_per_chunk).weight_scale
 
 
-def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | None = None,
-                frozen: nnx.State | None = None, *, graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                config: UpdateConfig, mesh: Mesh | None = None, param_shardings=None,
-                reference_graphdef: nnx.GraphDef | None = None) -> tuple[TrainState, dict, jax.Array | None]:
+def update_step(state: TrainState, batch: TrainBatch, ref_params: Params | None = None,
+                frozen: Params | None = None, *, graphdef: ModelGraph, optimizer: optax.GradientTransformation,
+                config: UpdateConfig, mesh: Mesh | None = None, param_shardings: Any = None,
+                reference_graphdef: ModelGraph | None = None) -> tuple[TrainState, Metrics, jax.Array | None]:
     """The whole update for one rollout batch (un-jitted; see `make_update_fn`).
 
     Rows ``B`` must be a multiple of ``config.num_minibatches * config.num_microbatches`` (pad with fully masked
@@ -433,19 +457,21 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
                 if config.corrections.mode == "decoupled" and not from_training_pass else None)
     ref = None
     if config.corrections.kl_coef > 0:
-        ref = (recompute_logprobs(graphdef, ref_params, batch, config, mesh) if reference_graphdef is None
-               else recompute_logprobs(reference_graphdef, frozen, batch, config, mesh))
+        # ref_params were checked above; the reference graph runs over the frozen base (LoRA).
+        ref = (recompute_logprobs(graphdef, cast(Params, ref_params), batch, config, mesh) if reference_graphdef is None
+               else recompute_logprobs(reference_graphdef, cast(Params, frozen), batch, config, mesh))
     rng, epochs_key = jax.random.split(jax.random.wrap_key_data(state.rng))
     update = functools.partial(minibatch_update, graphdef=graphdef, optimizer=optimizer, config=config, mesh=mesh,
                                param_shardings=param_shardings, frozen=frozen,
                                weight_scale=None if from_training_pass
                                else whole_batch_weight_scale(batch, proximal, config))
 
-    def one_update(state, xs):
+    def one_update(state: TrainState, xs: tuple[Rows, jax.Array]
+                   ) -> tuple[TrainState, tuple[Metrics, jax.Array | None]]:
         state, metrics, used = update(state, *xs)
         return state, (metrics, used)
 
-    def epoch(state, epoch_key):
+    def epoch(state: TrainState, epoch_key: jax.Array) -> tuple[TrainState, tuple[Metrics, jax.Array | None]]:
         shuffle_key, minibatch_key = jax.random.split(epoch_key)
         rows = (batch, proximal, ref)
         order = jax.random.permutation(shuffle_key, batch.tokens.shape[0]) if config.shuffle else None
@@ -463,16 +489,27 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: nnx.State | No
     metrics = jax.tree.map(lambda m: m.reshape(-1), metrics)
     if used is not None:  # one epoch
         proximal = _constrain_rows(used[0], mesh, 0)
-    return state.replace(policy_version=state.policy_version + 1, rng=jax.random.key_data(rng)), metrics, proximal
+    new_state = dataclasses.replace(state, policy_version=state.policy_version + 1, rng=jax.random.key_data(rng))
+    return new_state, metrics, proximal
+
+
+class UpdateFn(Protocol):
+    """What `make_update_fn` returns: the jitted update, and its ``lower`` (to inspect or compile it ahead)."""
+
+    def __call__(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None,
+                 frozen: Params | None = None) -> tuple[TrainState, Metrics, jax.Array | None]: ...
+
+    def lower(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None,
+              frozen: Params | None = None) -> jax.stages.Lowered: ...
 
 
 DONATIONS = {"none": (), "state": (0,), "state+batch": (0, 1)}  # make_update_fn's donate: argument positions
 
 
-def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, config: UpdateConfig,
-                   mesh: Mesh, shardings: TrainState, compiler_options: dict | None = None, *,
-                   frozen_shardings=None, reference_graphdef: nnx.GraphDef | None = None,
-                   matmul_precision: str = "default", donate: str = "state"):
+def make_update_fn(graphdef: ModelGraph, optimizer: optax.GradientTransformation, config: UpdateConfig,
+                   mesh: Mesh, shardings: TrainState, compiler_options: dict[str, Any] | None = None, *,
+                   frozen_shardings: Any = None, reference_graphdef: ModelGraph | None = None,
+                   matmul_precision: str = "default", donate: str = "state") -> UpdateFn:
     """`update_step` jitted on ``mesh``: ``fn(state, batch, ref_params, frozen=None) -> (state, metrics,
     proximal_logprobs)``.
 
@@ -502,7 +539,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
                      out_shardings=(shardings, NamedSharding(mesh, P()), NamedSharding(mesh, P())),
                      donate_argnums=DONATIONS[donate], compiler_options=compiler_options)
 
-    def update(state, batch, ref_params=None, frozen=None):
+    def update(state: TrainState, batch: TrainBatch, ref_params: Params | None = None, frozen: Params | None = None
+               ) -> tuple[TrainState, Metrics, jax.Array | None]:
         # before jit, whose in_shardings check would fail first, naming no argument
         if needs_ref_params and ref_params is None:
             raise ValueError("ref_params are required when corrections.kl_coef > 0.")
@@ -510,7 +548,9 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
             raise ValueError("frozen (the LoRA base) must be passed exactly when make_update_fn got frozen_shardings.")
         if batch.adapter is not None:  # only batches that name adapters need the count (a walk of the tree)
             check_adapter_indices(batch.adapter, stacked_adapter_count(state.params))
-        return jitted(state, batch, ref_params, frozen)
+        result: tuple[TrainState, Metrics, jax.Array | None] = jitted(state, batch, ref_params, frozen)
+        return result
 
-    update.lower = lambda state, batch, ref_params=None, frozen=None: jitted.lower(state, batch, ref_params, frozen)
-    return update
+    update.lower = lambda state, batch, ref_params=None, frozen=None: jitted.lower(  # type: ignore[attr-defined]
+        state, batch, ref_params, frozen)
+    return update  # type: ignore[return-value]  # with its `lower`, an UpdateFn
