@@ -23,8 +23,8 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import corrections
 from learner.checkpoints.checkpointer import CheckpointConfig
@@ -35,18 +35,25 @@ from learner.update.optimizer import OptimizerConfig
 from learner.update.step import UpdateConfig
 from rollout_client import ClientConfig, KvCache, PauseMode, SamplingParams, ValidationConfig
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def _bounded(default, low=None, high=None, *, strict_low=False, choices=None):
+_T = TypeVar("_T")
+_Section = TypeVar("_Section", bound="DataclassInstance")
+
+
+def _bounded(default: _T, low: float | None = None, high: float | None = None, *, strict_low: bool = False,
+             choices: Collection[str] | None = None) -> _T:
     """A dataclass field whose value must lie in [low, high] (``strict_low``: > low) or among ``choices``."""
     return dataclasses.field(default=default, metadata={"low": low, "high": high, "strict_low": strict_low,
                                                          "choices": choices})
 
 
-def _positive(default):
+def _positive(default: _T) -> _T:
     return _bounded(default, 0, strict_low=True)
 
 
-def _non_negative(default):
+def _non_negative(default: _T) -> _T:
     return _bounded(default, 0)
 
 
@@ -57,14 +64,14 @@ class LoraSection:
     rank: int = _non_negative(0)  # adapters' rank; 0: full fine-tuning (no adapters).
     alpha: float = 16.0  # the adapters' product is scaled by alpha / rank.
     # regular expressions over projection paths ("layers/0/attn/q_proj"); default: every attention/MLP projection.
-    targets: list = dataclasses.field(default_factory=lambda: list(LoraConfig.targets))
+    targets: list[str] = dataclasses.field(default_factory=lambda: list(LoraConfig.targets))
     dtype: str = "float32"  # adapters' (and their optimizer state's) dtype.
     # what a publish sends: "adapter" the adapters alone (sglang, over smg's LoadLoRAAdapter RPC), "merged" the
     # base with them merged, "auto" merged (no stock engine loads adapters over its smg data plane; docs/lora.md).
     publish: str = _bounded("auto", choices=("auto", "merged", "adapter"))
     # adapter names; several: adapters stacked on one base, each row trained by its own (learner library only, see
     # lora_config); none or one: a single adapter.
-    adapters: list = dataclasses.field(default_factory=list)
+    adapters: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +98,7 @@ class TaskSection:
 
     name: str = "addition_1digit"  # a registered task name, or "my_package.module:MyTask" (class or factory).
     seed: int = 0  # shuffle seed of the prompt stream.
-    args: dict = dataclasses.field(default_factory=dict)  # keyword arguments of the task's factory.
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of the task's factory.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +175,7 @@ class ServerSection:
     # it (a virtual environment with vLLM and smg-grpc-servicer, e.g. from scripts/install_vllm_cpu.sh; None: this
     # one) and extra `vllm serve` flags (e.g. ["--kv-cache-memory-bytes", "268435456"]).
     python: str | None = None
-    engine_args: list = dataclasses.field(default_factory=list)
+    engine_args: list[str] = dataclasses.field(default_factory=list)
     # vllm: publish a tied-embedding model (Qwen2) with an explicit lm_head.weight to an engine started untied. vLLM's
     # in-place reload_weights keeps the start-up lm_head of a tied model (vllm#48312): false serves stale logits.
     untie_embeddings: bool = True
@@ -210,7 +217,8 @@ class CorrectionsSection:
     """The off-policy corrections: a named preset with optional overrides (`correction_config`)."""
 
     preset: str = "decoupled_token_is"  # corrections.PRESETS name.
-    overrides: dict = dataclasses.field(default_factory=dict)  # preset(name, **overrides), e.g. {kl_coef = 0.05}.
+    # preset(name, **overrides), e.g. {kl_coef = 0.05}.
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     # A verl / SkyRL / AReaL YAML or a slime launch script (path; at most one): its loss replaces the preset, its
     # training settings set the run's keys below --set (learner.rl.framework_config; docs/migrating.md).
     from_verl: str | None = None
@@ -293,7 +301,7 @@ class RunConfig:
     loop: LoopSection = LoopSection()
     canary: CanarySection = CanarySection()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, value, metadata in _bounded_fields(self):
             _check_bound(name, value, metadata)
         # Build every library config once now, so that a bad value fails at load time, naming its key.
@@ -312,7 +320,8 @@ class RunConfig:
 
 def correction_config(config: RunConfig) -> corrections.CorrectionConfig:
     """The preset with its overrides; errors name ``corrections.preset`` or ``corrections.overrides``."""
-    if framework_config.framework_file(config.corrections) is not None:
+    # framework_file reads the section as it reads the TOML table (its annotation says only the table).
+    if framework_config.framework_file(config.corrections) is not None:  # type: ignore[arg-type]
         return framework_config.correction_config(config.corrections)
     if config.corrections.preset not in corrections.PRESETS:
         near = difflib.get_close_matches(config.corrections.preset, corrections.PRESETS, n=3)
@@ -526,7 +535,7 @@ def client_config(config: RunConfig, target: str, auth_token: str | None, vocab_
 _FIELD_ERROR = re.compile(r"^(?:\w+Config\.|\w+Params\.)?([A-Za-z_][\w.]*)(.*)$", re.S)
 
 
-def _library(section: str, factory: Callable, renames: Mapping[str, str] | None = None, **values):
+def _library(section: str, factory: Callable[..., _T], renames: Mapping[str, str] | None = None, **values: Any) -> _T:
     """``factory(**values)``; its ValueError (which starts with the field name) is re-raised naming the user's key.
 
     >>> _library("optimizer", OptimizerConfig, renames={"peak_learning_rate": "learning_rate"},
@@ -538,13 +547,15 @@ def _library(section: str, factory: Callable, renames: Mapping[str, str] | None 
     try:
         return factory(**values)
     except ValueError as error:
-        field, rest = _FIELD_ERROR.match(str(error)).groups()
+        # A library config's ValueError starts with its field name, which the pattern always matches.
+        field, rest = cast(re.Match[str], _FIELD_ERROR.match(str(error))).groups()
         raise ValueError(f"{section}.{(renames or {}).get(field, field)}{rest}") from None
 
 
 # --- Section fields: declared bounds, types, loading --------------------------------------------------------------
 
-def _bounded_fields(config, prefix: str = ""):
+def _bounded_fields(config: DataclassInstance | type[DataclassInstance],
+                    prefix: str = "") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if dataclasses.is_dataclass(value):
@@ -553,7 +564,7 @@ def _bounded_fields(config, prefix: str = ""):
             yield f"{prefix}{field.name}", value, field.metadata
 
 
-def _check_bound(name: str, value, bound: Mapping[str, Any]) -> None:
+def _check_bound(name: str, value: Any, bound: Mapping[str, Any]) -> None:
     if value is None:
         return
     if bound["choices"] is not None:
@@ -568,7 +579,7 @@ def _check_bound(name: str, value, bound: Mapping[str, Any]) -> None:
         raise ValueError(f"{name}={value!r}: must be {' and '.join(filter(None, (below, above)))}")
 
 
-def _accepts(annotation, value) -> bool:
+def _accepts(annotation: Any, value: object) -> bool:
     """Whether ``value`` (plain TOML data) fits a field annotated ``annotation``."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return any(_accepts(option, value) for option in typing.get_args(annotation))
@@ -581,7 +592,7 @@ def _accepts(annotation, value) -> bool:
     return isinstance(value, typing.get_origin(annotation) or annotation)
 
 
-def _build(cls, data: Mapping[str, Any], prefix: str):
+def _build(cls: type[_Section], data: Mapping[str, Any], prefix: str) -> _Section:
     """``cls`` from nested plain data; unknown fields (with the nearest known one) and wrong types raise ValueError
     naming the field."""
     if not isinstance(data, Mapping):
@@ -593,7 +604,7 @@ def _build(cls, data: Mapping[str, Any], prefix: str):
         hint = f"did you mean {nearest[0]!r}? " if nearest else ""
         raise ValueError(f"{prefix}{unknown[0]}: unknown field; {hint}known: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
-    values = {}
+    values: dict[str, Any] = {}
     for name, value in data.items():
         if dataclasses.is_dataclass(hints[name]):
             values[name] = _build(hints[name], value, f"{prefix}{name}.")
@@ -620,7 +631,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def _apply(data: dict, path: list[str], value) -> None:
+def _apply(data: dict[str, Any], path: list[str], value: Any) -> None:
     for part in path[:-1]:
         data = data.setdefault(part, {})
         if not isinstance(data, dict):
@@ -651,16 +662,16 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
         base = tomllib.loads(pathlib.Path(path).read_text()) if path is not None else {}
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{path}: not valid TOML: {error}") from None
-    overrides = [parse_override(override) for override in overrides]
+    parsed = [parse_override(override) for override in overrides]
     data = copy.deepcopy(base)
-    for override in overrides:
-        _apply(data, *override)
+    for path_and_value in parsed:
+        _apply(data, *path_and_value)
     framework_file = framework_config.framework_file(data.get("corrections", {}))
     if framework_file is None:
         return _build(RunConfig, data, "")
     data = framework_config.with_framework_file(base, *framework_file)  # the TOML file < the framework file < --set
-    for override in overrides:
-        _apply(data, *override)
+    for path_and_value in parsed:
+        _apply(data, *path_and_value)
     try:
         return _build(RunConfig, data, "")
     except ValueError as error:  # named with the file's key that set each value, or the run config
@@ -668,7 +679,7 @@ def load_config(path: str | pathlib.Path | None = None, overrides: Sequence[str]
         raise ValueError(framework_config.clash(str(error), *framework_file, sections)) from None
 
 
-def to_dict(config: RunConfig) -> dict:
+def to_dict(config: RunConfig) -> dict[str, Any]:
     """Plain data of a config (stored with every checkpoint)."""
     return dataclasses.asdict(config)
 
@@ -697,7 +708,7 @@ def changed_keys(saved: Mapping[str, Any], current: RunConfig, watched: Sequence
                   and old.get(key, defaults.get(key)) != new.get(key))
 
 
-def _flat(data: Mapping[str, Any], prefix: str = ""):
+def _flat(data: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """``{"section": {"field": {"key": value}}}`` -> ``("section.field.key", value)`` pairs; an empty table is a
     value (so a table emptied or filled shows as changed)."""
     for key, value in data.items():
