@@ -13,6 +13,7 @@ reference server's model engine) and `learner.rl` (the loop's pieces and hooks);
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 # Public name -> the module that defines it, imported on first use: `import learner.model` loads neither the RL loop
 # nor gRPC.
@@ -42,8 +43,31 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
+if TYPE_CHECKING:  # the same names for type checkers, which do not run __getattr__ (a test keeps it equal to _LAZY)
+    from learner.checkpoints.checkpointer import CheckpointConfig as CheckpointConfig
+    from learner.checkpoints.checkpointer import Checkpointer as Checkpointer
+    from learner.model.sharding import make_mesh as make_mesh
+    from learner.model.transformer import ModelConfig as ModelConfig
+    from learner.model.transformer import Transformer as Transformer
+    from learner.model.transformer import model_config as model_config
+    from learner.rl import Hook as Hook
+    from learner.rl import Run as Run
+    from learner.rl import RunConfig as RunConfig
+    from learner.rl import StepRecord as StepRecord
+    from learner.rl import load_config as load_config
+    from learner.tasks import Task as Task
+    from learner.tasks import load_task as load_task
+    from learner.tasks import register_task as register_task
+    from learner.update.batch import TrainBatch as TrainBatch
+    from learner.update.optimizer import OptimizerConfig as OptimizerConfig
+    from learner.update.optimizer import make_optimizer as make_optimizer
+    from learner.update.step import UpdateConfig as UpdateConfig
+    from learner.update.step import make_update_fn as make_update_fn
+    from learner.update.train_state import TrainState as TrainState
+    from learner.update.train_state import create_sharded_train_state as create_sharded_train_state
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'learner' has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY[name]), name)
@@ -51,5 +75,5 @@ def __getattr__(name: str):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
