@@ -1,7 +1,8 @@
 """docs/architecture.md's import rules, checked on the source, and no import circle among the repo's modules.
 
-Every import statement of every module counts, those inside functions and under ``if TYPE_CHECKING:`` included,
-read with `ast`: nothing is imported, so the whole check takes about a second. What importing a package loads at
+Every import statement of every module counts, those inside functions and under ``if TYPE_CHECKING:`` included (a
+circle for type checkers alone is still two modules that name each other), read with `ast`: nothing is imported, so
+the whole check takes about a second. What importing a package loads at
 run time is checked by tests/corrections/test_package_boundaries.py, tests/rollout_client/test_no_learner_imports.py
 and tests/learner/test_package_layers.py.
 """
@@ -68,30 +69,10 @@ def module_files(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, pat
     return files
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def import_statements(node: ast.AST, typing_only: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement under ``node``, at any depth, with whether it runs for type checkers only."""
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
-        yield node, typing_only
-        return
-    if isinstance(node, ast.If) and _is_type_checking(node.test):
-        for child in node.body:
-            yield from import_statements(child, True)
-        for child in node.orelse:
-            yield from import_statements(child, typing_only)
-        return
-    for child in ast.iter_child_nodes(node):
-        yield from import_statements(child, typing_only)
-
-
-def import_graph(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, dict[str, bool]]:
-    """Module -> {what it imports: whether only for type checking}. An import names the repo's module it loads
-    (``from a import b``: ``a.b`` where that is a module, else ``a``; otherwise the nearest package above), or an
-    outside package by its top-level name."""
+def import_graph(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> what it imports, at any depth of its source. An import names the repo's module it loads (``from a
+    import b``: ``a.b`` where that is a module, else ``a``; otherwise the nearest package above), or an outside
+    package by its top-level name."""
     files = module_files(root, packages)
 
     def resolve(name: str) -> str:
@@ -103,20 +84,20 @@ def import_graph(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, dic
     graph = {}
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        edges: dict[str, bool] = {}
-        for node, typing_only in import_statements(ast.parse(path.read_text(), str(path))):
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [resolve(alias.name) for alias in node.names]
-            else:
+            elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
                     parts = package.split(".")
                     base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else resolve(base)
                            for alias in node.names]
-            for target in targets:
-                if target != module:
-                    edges[target] = edges.get(target, True) and typing_only
+            else:
+                continue
+            edges.update(target for target in targets if target != module)
         graph[module] = edges
     return graph
 
@@ -131,9 +112,9 @@ def part(module: str) -> str:
     return parts[0]
 
 
-def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
-    """The import circles (strongly connected components of two or more modules) of the imports that run, each
-    sorted; Tarjan's algorithm."""
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles (strongly connected components of two or more modules), each sorted; Tarjan's
+    algorithm."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -142,9 +123,7 @@ def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
     def visit(module: str) -> None:
         index[module] = low[module] = len(index)
         stack.append(module)
-        for target, typing_only in graph[module].items():
-            if typing_only or target not in graph:
-                continue
+        for target in graph[module] & graph.keys():
             if target not in index:
                 visit(target)
                 low[module] = min(low[module], low[target])
@@ -164,11 +143,11 @@ def cycles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def graph() -> dict[str, dict[str, bool]]:
+def graph() -> dict[str, set[str]]:
     return import_graph(REPO_ROOT, PACKAGES)
 
 
-def imports_of(graph: dict[str, dict[str, bool]], package: str) -> Iterator[tuple[str, str]]:
+def imports_of(graph: dict[str, set[str]], package: str) -> Iterator[tuple[str, str]]:
     """(module, what it imports) for every module of ``package``."""
     for module, edges in graph.items():
         if module.split(".")[0] == package:
@@ -193,8 +172,7 @@ def test_corrections_and_rollout_client_import_nothing_above_them(graph):
 
 def test_learner_reaches_corrections_and_rollout_client_from_the_documented_layers_only(graph):
     offenders = [f"{module} imports {target}" for module, target in imports_of(graph, "learner")
-                 if part(target) in IMPORTED_BY and part(module) not in IMPORTED_BY[part(target)]
-                 and part(module) != "learner"]
+                 if part(target) in IMPORTED_BY and part(module) not in IMPORTED_BY[part(target)]]
     assert offenders == []
 
 
@@ -226,10 +204,9 @@ def test_the_graph_sees_imports_in_functions_relative_and_for_type_checking(tmp_
     (package / "sub" / "b.py").write_text("import flax.nnx\n\n\ndef g():\n    import pkg.a\n    return pkg.a\n")
     (package / "sub" / "c.py").write_text("from pkg import a\n")
     graph = import_graph(tmp_path, ("pkg",))
-    assert graph["pkg.a"] == {"os": False, "typing": False, "pkg.sub.c": True, "pkg.sub.b": False}
-    assert graph["pkg.sub"] == {"pkg.sub.b": False}
-    assert graph["pkg.sub.b"] == {"flax": False, "pkg.a": False}
-    assert cycles(graph) == [["pkg.a", "pkg.sub.b"]]  # a <-> c only for type checking: no circle
+    assert graph == {"pkg": set(), "pkg.a": {"os", "typing", "pkg.sub.c", "pkg.sub.b"}, "pkg.sub": {"pkg.sub.b"},
+                     "pkg.sub.b": {"flax", "pkg.a"}, "pkg.sub.c": {"pkg.a"}}
+    assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
 
 
 def test_part_names_the_layers_of_the_architecture():
