@@ -26,7 +26,7 @@ from tests.reference_ports import areal, skyrl, slime, verl
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T = 6, 8
-DOCS = pathlib.Path(__file__).parents[2] / "docs" / "migrating.md"
+DOCS = pathlib.Path(__file__).parents[2] / "docs" / "from-other-frameworks.md"
 
 
 @functools.cache
@@ -438,7 +438,7 @@ def test_preset_rejection_overrides_merge_by_rule_name():
     (_areal, ("ACTOR", "REJECTION_SAMPLING")),
 ])
 def test_docs_table_every_key_a_front_door_reads(module, tables):
-    """docs/migrating.md names every key a front door reads (in backticks)."""
+    """docs/from-other-frameworks.md names every key a front door reads (in backticks)."""
     text = DOCS.read_text()
     for table in tables:
         for key in getattr(module, table):
