@@ -95,7 +95,7 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ``use_sapo_loss`` with its temperatures, ``prox_logp_method`` and ``m2_threshold``. Keys that do not touch the
     loss are accepted and not applied, and listed in one ``TrainingKeysWarning``; unknown keys are listed
     (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key.
-    docs/migrating.md has the table.
+    docs/from-other-frameworks.md has the table.
 
     Without ``use_decoupled_loss`` AReaL's PPO is anchored on the recomputed logprobs (``recompute_logprob``) or on
     the inference engine's (bypass mode here).

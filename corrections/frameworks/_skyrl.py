@@ -139,7 +139,8 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     block (and the deprecated ``use_tis`` / ``tis_imp_ratio_cap``), the KL loss and the entropy bonus. Keys that
     do not touch the loss (advantage estimator, critic, batch sizes) are accepted and not applied, and listed in
     one ``TrainingKeysWarning``; unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest
-    match, inside a loss block or close to a loss key. docs/migrating.md has the key-by-key table.
+    match, inside a loss block or close to a loss key.
+    docs/from-other-frameworks.md has the key-by-key table.
 
     >>> config = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {"tis_ratio_type": "token"}}}})
     >>> config.importance.high, config.objective.dual_clip, config.denominator, config.kl_coef

@@ -126,8 +126,8 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     ``--use-rollout-logprobs``, ``--use-opsm``,
     ``--opsm-delta``, the KL loss and ``--entropy-coef``. Arguments of slime's algorithm group that do not touch
     the loss are accepted and not applied, and listed in one ``TrainingKeysWarning``; unknown ones are listed
-    (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss argument. docs/migrating.md
-    has the table.
+    (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss argument.
+    docs/from-other-frameworks.md has the table.
 
     OPSM here is the sequence-level decision of slime PR #1917 (slime 624b824a decides per token).
 

@@ -229,7 +229,7 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     estimator) are accepted and not applied, and listed in one ``TrainingKeysWarning``. Unknown keys are listed
     (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key;
     Hydra's ``_target_`` and ``defaults`` are understood (``corrections.frameworks._defaults``).
-    docs/migrating.md has the key-by-key table.
+    docs/from-other-frameworks.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl
     checks k1 bounds inverted (see ``verl_rejection_rules``): ``reproduce_inverted_k1=True`` reproduces that.
