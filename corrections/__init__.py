@@ -2,8 +2,8 @@
 
 Importance weights, rejection masks, policy objectives, reductions, advantages, diagnostics, presets, and
 ``compute``, the pipeline that composes them. No model, no sharding. ``from_verl``, ``from_skyrl``,
-``from_slime`` and ``from_areal`` (and ``config_from_dict``) read those frameworks' own config blocks, and
-``read_file`` their config files (a YAML file with its Hydra composition, a verl or slime launch script).
+``from_slime`` and ``from_areal`` (and ``config_from_dict``) read those frameworks' own config blocks (plain data);
+their files are read by ``learner.rl.framework_files.read_file``.
 """
 
 from corrections._advantages import broadcast_to_tokens
@@ -39,9 +39,8 @@ from corrections._objectives import ppo_clip_loss
 from corrections._objectives import reinforce_loss
 from corrections._objectives import rollout_is_loss
 from corrections._objectives import sapo_loss
-from corrections.frameworks._files import read_file
 from corrections.frameworks._keys import UnknownKeyWarning
-from corrections.frameworks._training import TrainingKeysWarning
+from corrections.frameworks._keys import TrainingKeysWarning
 from corrections.frameworks._from_dict import config_from_dict
 from corrections._pipeline import Corrected
 from corrections._pipeline import check_batch
@@ -115,7 +114,6 @@ __all__ = (
     "preset",
     "PRESETS",
     "product_sequence_mask",
-    "read_file",
     "reduce_loss",
     "reinforce_loss",
     "reinforce_pp_advantages",

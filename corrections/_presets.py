@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from corrections._config import RULE_ALIASES, CorrectionConfig, config_from_dict, config_to_dict
-from corrections.frameworks._files import merge
-from corrections.frameworks._keys import unknown_key
+from corrections.frameworks._keys import merge, unknown_key
 from corrections.frameworks._verl import from_verl
 
 CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(CorrectionConfig))
@@ -30,7 +29,7 @@ _ICEPOP = {"level": "token", "low": 0.5, "high": 5.0, "overflow": "mask"}
 
 
 def _merge(base: Mapping[str, Any], *updates: Mapping[str, Any]) -> dict[str, Any]:
-    """``corrections.frameworks._files.merge`` of the updates in turn, on copies."""
+    """``corrections.frameworks.merge`` of the updates in turn, on copies."""
     out = copy.deepcopy(dict(base))
     for update in updates:
         out = merge(out, copy.deepcopy(dict(update)))

@@ -1,45 +1,43 @@
-"""The frameworks' own configs: readers of verl, SkyRL, slime and AReaL config blocks and files, and their key tables.
+"""The frameworks' own config blocks: verl, SkyRL, slime and AReaL settings read into a loss config.
 
-``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal`` (and ``config_from_dict``) turn a framework's config
-block into a `corrections.CorrectionConfig`; ``read_file`` reads their config files (a YAML file with its Hydra
-composition, a verl or slime launch script). The training tables (``MAPS``, ``rows``, ...) say what each training
-key of a file becomes in a Tether run: ``learner.rl.framework_config`` builds the run mapping from them.
+``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal`` (and ``config_from_dict``) turn a framework's
+config block (plain data: a mapping, dotted keys, slime's command line) into a `corrections.CorrectionConfig`,
+checking every key against the framework's own names. Reading their files (YAML with its Hydra composition, launch
+scripts) and what their training keys become in a Tether run are the learner's: ``learner.rl.framework_files``,
+``learner.rl.framework_keys``. ``nest``, ``merge``, ``whole``, ``defaults_entry``, ``entry_package`` and
+``hydra_command`` are the block helpers those share with the front doors.
 """
 
 from corrections.frameworks._areal import from_areal
-from corrections.frameworks._files import merge
-from corrections.frameworks._files import read_file
+from corrections.frameworks._defaults import defaults_entry
+from corrections.frameworks._defaults import entry_package
+from corrections.frameworks._defaults import hydra_command
 from corrections.frameworks._from_dict import config_from_dict
+from corrections.frameworks._keys import TrainingKeysWarning
 from corrections.frameworks._keys import UnknownKeyWarning
+from corrections.frameworks._keys import merge
+from corrections.frameworks._keys import nest
+from corrections.frameworks._sections import whole
 from corrections.frameworks._skyrl import from_skyrl
 from corrections.frameworks._slime import from_slime
 from corrections.frameworks._slime import slime_arguments
-from corrections.frameworks._training import BETAS
-from corrections.frameworks._training import GRPO
-from corrections.frameworks._training import MAPS
-from corrections.frameworks._training import Row
-from corrections.frameworks._training import TrainingKeysWarning
-from corrections.frameworks._training import rows
-from corrections.frameworks._training import whole
 from corrections.frameworks._verl import from_verl
 from corrections.frameworks._verl import verl_importance
 from corrections.frameworks._verl import verl_rejection_rules
 
 __all__ = [
-    "BETAS",
-    "GRPO",
-    "MAPS",
-    "Row",
     "TrainingKeysWarning",
     "UnknownKeyWarning",
     "config_from_dict",
+    "defaults_entry",
+    "entry_package",
     "from_areal",
     "from_skyrl",
     "from_slime",
     "from_verl",
+    "hydra_command",
     "merge",
-    "read_file",
-    "rows",
+    "nest",
     "slime_arguments",
     "verl_importance",
     "verl_rejection_rules",

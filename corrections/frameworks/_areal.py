@@ -13,8 +13,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections.frameworks._keys import check_keys, choice, merge_disjoint, nest, section, unknown, unsupported
-from corrections.frameworks._training import warn_training_keys
+from corrections.frameworks._keys import (
+    check_keys,
+    choice,
+    ignored,
+    merge_disjoint,
+    nest,
+    section,
+    unknown,
+    unsupported,
+    warn_ignored,
+)
 
 ACTOR = dict(
     eps_clip=0.2, eps_clip_higher=None, c_clip=None, m2_threshold=None, use_sapo_loss=False, sapo_tau_pos=1.0,
@@ -84,9 +93,9 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     defaults. Read: ``eps_clip``, ``eps_clip_higher``, ``c_clip``, ``use_decoupled_loss``, ``recompute_logprob``,
     ``rejection_sampling`` (level, action, metric, agg, upper, lower), ``importance_sampling_level`` (GSPO),
     ``use_sapo_loss`` with its temperatures, ``prox_logp_method`` and ``m2_threshold``. Keys that do not touch the
-    loss are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``; unknown
-    keys are listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a
-    loss key. docs/migrating.md has the table.
+    loss are accepted and not applied, and listed in one ``TrainingKeysWarning``; unknown keys are listed
+    (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key.
+    docs/from-other-frameworks.md has the table.
 
     Without ``use_decoupled_loss`` AReaL's PPO is anchored on the recomputed logprobs (``recompute_logprob``) or on
     the inference engine's (bypass mode here).
@@ -100,19 +109,20 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ValueError: areal.actor: unknown key 'eps_clip_high'; did you mean 'eps_clip_higher'?
     """
     data = merge_disjoint(nest(config or {}, "areal"), nest(keys, "areal"), "areal")
-    warn_training_keys("areal", data)
     given: dict = {}
+    outside: dict = {}
     for key, value in data.items():
         if key == "actor":
             given = merge_disjoint(given, section(value, "areal.actor"), "areal.actor")
         elif "actor" in data and key in IGNORED:
-            continue  # a whole AReaL config: its top-level keys (experiment_name, ...) are not the actor's
+            outside[key] = value  # a whole AReaL config's top-level keys (experiment_name, ...): not the actor's
         elif key in ACTOR or key in IGNORED:
             given = merge_disjoint(given, {key: value}, "areal.actor")
         elif key != "_target_":
             unknown("areal", key, set(ACTOR) | IGNORED | {"actor"}, set(ACTOR) | {"actor"})
     where = "areal.actor"
     check_keys(given, set(ACTOR) | IGNORED, where, ACTOR)
+    warn_ignored("areal", outside | ignored(given, IGNORED, "actor."))
     actor = {**ACTOR, **{k: v for k, v in given.items() if k in ACTOR}}
     if actor["m2_threshold"] is not None:
         raise unsupported(where, "m2_threshold", actor["m2_threshold"], "M2PO masking is not implemented.")

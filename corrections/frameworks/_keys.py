@@ -5,6 +5,9 @@ A key the framework's reader does not know is an error in a block that sets the 
 key that sets the loss (a misspelt loss key would silently keep the default); elsewhere (a newer framework's key, a
 section outside the loss) it is listed with an ``UnknownKeyWarning`` and not used.
 
+A key the framework has that does not set the loss (batch sizes, optimizer, engine, advantages) is accepted and
+not applied; a front door lists those its input gives in one ``TrainingKeysWarning`` per call.
+
 Shared by the front doors ``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal``.
 """
 
@@ -14,8 +17,6 @@ import difflib
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
-
-from corrections.frameworks._files import entry_package, hydra_command
 
 TYPO = 0.8  # difflib ratio above which an unknown key is taken for a misspelt loss key (clip_ratio_hgh: 0.97)
 
@@ -27,6 +28,31 @@ class UnknownKeyWarning(UserWarning):
     def __init__(self, path: str, message: str):
         super().__init__(f"{path}: {message}")
         self.path = path
+
+
+class TrainingKeysWarning(UserWarning):
+    """Keys of the framework's config that do not set the loss (batch sizes, optimizer, engine, advantages, ...),
+    given to a front door, which returns the loss only: accepted and not applied. ``settings``: each key as the
+    framework names it, dotted with its block (``actor_rollout_ref.actor.ppo_epochs``, slime's ``--lr``) -> its
+    value."""
+
+    def __init__(self, framework: str, settings: Mapping[str, Any]):
+        super().__init__(f"{framework}: keys outside the loss are accepted and not applied (the config returned holds "
+                         f"the loss only): {', '.join(settings)}.")
+        self.framework = framework
+        self.settings = dict(settings)
+
+
+def ignored(block: Mapping[str, Any], keys: Iterable[str], prefix: str) -> dict[str, Any]:
+    """The keys of ``block`` that are in ``keys`` (a front door's keys outside the loss), dotted under ``prefix``."""
+    keys = set(keys)
+    return {f"{prefix}{key}": value for key, value in block.items() if key in keys}
+
+
+def warn_ignored(framework: str, settings: Mapping[str, Any]) -> None:
+    """One ``TrainingKeysWarning`` listing ``settings`` (for the front door's caller); nothing when it is empty."""
+    if settings:
+        warnings.warn(TrainingKeysWarning(framework, settings), stacklevel=3)
 
 
 def nearest(key: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
@@ -81,6 +107,22 @@ def nest(data: Mapping[str, Any], where: str) -> dict:
     return out
 
 
+def merge(base: Mapping, update: Mapping) -> dict:
+    """Hydra's (and the presets') merge: mappings merge key by key, anything else replaces; the inputs are not
+    changed (their values are shared, not copied).
+
+    >>> merge({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 4}, "d": {"e": 5}})
+    {'a': {'b': 4, 'c': 2}, 'd': {'e': 5}}
+    """
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def merge_disjoint(first: dict, second: dict, where: str) -> dict:
     """The union of two nested dicts that must not set the same leaf."""
     out = dict(first)
@@ -109,28 +151,6 @@ def unknown(where: str, key: str, known: Iterable[str], read: Iterable[str] | No
     if read is None or nearest(key, read, cutoff=TYPO) is not None:
         raise unknown_key(where, key, known)
     warnings.warn(UnknownKeyWarning(f"{where}.{key}", "not a key this reader knows; not used."), stacklevel=3)
-
-
-def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[str], loss_packages: Iterable[str],
-                   package: str = "") -> None:
-    """Hydra ``defaults`` left in a config (their files were not composed): an entry that fills a package outside
-    the loss is listed; one that fills a loss package must be the framework's stock entry (whose values the front
-    door takes as its defaults), else the composition is refused, naming the command that resolves it."""
-    if not isinstance(entries, list):
-        raise ValueError(f"{where}.defaults must be a Hydra defaults list, got {entries!r}.")
-    stock = {repr(entry) for entry in stock}
-    for entry in entries:
-        target = entry_package(entry, package)
-        if target is None or repr(entry) in stock:
-            continue
-        touches = [p for p in loss_packages if not target or p == target or p.startswith(f"{target}.")
-                   or target.startswith(f"{p}.")]
-        if touches:
-            raise ValueError(f"{where}.defaults: {entry!r} composes {target or 'the whole config'} (which sets the "
-                             f"loss) from a file that was not read; compose and resolve the config first: "
-                             f"{hydra_command(framework)}")
-        warnings.warn(UnknownKeyWarning(f"{where}.defaults", f"{entry!r} fills {target}, outside the loss; not used."),
-                      stacklevel=2)
 
 
 def section(value: Any, where: str) -> dict:

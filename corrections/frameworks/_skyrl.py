@@ -11,17 +11,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
+from corrections.frameworks._defaults import check_defaults
 from corrections.frameworks._keys import (
-    check_defaults,
     check_keys,
     choice,
+    ignored,
     merge_disjoint,
     nest,
     section,
     unknown,
     unsupported,
+    warn_ignored,
 )
-from corrections.frameworks._training import warn_training_keys
 
 OFF_POLICY_CORRECTION = dict(
     tis_ratio_type=None, token_tis_ratio_clip_high=2.0, sequence_tis_ratio_clip_high=5.0, sequence_mask_metric=None,
@@ -77,14 +78,17 @@ LOSSES_UNSUPPORTED = {
 }
 
 
-def _skyrl_algorithm(data: dict) -> dict:
-    """The ``trainer.algorithm`` block of a SkyRL config given whole, as ``trainer``/``algorithm``, or flat."""
+def _skyrl_algorithm(data: dict) -> tuple[dict, dict]:
+    """The ``trainer.algorithm`` block of a SkyRL config given whole, as ``trainer``/``algorithm``, or flat, and the
+    keys outside the loss it gives (dotted)."""
     algorithm: dict = {}
+    outside: dict = {}
     known = set(ALGORITHM) | ALGORITHM_IGNORED
     for key, value in data.items():
         if key == "trainer":
             trainer = section(value, "skyrl.trainer")
             check_keys(trainer, TRAINER_IGNORED | {"algorithm"}, "skyrl.trainer", {"algorithm"})
+            outside |= ignored(trainer, TRAINER_IGNORED, "trainer.")
             part = section(trainer.get("algorithm"), "skyrl.trainer.algorithm")
             algorithm = merge_disjoint(algorithm, part, "skyrl.trainer.algorithm")
         elif key == "algorithm":
@@ -96,7 +100,7 @@ def _skyrl_algorithm(data: dict) -> dict:
         elif key != "_target_":
             unknown("skyrl", key, known | {"trainer", "algorithm"}, set(ALGORITHM) | {"trainer", "algorithm"})
     check_keys(algorithm, known, "skyrl.trainer.algorithm", ALGORITHM)
-    return algorithm
+    return algorithm, outside | ignored(algorithm, ALGORITHM_IGNORED, "trainer.algorithm.")
 
 
 def _skyrl_corrections(opc: dict, where: str) -> tuple[ImportanceWeights | None, tuple[RejectionRule, ...]]:
@@ -133,9 +137,10 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ``kl_loss_coef=0.001``. Read: ``policy_loss_type`` with its sub-blocks (``sapo``, ``clip_cov``, ``kl_cov``,
     ``cispo``), ``eps_clip_low/high``, ``clip_ratio_c``, ``loss_reduction``, the whole ``off_policy_correction``
     block (and the deprecated ``use_tis`` / ``tis_imp_ratio_cap``), the KL loss and the entropy bonus. Keys that
-    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and not applied, those that change
-    training listed in one ``TrainingKeysWarning``; unknown keys are listed (``UnknownKeyWarning``), or raise,
-    naming the nearest match, inside a loss block or close to a loss key. docs/migrating.md has the key-by-key table.
+    do not touch the loss (advantage estimator, critic, batch sizes) are accepted and not applied, and listed in
+    one ``TrainingKeysWarning``; unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest
+    match, inside a loss block or close to a loss key.
+    docs/from-other-frameworks.md has the key-by-key table.
 
     >>> config = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {"tis_ratio_type": "token"}}}})
     >>> config.importance.high, config.objective.dual_clip, config.denominator, config.kl_coef
@@ -148,8 +153,8 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     """
     where = "skyrl.trainer.algorithm"
     data = merge_disjoint(nest(config or {}, "skyrl"), nest(keys, "skyrl"), "skyrl")
-    warn_training_keys("skyrl", data)
-    given = _skyrl_algorithm(data)
+    given, outside = _skyrl_algorithm(data)
+    warn_ignored("skyrl", outside)
     algorithm = {**ALGORITHM, **{k: v for k, v in given.items() if k in ALGORITHM}}
     sub = {}
     for name, defaults in SUBSECTIONS.items():

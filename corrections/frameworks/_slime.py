@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective
-from corrections.frameworks._keys import check_keys, choice, merge_disjoint, unsupported
-from corrections.frameworks._training import warn_training_keys
+from corrections.frameworks._keys import check_keys, choice, merge_disjoint, unsupported, warn_ignored
 
 ARGUMENTS = dict(
     advantage_estimator="grpo", loss_type="policy_loss", eps_clip=0.2, eps_clip_high=None, eps_clip_c=None,
@@ -126,9 +125,9 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     ``--custom-tis-function-path`` (slime's vanilla TIS, IcePop, or PR #2084's off_policy_is_function),
     ``--use-rollout-logprobs``, ``--use-opsm``,
     ``--opsm-delta``, the KL loss and ``--entropy-coef``. Arguments of slime's algorithm group that do not touch
-    the loss are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``;
-    unknown ones are listed (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss
-    argument. docs/migrating.md has the table.
+    the loss are accepted and not applied, and listed in one ``TrainingKeysWarning``; unknown ones are listed
+    (``UnknownKeyWarning``), or raise, naming the nearest match, when close to a loss argument.
+    docs/from-other-frameworks.md has the table.
 
     OPSM here is the sequence-level decision of slime PR #1917 (slime 624b824a decides per token).
 
@@ -142,8 +141,8 @@ def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /,
     """
     where = "slime"
     given = merge_disjoint(slime_arguments(config), slime_arguments(keys), where)
-    warn_training_keys("slime", given)
     check_keys(given, set(ARGUMENTS) | IGNORED, where, ARGUMENTS)
+    warn_ignored("slime", {f"--{key.replace('_', '-')}": value for key, value in given.items() if key in IGNORED})
     args = {**ARGUMENTS, **{k: v for k, v in given.items() if k in ARGUMENTS}}
     for key in ("custom_loss_function_path", "custom_pg_loss_reducer_function_path"):
         if args[key] is not None:

@@ -24,17 +24,18 @@ from corrections._config import (
     Objective,
     RejectionRule,
 )
+from corrections.frameworks._defaults import check_defaults
 from corrections.frameworks._keys import (
-    check_defaults,
     check_keys,
     choice,
+    ignored,
     merge_disjoint,
     nest,
     section,
     unknown,
     unsupported,
+    warn_ignored,
 )
-from corrections.frameworks._training import warn_training_keys
 from corrections.frameworks._verl_keys import (
     ACTOR,
     ACTOR_IGNORED,
@@ -143,20 +144,23 @@ LOSS_MODES_UNSUPPORTED = {
 }
 
 
-def _verl_blocks(data: dict) -> tuple[dict, dict]:
-    """Splits a verl config (full, sections, or flat keys) into its rollout_correction and actor blocks."""
+def _verl_blocks(data: dict) -> tuple[dict, dict, dict]:
+    """Splits a verl config (full, sections, or flat keys) into its rollout_correction and actor blocks, and the
+    keys outside the loss it gives (dotted)."""
     where = "verl"
-    rollout_correction, actor = {}, {}
+    rollout_correction, actor, outside = {}, {}, {}
     sections = {"algorithm", "actor_rollout_ref", "rollout_correction", "actor"}
     for key, value in data.items():
         if key == "algorithm":
             algorithm = section(value, "verl.algorithm")
             check_keys(algorithm, ALGORITHM_IGNORED | {"rollout_correction"}, "verl.algorithm", {"rollout_correction"})
+            outside |= ignored(algorithm, ALGORITHM_IGNORED, "algorithm.")
             part = section(algorithm.get("rollout_correction"), "verl.algorithm.rollout_correction")
             rollout_correction = merge_disjoint(rollout_correction, part, "verl.algorithm.rollout_correction")
         elif key == "actor_rollout_ref":
             block = section(value, "verl.actor_rollout_ref")
             check_keys(block, ACTOR_ROLLOUT_REF_IGNORED | {"actor"}, "verl.actor_rollout_ref", {"actor"})
+            outside |= ignored(block, ACTOR_ROLLOUT_REF_IGNORED, "actor_rollout_ref.")
             actor = merge_disjoint(actor, section(block.get("actor"), "verl.actor_rollout_ref.actor"),
                                    "verl.actor_rollout_ref.actor")
         elif key == "rollout_correction":
@@ -178,7 +182,7 @@ def _verl_blocks(data: dict) -> tuple[dict, dict]:
                        package="actor_rollout_ref.actor")
     check_keys(rollout_correction, ROLLOUT_CORRECTION, "verl.algorithm.rollout_correction")
     check_keys(actor, set(ACTOR) | ACTOR_IGNORED, "verl.actor_rollout_ref.actor", ACTOR)
-    return rollout_correction, actor
+    return rollout_correction, actor, outside | ignored(actor, ACTOR_IGNORED, "actor_rollout_ref.actor.")
 
 
 def _verl_objective(actor: dict, policy_loss: dict, bypass: bool, loss_type: str) -> tuple[Objective, str | None]:
@@ -215,17 +219,17 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     """The ``CorrectionConfig`` of a verl config: the same losses and ``rollout_corr/`` metrics as verl 1dda039b.
 
     Takes verl's own keys, as a nested config (``{"algorithm": {"rollout_correction": {...}},
-    "actor_rollout_ref": {"actor": {...}}}``, e.g. ``read_file`` of a verl YAML or launch script), as Hydra's
-    dotted keys (``"actor_rollout_ref.actor.loss_agg_mode"``), or flat (the ``rollout_correction`` and actor keys
-    do not share names), in ``config`` or as keyword arguments. Missing keys take verl's YAML defaults. Read:
+    "actor_rollout_ref": {"actor": {...}}}``, e.g. a verl YAML or launch script as
+    ``learner.rl.framework_files.read_file`` reads it), as Hydra's dotted keys
+    (``"actor_rollout_ref.actor.loss_agg_mode"``), or flat (the ``rollout_correction`` and actor keys do not share
+    names), in ``config`` or as keyword arguments. Missing keys take verl's YAML defaults. Read:
     ``algorithm.rollout_correction`` (all keys) and the actor's ``clip_ratio*``, ``policy_loss``, ``tau_*``,
     ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff`` and the KL loss (``use_kl_loss``,
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
-    estimator) are accepted and not applied, those that change training listed in one ``TrainingKeysWarning``.
-    Unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or
-    close to a loss key; Hydra's ``_target_`` and ``defaults`` are understood
-    (``corrections.frameworks._keys.check_defaults``).
-    docs/migrating.md has the key-by-key table.
+    estimator) are accepted and not applied, and listed in one ``TrainingKeysWarning``. Unknown keys are listed
+    (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key;
+    Hydra's ``_target_`` and ``defaults`` are understood (``corrections.frameworks._defaults``).
+    docs/from-other-frameworks.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl
     checks k1 bounds inverted (see ``verl_rejection_rules``): ``reproduce_inverted_k1=True`` reproduces that.
@@ -241,8 +245,8 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ValueError: verl.actor_rollout_ref.actor: unknown key 'clip_ratio_hgh'; did you mean 'clip_ratio_high'?
     """
     data = merge_disjoint(nest(config or {}, "verl"), nest(keys, "verl"), "verl")
-    warn_training_keys("verl", data)
-    given_rc, given_actor = _verl_blocks(data)
+    given_rc, given_actor, outside = _verl_blocks(data)
+    warn_ignored("verl", outside)
     rc = {**ROLLOUT_CORRECTION, **given_rc}
     actor = {**ACTOR, **{k: v for k, v in given_actor.items() if k in ACTOR}}
     policy_loss = section(actor["policy_loss"], "verl.actor_rollout_ref.actor.policy_loss")

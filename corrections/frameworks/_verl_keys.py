@@ -1,4 +1,4 @@
-"""verl's loss keys and their defaults: the tables the verl reader and the run mapping share."""
+"""verl's loss keys and their defaults: the tables of the verl reader (and of `whole`, which nests a flat block)."""
 
 from __future__ import annotations
 

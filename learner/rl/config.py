@@ -220,7 +220,7 @@ class CorrectionsSection:
     # preset(name, **overrides), e.g. {kl_coef = 0.05}.
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     # A verl / SkyRL / AReaL YAML or a slime launch script (path; at most one): its loss replaces the preset, its
-    # training settings set the run's keys below --set (learner.rl.framework_config; docs/migrating.md).
+    # training settings set the run's keys below --set (learner.rl.framework_config; docs/from-other-frameworks.md).
     from_verl: str | None = None
     from_skyrl: str | None = None
     from_slime: str | None = None

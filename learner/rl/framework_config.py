@@ -5,10 +5,10 @@ The loss comes from the framework's front door (``corrections.from_verl``, ...),
 training and that Tether has elsewhere (epochs, mini-batches, optimizer and schedule, gradient clipping, samples per
 prompt, temperature, top-p, top-k, batch and completion sizes) become run-config keys; settings that change training
 but have no Tether equivalent are listed "not applied" with the reason; everything else "not used". Every key of the
-file gets one row: their key, their value, Tether's key or what happened to it (`Migration.table`). The tables of
-what each key becomes are ``corrections.frameworks``' (the front doors list the training settings they drop with them).
-A mapped key the file leaves out takes the framework's default where the tables have it (verl, SkyRL), as the
-framework would train; its row says so.
+file gets one row: their key, their value, Tether's key or what happened to it (`Migration.table`). The file is read
+by ``learner.rl.framework_files``, and the tables of what each key becomes are ``learner.rl.framework_keys``'. A
+mapped key the file leaves out takes the framework's default where the tables have it (verl, SkyRL), as the framework
+would train; its row says so.
 
 Precedence (``load_config``): the TOML file < the framework file (with its framework's defaults) < ``--set``. A value
 Tether refuses names each run-config key involved and where it came from (``clash``).
@@ -26,19 +26,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import corrections
-from corrections.frameworks import (  # noqa: F401 (BETAS, GRPO: the tables' texts)
-    BETAS,
-    GRPO,
-    MAPS,
-    Row,
-    UnknownKeyWarning,
-    merge,
-    read_file,
-    rows,
-    slime_arguments,
-    whole,
-)
+from corrections.frameworks import TrainingKeysWarning, UnknownKeyWarning, merge, slime_arguments, whole
 from learner.reporting.run_files import write_atomically
+from learner.rl.framework_files import read_file
+from learner.rl.framework_keys import MAPS, Row, rows
 
 FROM_KEYS = {"from_verl": "verl", "from_skyrl": "skyrl", "from_slime": "slime", "from_areal": "areal"}
 
@@ -76,7 +67,7 @@ def _show(value) -> str:
 
 @functools.lru_cache(maxsize=16)
 def migrate(framework: str, path: str) -> Migration:
-    """Reads a framework's config file (``corrections.frameworks.read_file``) into a ``Migration``.
+    """Reads a framework's config file (``learner.rl.framework_files.read_file``) into a ``Migration``.
 
     >>> import pathlib
     >>> root = pathlib.Path(__file__).parents[2] / "tests" / "fixtures" / "frameworks"
@@ -99,7 +90,7 @@ def migrate(framework: str, path: str) -> Migration:
         raise ValueError(f"corrections.from_{framework}={path!r}: a slime launch script; use corrections.from_slime.")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UnknownKeyWarning)
-        warnings.simplefilter("ignore", corrections.TrainingKeysWarning)  # for direct calls: the run maps them
+        warnings.simplefilter("ignore", TrainingKeysWarning)  # for direct calls: the run's rows say what they become
         try:
             config = getattr(corrections, f"from_{framework}")(data)
         except ValueError as error:

@@ -3,8 +3,9 @@ upstream defaults and examples) goes through ``from_<framework>`` and through ``
 ``corrections.compute`` on one fixed batch gives the loss of the NumPy float64 port of that framework
 (``tests/reference_ports``) to rtol 1e-5 (float32 JAX against float64 NumPy; XLA may reorder sums).
 
-Also: unknown keys name the nearest match, unsupported settings say why, verl's preset arguments, the ``skyrl_*``
-presets' loss, and ``preset(..., rejection=...)`` merging by rule name.
+Also: unknown keys name the nearest match, unsupported settings say why, keys outside the loss are listed by their
+own names, verl's preset arguments, the ``skyrl_*`` presets' loss, and ``preset(..., rejection=...)`` merging by rule
+name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import pathlib
 import re
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from tests.reference_ports import areal, skyrl, slime, verl
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T = 6, 8
-DOCS = pathlib.Path(__file__).parents[2] / "docs" / "migrating.md"
+DOCS = pathlib.Path(__file__).parents[2] / "docs" / "from-other-frameworks.md"
 
 
 @functools.cache
@@ -350,6 +352,65 @@ def test_config_from_dict_routing():
     assert corrections.config_from_dict({"areal": {"eps_clip": 0.3}}).objective.clip_low == 0.3
 
 
+# ============================================================================================ keys outside the loss
+def outside(call) -> tuple[str, dict]:
+    """(message, settings) of the one TrainingKeysWarning ``call()`` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    listed = [w.message for w in caught if w.category is corrections.TrainingKeysWarning]
+    assert len(listed) == 1, [str(w.message) for w in caught]
+    return str(listed[0]), listed[0].settings
+
+
+@pytest.mark.parametrize("framework, config, want", [
+    ("verl", {"algorithm": {"adv_estimator": "gae", "rollout_correction": {"rollout_is": "token"}},
+              "actor_rollout_ref": {"rollout": {"n": 5}, "actor": {"ppo_epochs": 2, "optim": {"lr": 1e-5},
+                                                                   "clip_ratio_high": 0.28}}},
+     {"algorithm.adv_estimator": "gae", "actor_rollout_ref.rollout": {"n": 5},
+      "actor_rollout_ref.actor.ppo_epochs": 2, "actor_rollout_ref.actor.optim": {"lr": 1e-5}}),
+    ("verl", {"ppo_epochs": 3, "clip_ratio_high": 0.28}, {"actor_rollout_ref.actor.ppo_epochs": 3}),  # flat
+    ("skyrl", {"trainer": {"update_epochs_per_batch": 2, "algorithm": {"advantage_estimator": "rloo",
+                                                                       "eps_clip_high": 0.28}}},
+     {"trainer.update_epochs_per_batch": 2, "trainer.algorithm.advantage_estimator": "rloo"}),
+    ("slime", "--lr 1e-5 --eps-clip 0.2 --kl-coef 0", {"--lr": 1e-5, "--kl-coef": 0}),
+    ("areal", {"experiment_name": "x", "actor": {"eps_clip": 0.2, "optimizer": {"lr": 1e-5}}},
+     {"experiment_name": "x", "actor.optimizer": {"lr": 1e-5}}),
+])
+def test_keys_outside_the_loss_are_listed_once_by_their_own_names(framework, config, want):
+    """The framework's keys a front door accepts and does not apply (batching, optimizer, advantages, ...) are
+    listed in one TrainingKeysWarning, each with its block as the framework names it; loss keys are not."""
+    door = getattr(corrections, f"from_{framework}")
+    message, settings = outside(lambda: door(config))
+    assert settings == want
+    assert message.startswith(f"{framework}: keys outside the loss are accepted and not applied")
+    assert all(key in message for key in want)
+    if not isinstance(config, str):
+        assert outside(lambda: corrections.config_from_dict({framework: config}))[1] == want
+
+
+@pytest.mark.parametrize("call", [
+    lambda: corrections.from_verl({"algorithm": {"rollout_correction": {"rollout_is": "token"}},
+                                   "actor_rollout_ref": {"actor": {"clip_ratio_high": 0.28}}}),
+    lambda: corrections.from_skyrl({"trainer": {"algorithm": {"eps_clip_high": 0.28}}}),
+    lambda: corrections.from_slime("--use-tis --tis-clip 2.0"),
+    lambda: corrections.from_areal({"actor": {"eps_clip": 0.2}}),
+])
+def test_loss_keys_alone_list_nothing(call):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", corrections.TrainingKeysWarning)
+        call()
+
+
+def test_the_loss_is_unchanged_by_the_keys_outside_it():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", corrections.TrainingKeysWarning)
+        with_training = corrections.from_verl({"actor_rollout_ref.actor.clip_ratio_high": 0.28,
+                                               "actor_rollout_ref.actor.ppo_epochs": 4})
+    assert with_training == corrections.from_verl({"actor_rollout_ref.actor.clip_ratio_high": 0.28})
+    assert with_training.objective.clip_high == 0.28
+
+
 # ============================================================================================ presets
 def test_preset_rejection_overrides_merge_by_rule_name():
     """A rule of the same name gets new bounds (configs/bf16_server.toml widens Geo-RS so), a new name is added,
@@ -377,7 +438,7 @@ def test_preset_rejection_overrides_merge_by_rule_name():
     (_areal, ("ACTOR", "REJECTION_SAMPLING")),
 ])
 def test_docs_table_every_key_a_front_door_reads(module, tables):
-    """docs/migrating.md names every key a front door reads (in backticks)."""
+    """docs/from-other-frameworks.md names every key a front door reads (in backticks)."""
     text = DOCS.read_text()
     for table in tables:
         for key in getattr(module, table):

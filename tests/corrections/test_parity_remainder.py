@@ -79,8 +79,8 @@ def test_areal_sequence_rejection_zeroes_the_weights_it_rejects():
 
 @pytest.mark.parametrize("name", sorted(n for n in AREAL_RS_ROWS if "/max/" in n))
 def test_from_areal_reads_agg_max(name):
-    """``agg: max`` with ``action: mask``: from_areal gives the config of docs/corrections.md's AReaL table (the
-    outlier veto for ratio and kl_k1, seq_max_k2 for kl_k2), and its mask, weights and loss are AReaL's
+    """``agg: max`` with ``action: mask``: from_areal gives the config of docs/from-other-frameworks.md's AReaL
+    table (the outlier veto for ratio and kl_k1, seq_max_k2 for kl_k2), and its mask, weights and loss are AReaL's
     (apply_rejection_sampling's ``agg == "max"`` branch, functional.py at 4aef98d8)."""
     kwargs, want_config = AREAL_RS_ROWS[name]
     config = corrections.from_areal(actor={"use_decoupled_loss": True, "rejection_sampling": kwargs})

@@ -869,7 +869,7 @@ def test_areal_dual_clip_and_intermediate_modes():
         close(got.loss, want, what=mode)
 
 
-# ================================================================ migration-page mappings (docs/corrections.md)
+# ====================================================== migration-page mappings (docs/from-other-frameworks.md)
 
 def verl_token_veto(n, mask, threshold):
     """Older verl's ``rollout_token_veto_threshold`` (rollout_corr_helper, "Step 4: apply token veto"; the port in

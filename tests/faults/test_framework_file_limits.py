@@ -1,4 +1,4 @@
-"""Hostile framework config files (``corrections.from_verl = "path"`` & co, ``corrections.read_file``) are refused
+"""Hostile framework config files (``corrections.from_verl = "path"`` & co, ``read_file``) are refused
 with one error naming the file and the limit: a YAML alias bomb (9 levels of 9 aliases: 9**9 values once expanded,
 which ran for minutes), a recursive alias (a 2,980-line RecursionError), a file over the size cap, nesting deeper
 than the cap. Real files; through ``python -m learner.train`` as one ``error:`` line (a real subprocess each)."""
@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-import corrections
-from corrections.frameworks._files import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES
+from learner.rl.framework_files import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, read_file
 from tests.e2e.test_main_job import DEFAULT_CONFIG
 from tests.faults.test_error_lines import error_line
 
@@ -40,21 +39,21 @@ def test_a_hostile_file_is_one_error_naming_the_file(tmp_path, case):
     path = tmp_path / "config.yaml"
     path.write_text(text)
     with pytest.raises(ValueError, match=rf"^{path}: {message}"):
-        corrections.read_file(path)
+        read_file(path)
 
 
 def test_a_launch_script_nested_past_the_parser_is_one_error(tmp_path):
     path = tmp_path / "run.sh"
     path.write_text('A="' + '$(echo "' * 5000 + 'x' + '")' * 5000 + '"\n')
     with pytest.raises(ValueError, match=rf"^{path}: quotes or \$\(\.\.\.\) nested too deeply to read"):
-        corrections.read_file(path)
+        read_file(path)
 
 
 def test_a_huge_launch_script_is_refused_unread(tmp_path):
     path = tmp_path / "run.sh"
     path.write_text("python3 -m verl.trainer.main_ppo \\\n" + "  a.b=1 \\\n" * (MAX_FILE_BYTES // 8))
     with pytest.raises(ValueError, match=rf"^{path}: larger than {MAX_FILE_BYTES >> 10} KiB"):
-        corrections.read_file(path)
+        read_file(path)
 
 
 # The CLI's path is the same for every limit (a ValueError naming the file: one error line); the bomb runs by

@@ -17,8 +17,9 @@ import yaml
 import corrections
 from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.reporting.metrics_writers import read_metrics
-from learner.rl import framework_config, load_config
+from learner.rl import framework_config, framework_keys, load_config
 from learner.rl.config import correction_config
+from learner.rl.framework_files import read_file
 from tests.e2e.test_main_job import DEFAULT_CONFIG, run_training
 
 FILES = pathlib.Path(__file__).parents[2] / "fixtures" / "frameworks"
@@ -75,7 +76,7 @@ def test_training_settings_map_to_run_keys(framework, name, run):
     end_learning_rate None), and the loss as the front door gives it."""
     m = framework_config.migrate(framework, str(FILES / name))
     assert m.run == run
-    assert m.corrections == getattr(corrections, f"from_{framework}")(corrections.read_file(FILES / name))
+    assert m.corrections == getattr(corrections, f"from_{framework}")(read_file(FILES / name))
 
 
 @pytest.mark.parametrize("framework, name", [("verl", "verl/_generated_ppo_trainer.yaml"),
@@ -97,7 +98,7 @@ def test_every_key_gets_one_row():
     assert table["actor_rollout_ref.actor.clip_ratio_c"] == (3.0, "corrections.objective.dual_clip")
     assert table["algorithm.rollout_correction.rollout_is"] == (None, "corrections.importance.level")
     assert table["actor_rollout_ref.actor.ppo_epochs"] == (1, "update.ppo_epochs")
-    assert table["algorithm.adv_estimator"] == ("gae", f"not applied: {framework_config.GRPO}")
+    assert table["algorithm.adv_estimator"] == ("gae", f"not applied: {framework_keys.GRPO}")
     assert table["algorithm.use_kl_in_reward"] == (False, "not used (Tether does the same)")
     assert table["critic"][1] == "not used (unknown to Tether's reader)"
     assert table["actor_rollout_ref.actor.sum_pi_squared_checkpointing"][1] == "not used (unknown to Tether's reader)"
@@ -105,7 +106,7 @@ def test_every_key_gets_one_row():
     assert table["actor_rollout_ref.actor.strategy"] == ("fsdp", "not used")
     slime = rows(framework_config.migrate("slime", str(FILES / "slime/run-qwen3-4B.sh")))
     assert slime["--eps-clip-high"] == (0.28, "corrections.objective.clip_high")
-    assert slime["--adam-beta2"] == (0.98, f"not applied: {framework_config.BETAS}")
+    assert slime["--adam-beta2"] == (0.98, f"not applied: {framework_keys.BETAS}")
     areal = rows(framework_config.migrate("areal", str(FILES / "areal/gsm8k_grpo.yaml")))
     assert areal["actor.optimizer.warmup_steps_proportion"][1].startswith("not applied: set optimizer.warmup_steps")
     assert m.table().splitlines()[1] == "their key\ttheir value\tTether"
@@ -288,7 +289,7 @@ def test_verls_ppo_example_needs_groups_and_says_where_n_comes_from():
         load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(path)}"])
     config = load_config(DEFAULT_CONFIG, [f"corrections.from_verl={json.dumps(path)}", "rollout.num_samples=4"])
     assert config.rollout.num_samples == 4 and config.rollout.prompts_per_step == 1024
-    not_applied = f"not applied: {framework_config.GRPO}"
+    not_applied = f"not applied: {framework_keys.GRPO}"
     assert rows(framework_config.migrate("verl", path))["algorithm.adv_estimator"] == ("gae", not_applied)
 
 
@@ -297,8 +298,8 @@ def test_verls_ppo_example_needs_groups_and_says_where_n_comes_from():
 def test_the_default_tables_are_the_frameworks_own_files(framework, name):
     """Each default the run mapping fills in is the value of the framework's own resolved defaults file (SkyRL's
     YAML writes weight_decay as '1e-2', which PyYAML reads as text)."""
-    data = corrections.read_file(FILES / name)
-    for key, value in framework_config.MAPS[framework].defaults.items():
+    data = read_file(FILES / name)
+    for key, value in framework_keys.MAPS[framework].defaults.items():
         node = data
         for part in key.split("."):
             node = node[part]

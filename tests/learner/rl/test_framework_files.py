@@ -19,13 +19,13 @@ import yaml
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule, UnknownKeyWarning
-from corrections.frameworks._files import read_file
+from learner.rl.framework_files import read_file
 from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
 from tests.reference_ports import areal, verl
 
-# The files' training settings are listed by the front doors (tests/corrections/test_training_keys.py), not here.
+# The keys outside the loss the front doors list are tested in tests/corrections/test_front_doors.py, not here.
 pytestmark = pytest.mark.filterwarnings("ignore::corrections.TrainingKeysWarning")
-FILES = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks"
+FILES = pathlib.Path(__file__).parents[2] / "fixtures" / "frameworks"
 VERL_DEFAULT = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept")
 # use_kl_loss=True kl_loss_coef=0.001 kl_loss_type=low_var_kl entropy_coeff=0
 VERL_GRPO_KL = CorrectionConfig(objective=Objective("ppo", dual_clip=3.0), denominator="kept", kl_coef=0.001,

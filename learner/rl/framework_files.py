@@ -1,4 +1,6 @@
-"""A framework's config file as its users keep it: a verl, SkyRL or AReaL YAML, or a slime launch script.
+"""A framework's config file as its users keep it: a verl, SkyRL or AReaL YAML, or a verl or slime launch script,
+read into plain data for the front doors (``corrections.from_verl`` & co) and a run's mapping
+(``learner.rl.framework_config``).
 
 YAML files are read with PyYAML. Hydra's ``defaults`` list is composed against the file's own config folder (each
 entry ``group@package: option`` or a plain config name, ``_self_`` where the file's own keys go); an entry whose
@@ -6,8 +8,7 @@ file is not in the folder stays in ``defaults`` for the front door, which accept
 refuses others, naming the command that composes the file. ``${a.b}``, ``${.sibling}`` and
 ``${oc.select:a.b,default}`` interpolations are resolved; others (``${oc.env:HOME}``) stay text. Dotted keys
 (``actor_rollout_ref.rollout.n: 5``) are nested, so that they mean what the nested keys mean. A launch script
-(``.sh``) is read by ``corrections.frameworks._launch_scripts``: a verl script's Hydra overrides, or a slime
-script's arguments.
+(``.sh``) is read by ``learner.rl.launch_scripts``: a verl script's Hydra overrides, or a slime script's arguments.
 
 Files are read with limits, each refused with one error naming the file: at most ``MAX_FILE_BYTES``, at most
 ``MAX_VALUES`` values once YAML aliases are expanded (an alias bomb is tiny on disk), at most ``MAX_DEPTH`` levels,
@@ -21,23 +22,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-HYDRA_COMMANDS = {
-    "verl": "python -m verl.trainer.main_ppo --config-path {folder} --config-name {name} --cfg job --resolve "
-            "> resolved.yaml",
-    # SkyRL's YAMLs are legacy (its configs are dataclasses since #1684): Hydra's own compose API resolves them.
-    "skyrl": "python -c \"from hydra import compose, initialize_config_dir; from omegaconf import OmegaConf; "
-             "initialize_config_dir('{folder}', version_base=None); "
-             "print(OmegaConf.to_yaml(compose('{name}'), resolve=True))\" > resolved.yaml",
-}
+from corrections.frameworks import defaults_entry, entry_package, merge, nest
+from learner.rl.launch_scripts import read_launch_script
 
-
-def hydra_command(framework: str, path: str = "DIR/NAME.yaml") -> str:
-    """The command that composes and resolves a framework's Hydra config (what to run when a file's ``defaults``
-    name files this reader does not have)."""
-    path = pathlib.PurePath(path)
-    template = HYDRA_COMMANDS.get(framework, HYDRA_COMMANDS["verl"])
-    return template.format(folder=path.parent, name=path.stem)
-
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "read_file", "resolve_interpolations"]
 
 MAX_FILE_BYTES = 1 << 20  # verl's whole resolved config is 20 KB
 MAX_VALUES = 100_000  # values of a file with its YAML aliases expanded (verl's resolved config: ~700)
@@ -58,8 +46,6 @@ def read_file(path: str | pathlib.Path) -> Any:
     if not path.is_file():
         raise ValueError(f"{path}: no such file.")
     if path.suffix in (".sh", ".bash"):
-        from corrections.frameworks._launch_scripts import read_launch_script  # it imports this module
-
         return read_launch_script(_text(path), path)
     if path.suffix not in (".yaml", ".yml"):
         raise ValueError(f"{path}: give a .yaml file (verl, SkyRL, AReaL) or a launch script (.sh: verl's "
@@ -105,8 +91,6 @@ def _load_yaml(path: pathlib.Path) -> dict:
         return {}
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: the file holds {type(data).__name__}, not a mapping of keys.")
-    from corrections.frameworks._keys import nest  # it imports this module
-
     return nest(data, str(path))
 
 
@@ -139,36 +123,6 @@ def _check_node_graph(root, path: pathlib.Path) -> None:
     size(root, 0)
 
 
-def _entry(entry: Any) -> tuple[str, str | None, str | None] | None:
-    """A defaults entry as (group or config path, package or None, option or None); None for ``_self_``."""
-    if entry == "_self_":
-        return None
-    if isinstance(entry, str):
-        name, _, package = entry.partition("@")
-        return name, package or None, None
-    if isinstance(entry, Mapping) and len(entry) == 1:
-        ((key, option),) = entry.items()
-        name, _, package = str(key).removeprefix("override ").partition("@")
-        return name, package or None, None if option is None else str(option)
-    raise ValueError(f"defaults: {entry!r} is not a Hydra defaults entry.")
-
-
-def entry_package(entry: Any, package: str) -> str | None:
-    """The package (dotted key) a defaults entry fills, inside a config at ``package``; None for ``_self_``.
-
-    >>> entry_package({"actor@actor_rollout_ref.actor": "dp_actor"}, ""), entry_package("actor", "a.b")
-    ('actor_rollout_ref.actor', 'a.b')
-    >>> entry_package({"../optim@optim": "fsdp"}, "actor_rollout_ref.actor"), entry_package({"data": "x"}, "")
-    ('actor_rollout_ref.actor.optim', 'data')
-    """
-    parsed = _entry(entry)
-    if parsed is None:
-        return None
-    name, own, option = parsed
-    relative = own if own is not None else (name.rsplit("/", 1)[-1] if option is not None else "")
-    return ".".join(part for part in (package, relative) if part)
-
-
 def _compose(path: pathlib.Path, package: str, seen: tuple) -> dict:
     """The file's keys with its ``defaults`` merged in, in Hydra's order; unresolved entries stay in ``defaults``."""
     if path in seen:
@@ -182,7 +136,7 @@ def _compose(path: pathlib.Path, package: str, seen: tuple) -> dict:
     out: dict = {}
     unresolved = []
     for entry in entries:
-        parsed = _entry(entry)
+        parsed = defaults_entry(entry)
         if parsed is None:
             out = merge(out, _at(own, ""))
             continue
@@ -203,22 +157,6 @@ def _at(data: dict, package: str) -> dict:
     for part in reversed([p for p in package.split(".") if p]):
         data = {part: data}
     return data
-
-
-def merge(base: Mapping, update: Mapping) -> dict:
-    """Hydra's (and the presets') merge: mappings merge key by key, anything else replaces; the inputs are not
-    changed (their values are shared, not copied).
-
-    >>> merge({"a": {"b": 1, "c": 2}, "d": 3}, {"a": {"b": 4}, "d": {"e": 5}})
-    {'a': {'b': 4, 'c': 2}, 'd': {'e': 5}}
-    """
-    out = dict(base)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 _INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")

@@ -1,23 +1,21 @@
-"""What a verl, SkyRL, slime or AReaL config's keys become in Tether: the loss field a key sets, the run-config
-key a training setting maps to (epochs, mini-batches, optimizer and schedule, gradient clipping, sampling), or why a
-setting that changes training is not followed. One row per key (``rows``).
+"""What a verl, SkyRL, slime or AReaL config's keys become in a Tether run: the loss field a key sets, the
+run-config key a training setting maps to (epochs, mini-batches, optimizer and schedule, gradient clipping,
+sampling), or why a setting that changes training is not followed. One row per key (``rows``);
+``learner.rl.framework_config`` builds a run's mapping from them.
 
-A front door (``from_verl``, ...) returns the loss only: ``warn_training_keys`` lists, once per call, the settings
-in its input that change training and that a ``CorrectionConfig`` does not carry (``TrainingKeysWarning``);
-``learner.rl.framework_config`` applies them to a run (the run key ``corrections.from_verl = "path"``). No learner
-import:
-the run-config keys are names here.
+The loss itself is the front doors' (``corrections.from_verl`` & co), which list the keys outside the loss they do
+not apply (``corrections.TrainingKeysWarning``); these tables give those keys their meaning in a run.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from corrections.frameworks._verl_keys import ROLLOUT_CORRECTION
+__all__ = ["BETAS", "GRPO", "KL_IN_REWARD", "MAPS", "NOT_USED", "FrameworkMap", "NotApplied", "Row", "rows",
+           "with_defaults"]
 
 NOT_USED = "not used"
 
@@ -111,7 +109,6 @@ class FrameworkMap:
     # their key -> Tether's key (its value converted by _CONVERT), or (Tether's key, a converter of its own)
     run: Mapping[str, str | tuple[str, Callable]]
     differs: Mapping[str, tuple[Callable[[Any], bool], str]]
-    nest: Callable[[dict], dict]  # a flat file (one block's keys) nested as the whole config
     # their key -> the framework's default, for every key of run and differs (and those their converters read): a
     # file that leaves a key out trains as the framework would. Empty: Tether's values stay for keys left out.
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -119,11 +116,6 @@ class FrameworkMap:
 
 def _actor(key: str) -> str:
     return f"actor_rollout_ref.actor.{key}"
-
-
-def _verl_nest(data: dict) -> dict:
-    return {"algorithm": {"rollout_correction": {k: v for k, v in data.items() if k in ROLLOUT_CORRECTION}},
-            "actor_rollout_ref": {"actor": {k: v for k, v in data.items() if k not in ROLLOUT_CORRECTION}}}
 
 
 VERL_LOSS = {
@@ -176,7 +168,6 @@ VERL = FrameworkMap(
         _actor("optim.betas"): (lambda v: list(v) != [0.9, 0.999], BETAS),
         _actor("optim.lr_warmup_steps_ratio"): (_not_zero, "set optimizer.warmup_steps (optimizer updates)"),
     },
-    nest=_verl_nest,
     # verl's resolved defaults at b178a3cd (tests/fixtures/frameworks/verl/_generated_ppo_trainer.yaml).
     defaults={
         _actor("ppo_epochs"): 1, _actor("ppo_mini_batch_size"): 256, _actor("optim.lr"): 1e-6,
@@ -226,7 +217,6 @@ SKYRL = FrameworkMap(
         _skyrl_algorithm("use_kl_in_reward"): (bool, KL_IN_REWARD + " (use_kl_loss)"),
         "trainer.policy.optimizer_config.adam_betas": (lambda v: list(v) != [0.9, 0.999], BETAS),
     },
-    nest=lambda data: {"trainer": {"algorithm": data}},
     # SkyRL's defaults at 8d14ff7c, its last YAML (tests/fixtures/frameworks/skyrl/ppo_base_config.yaml).
     defaults={
         "trainer.update_epochs_per_batch": 1, "trainer.policy_mini_batch_size": 256, "trainer.train_batch_size": 1024,
@@ -274,7 +264,6 @@ SLIME = FrameworkMap(
         "adam_beta2": (lambda v: float(v) != 0.999, BETAS),
         "optimizer": (lambda v: v != "adam", "Tether's optimizer is AdamW"),
     },
-    nest=lambda data: data,
 )
 
 
@@ -309,20 +298,9 @@ AREAL = FrameworkMap(
         "actor.optimizer.beta2": (lambda v: float(v) != 0.999, BETAS),
         "actor.optimizer.type": (lambda v: v not in ("adam", "adamw"), "Tether's optimizer is AdamW"),
     },
-    nest=lambda data: {"actor": data},
 )
 
 MAPS = {"verl": VERL, "skyrl": SKYRL, "slime": SLIME, "areal": AREAL}
-SECTIONS = {"verl": ("algorithm", "actor_rollout_ref", "data", "trainer"), "skyrl": ("trainer", "generator"),
-            "slime": None, "areal": ("actor", "gconfig", "train_dataset")}
-
-
-def whole(framework: str, data: Mapping) -> Mapping:
-    """``data`` as the framework's whole config: a flat block (one section's keys) nested where it belongs."""
-    sections = SECTIONS[framework]
-    if sections is None or any(section in data for section in sections):
-        return data
-    return MAPS[framework].nest(dict(data))
 
 
 def _lookup(data: Mapping) -> Get:
@@ -404,29 +382,3 @@ def rows(framework: str, data: Mapping, unknown: set[str], defaults: bool = Fals
 
     visit(data, "")
     return rows, run
-
-
-
-
-class TrainingKeysWarning(UserWarning):
-    """Settings that change training, given to a front door, which returns the loss only: not applied. ``rows``:
-    those keys, each with the run-config key it maps to or why Tether does not follow it."""
-
-    def __init__(self, framework: str, dropped: tuple[Row, ...]):
-        listed = "; ".join(f"{row.key}={row.value!r} -> {row.tether}" for row in dropped)
-        super().__init__(f"{framework}: settings that change training are not part of the loss config "
-                         f"from_{framework} returns and are not applied: {listed}. To train with them, give the file "
-                         f"to a run (run key corrections.from_{framework} = \"path\"; learner.rl.framework_config) or "
-                         f"set "
-                         f"those run keys.")
-        self.rows = dropped
-
-
-def warn_training_keys(framework: str, data: Mapping) -> None:
-    """One ``TrainingKeysWarning`` listing the keys of ``data`` (nested, as the front door reads it) that change
-    training and that a ``CorrectionConfig`` does not carry: those ``rows`` maps to a run-config key or marks
-    "not applied"; nothing when there are none."""
-    dropped = tuple(row for row in rows(framework, whole(framework, data), set())[0]
-                    if not row.tether.startswith(("corrections.", NOT_USED)))
-    if dropped:
-        warnings.warn(TrainingKeysWarning(framework, dropped), stacklevel=3)

@@ -22,7 +22,9 @@ import re
 import shlex
 from typing import Any
 
-from corrections.frameworks._files import hydra_command
+from corrections.frameworks import hydra_command
+
+__all__ = ["hydra_value", "launch_script_arguments", "read_launch_script", "verl_arguments", "verl_overrides"]
 
 VERL_COMMAND = "verl.trainer.main_ppo"
 # verl's own config names for that command: their defaults are the ones the front door and the run mapping fill in.

@@ -12,10 +12,10 @@ import subprocess
 
 import pytest
 
-import corrections
-from corrections.frameworks._launch_scripts import hydra_value, verl_arguments
+from learner.rl.framework_files import read_file
+from learner.rl.launch_scripts import hydra_value, verl_arguments
 
-VERL = pathlib.Path(__file__).parents[1] / "fixtures" / "frameworks" / "verl" / "examples"
+VERL = pathlib.Path(__file__).parents[2] / "fixtures" / "frameworks" / "verl" / "examples"
 # bash with python3 printing its arguments (NUL-separated) and stopping the script; $HOME is the text "$HOME", as
 # the reader keeps a variable the script does not set.
 STUB = 'python3() { printf "%s\\0" "$@"; exit 0; }\n'
@@ -68,7 +68,7 @@ def test_what_the_reader_does_not_run_stays_one_word_of_text():
 
 
 def test_values_are_read_as_hydra_reads_them():
-    overrides = corrections.read_file(VERL / "grpo_trainer/run_qwen3-8b_npu.sh")
+    overrides = read_file(VERL / "grpo_trainer/run_qwen3-8b_npu.sh")
     actor = overrides["actor_rollout_ref"]["actor"]
     assert actor["optim"]["lr"] == 1e-6 and actor["use_kl_loss"] is True and actor["entropy_coeff"] == 0
     assert actor["entropy_from_logits_with_chunking"] is True  # ++key=value
@@ -84,7 +84,7 @@ def test_gspo_script_with_arrays_and_arithmetic():
     """verl's GSPO script sets its overrides in bash arrays, with lengths computed by ``$((1024 * 16))`` and
     ``+data.gen_batch_size``; one of its lengths divides by a variable set later (bash stops there with "division
     by 0"): that value stays as text, outside the mapping."""
-    overrides = corrections.read_file(VERL / "gspo_trainer/run_qwen3_32b_gspo_npu.sh")
+    overrides = read_file(VERL / "gspo_trainer/run_qwen3_32b_gspo_npu.sh")
     assert overrides["data"]["max_response_length"] == 16384 and overrides["data"]["gen_batch_size"] == 256
     assert overrides["actor_rollout_ref"]["actor"]["ppo_max_token_len_per_gpu"] == \
         "$(((max_prompt_length + max_response_length) / sp_size))"
@@ -110,4 +110,4 @@ def test_a_script_that_cannot_be_read_raises_naming_what_was_expected(tmp_path, 
     path = tmp_path / "run.sh"
     path.write_text(script)
     with pytest.raises(ValueError, match=rf"^{path}: {message}"):
-        corrections.read_file(path)
+        read_file(path)
