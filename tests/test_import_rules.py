@@ -30,14 +30,15 @@ LOWER_LAYERS: dict[str, set[str]] = {
     "learner.serving": {"learner.checkpoints", "learner.logprobs", "learner.model", "learner.reporting"},
 }
 LOWER_LAYERS["learner.rl"] = set(LOWER_LAYERS)
-COMMAND_LINES = ("learner.train", "learner.export", "learner.show")  # they may import any layer; none imports them
+# They may import any layer, and none imports them; learner.tools holds the product tools (issue 52's scripts split).
+COMMAND_LINES = ("learner.train", "learner.export", "learner.show", "learner.tools")
 for _command in COMMAND_LINES:
     LOWER_LAYERS[_command] = set(LOWER_LAYERS)
 LOWER_LAYERS["learner"] = set(LOWER_LAYERS)  # the package's face: its names load on first use
 
 # The parts of learner that may import corrections and rollout_client (and their sub-packages).
 IMPORTED_BY = {
-    "corrections": {"learner.update", "learner.rl"},
+    "corrections": {"learner.update", "learner.rl", "learner.tools"},  # tools: recompute_diagnostics
     "corrections.frameworks": {"learner.rl"},
     "rollout_client": {"learner.rl", "learner.serving", "learner.update", "learner.logprobs"},
     "rollout_client.engines": {"learner.rl"},
