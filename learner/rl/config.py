@@ -134,7 +134,7 @@ class RolloutSection:
 class ServerSection:
     """The inference engine: the embedded reference server (started here) unless ``address`` is set."""
 
-    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # backend (learner.rl.engines).
+    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # learner.rl.rollout_engines.
     # "host:port" of an external engine (or a gateway: smg, sglang-router), or a list of them (requests go to the
     # least loaded; a dead one is taken out and probed); None launches the engine (tether: the reference server).
     address: str | list[str] | None = None

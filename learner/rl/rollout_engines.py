@@ -1,4 +1,4 @@
-"""The inference engine of a run, built from the ``server`` section, and what the run requires of it.
+"""The run's rollout engines, built from the ``server`` section as one engine pool, and what the run requires of them.
 
 ``server.engine`` picks the backend (`ENGINES`):
 
@@ -96,7 +96,7 @@ def requirements(config: RunConfig) -> EngineRequirements:
 
 def sampler_order(config: RunConfig) -> SamplerOrder:
     """The order in which the learner replays the run's engine's sampler (temperature-first where the engine's is
-    not replayable: `build_engine` refuses that run)."""
+    not replayable: `build_engine_pool` refuses that run)."""
     capabilities = ENGINES[config.server.engine].capabilities
     return capabilities.replayed_order(requirements(config).sampler_steps) or SamplerOrder.TEMPERATURE_FIRST
 
@@ -121,8 +121,8 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
             *(["--partial"] if config.rollout.partial and config.rollout.partial_kv == "recompute" else [])]
 
 
-def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]
-                 ) -> EnginePool:
+def build_engine_pool(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path,
+                      weights: Mapping[str, np.ndarray]) -> EnginePool:
     """The run's engines, connected, as one `rollout_client.EnginePool`: those at ``server.address``, or one launched
     here (log: ``run_dir/server.log``), which the pool relaunches with the current weights if it dies.
 

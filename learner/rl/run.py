@@ -66,18 +66,18 @@ from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.canary import publish_canary
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
-from learner.rl.engines import (
-    build_engine,
+from learner.rl.episodes import EpisodeRunner, episode_metrics
+from learner.rl.hooks import Hook, default_hooks
+from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
+from learner.rl.prompt_stream import DataPosition, PromptStream
+from learner.rl.rollout_engines import (
+    build_engine_pool,
     check_identity,
     launches_vllm,
     publish_dtype,
     publishes_adapters,
     sampler_order,
 )
-from learner.rl.episodes import EpisodeEngine, episode_metrics
-from learner.rl.hooks import Hook, default_hooks
-from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
-from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.run_lock import LOCK_FILE, hold_run_dir
 from learner.rl.stop_signals import Interrupted, StopSignals
 from learner.rl.trainer import Trainer, model_context
@@ -261,11 +261,11 @@ class Run:
         if self.leader:
             with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
                 weights = self._published()
-                engine = launching.take() if launching else build_engine(config, self.trainer, stop_ids, self.run_dir,
-                                                                           weights)
+                engine = launching.take() if launching else build_engine_pool(config, self.trainer, stop_ids,
+                                                                                self.run_dir, weights)
                 rollout = config.rollout
                 episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
-                self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic
+                self.engine = stack.enter_context(EpisodeRunner(engine, self.task, episodes) if self.episodic
                                                   else engine)
                 check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                                config.server.address or "the embedded server")
@@ -380,8 +380,8 @@ class Run:
 
     def _published(self) -> dict:
         """What a publish sends (a collective gather): the LoRA adapters alone where the engine serves them
-        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype the
-        engine takes (`learner.rl.engines.publish_dtype`)."""
+        (`learner.rl.rollout_engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype
+        the engine takes (`learner.rl.rollout_engines.publish_dtype`)."""
         if publishes_adapters(self.config):
             return self.trainer.host_adapters()
         return self.trainer.host_weights(publish_dtype(self.config))
@@ -526,18 +526,18 @@ class Run:
 
 
 class _EngineStart:
-    """`build_engine` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
+    """`build_engine_pool` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
     thread that started it: `rollout_client.engines.child`); the engine is closed then unless `take` handed it
     over (to be closed before, as ``stack`` unwinds)."""
 
     def __init__(self, stack: contextlib.ExitStack, *args):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
-        self._future = self._executor.submit(build_engine, *args)
+        self._future = self._executor.submit(build_engine_pool, *args)
         self._taken = False
         stack.callback(self._close)
 
     def take(self):
-        """The engine (waits for it); raises what `build_engine` raised."""
+        """The engine (waits for it); raises what `build_engine_pool` raised."""
         self._taken = True
         return self._future.result()
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from learner.rl import Run, load_config
-from learner.rl.engines import reference_server_args, requirements
-from learner.rl.episodes import EpisodeEngine, EpisodeRequest
+from learner.rl.episodes import EpisodeRequest, EpisodeRunner
 from learner.rl.prompt_stream import PromptStream
+from learner.rl.rollout_engines import reference_server_args, requirements
 from rollout_client import EngineCapabilityError, LogprobMode, SamplingParams, TetherEngine, check_capabilities
 from rollout_client.sampling_params import derived_seed
 from tests.learner.rl.test_engines import MLX_LIKE
@@ -43,7 +43,7 @@ def test_seeded_requests_differ_from_each_other_and_repeat_after_a_resume():
 
 def test_every_turn_of_a_seeded_group_draws_with_its_own_seed():
     engine = CountingEngine()
-    with EpisodeEngine(engine, EchoTask(done_after=2)) as episodes:
+    with EpisodeRunner(engine, EchoTask(done_after=2)) as episodes:
         for seed in (11, None):
             request = EpisodeRequest({"prompt_ids": np.asarray([10, 20], np.int32)},
                                      sampling=SamplingParams(seed=seed), num_samples=3)
