@@ -45,7 +45,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import pathlib
 import time
@@ -67,7 +66,7 @@ from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpe
 from learner.rl.canary import publish_canary
 from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
 from learner.rl.episodes import EpisodeRunner, episode_metrics
-from learner.rl.hooks import Hook, default_hooks
+from learner.rl.hooks import Hook, RunView, StepRecord, default_hooks
 from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
 from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.rollout_engines import (
@@ -82,25 +81,8 @@ from learner.rl.run_lock import LOCK_FILE, hold_run_dir
 from learner.rl.stop_signals import Interrupted, StopSignals
 from learner.rl.trainer import Trainer, model_context
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
-from learner.update.batch import TrainBatch
 from learner.update.logprob_mode import check_logprob_mode
 from rollout_client import LogprobMode, RolloutBuffer
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """What one RL step did. Rows of ``batch`` past ``samples`` are padding."""
-
-    step: int
-    metrics: dict[str, float]  # the update's metrics; on process 0 also reward, rollout, policy, perf and client
-    batch: TrainBatch  # the host batch trained on, [rows, length]
-    samples: int  # real rows of the batch
-    rewards: np.ndarray  # float32 [samples]
-    proximal_logprobs: np.ndarray  # float32 [samples, length]: the pre-update policy's logprobs of the batch (0
-    # outside each row's scored window, prompt tokens included, when update.scored_window is set)
-    policy_version: int  # the learner's, after the update
-    server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
-
 
 # What libraries and the engine process write under run_dir (orbax, tensorstore, the TensorBoard writer, the MLX
 # engine's weights, the server's log), checked for links before the run starts: no link may lead out of run_dir.
@@ -124,8 +106,8 @@ class Run:
 
     Args:
       config: the run.
-      hooks: side effects, called in order; None: `learner.rl.hooks.default_hooks`. Leader-only hooks run on
-        process 0 alone.
+      hooks: side effects, called in order with the run's `learner.rl.hooks.RunView`; None:
+        `learner.rl.hooks.default_hooks`. Leader-only hooks run on process 0 alone.
     """
 
     def __init__(self, config: RunConfig, hooks: Sequence[Hook] | None = None):
@@ -283,9 +265,14 @@ class Run:
             print(self.canary.describe(), flush=True)
         with self.startup_times.phase("publish canary"):
             self._start_canary = self._verify_publish(self.start_step)  # in the first step's metrics
+        self.view = RunView(config=config, run_dir=self.run_dir, process_index=self.process_index, task=self.task,
+                            engine=self.engine, start_step=self.start_step,
+                            resumed=self.checkpointer.latest_step() is not None,
+                            max_new_tokens=self.trainer.max_new_tokens, length=self.trainer.length,
+                            startup_times=self.startup_times, save_checkpoint=self.save_checkpoint)
         for hook in self.hooks:
             stack.callback(hook.close)
-            hook.on_start(self)
+            hook.on_start(self.view)
         compiles = compile_stats()
         self._startup_compiles = {"startup/compiled_programs": compiles["compile/programs"],
                                   "startup/compile_s": compiles["compile/seconds"],
@@ -424,14 +411,14 @@ class Run:
                 record = self._step(self.step + 1)  # holds stop signals from its update on
                 self.step = record.step
                 for hook in self.hooks:
-                    hook.on_step(self, record)
+                    hook.on_step(self.view, record)
             except BaseException:
                 self._signals.release(raise_pending=False)
                 raise
             self._signals.release()  # a stop signal received during the update or the hooks: the step is complete
             yield record
         for hook in self.hooks:
-            hook.on_end(self)
+            hook.on_end(self.view)
 
     def _step(self, step: int) -> StepRecord:
         started = time.monotonic()
