@@ -7,15 +7,15 @@
 Entering a run sets it up: the run directory's lock (`learner.rl.run_lock`: one run per directory, held by process
 0), the task, the mesh and the sharded train state, then either the latest checkpoint of ``run_dir`` (state,
 reference policy, policy version, data position) or a fresh start (Hugging Face weights if configured, the
-supervised warm-up); then, on process 0, the inference engine (launched, or reached at
-``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
-max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
-finish before each publish, so every sample is exactly ``max_staleness`` versions old; ``loop.deterministic``: the
-same, with every request seeded and the embedded server batch-invariant, so that a rerun's metrics are equal:
-docs/library.md). A publish waits for the requests the engine is generating (one policy version per sample) unless
-``rollout.partial``: then they run on under the new weights, each token stamped with the version that drew it
-(partial rollouts; ``rollout/partial_fraction``). Everything it opens is closed on every exit path, in reverse
-order, by one ``ExitStack``; the checkpoint save in flight is completed.
+supervised warm-up); then, on process 0, the inference engine (launched, or reached at ``server.address``), the
+weights published to it, and the rollout buffer that keeps ``prompts_per_step * max(max_staleness, 1)`` requests in
+flight, as the run's `learner.rl.config.PublishPolicy` says (``max_staleness = 0``: synchronous;
+``fixed_staleness``: the in-flight rollouts finish before each publish, so every sample is exactly ``max_staleness``
+versions old; ``loop.deterministic``: the same, with every request seeded and the embedded server batch-invariant,
+so that a rerun's metrics are equal: docs/library.md). A publish waits for the requests the engine is generating
+(one policy version per sample) unless ``rollout.partial``: then they run on under the new weights, each token
+stamped with the version that drew it (partial rollouts; ``rollout/partial_fraction``). Everything it opens is
+closed on every exit path, in reverse order, by one ``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
@@ -64,7 +64,15 @@ from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.canary import publish_canary
-from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
+from learner.rl.config import (
+    RunConfig,
+    changed_keys,
+    checkpoint_config,
+    embedded_server,
+    publish_policy,
+    sampling_params,
+    to_dict,
+)
 from learner.rl.episodes import EpisodeRunner, episode_metrics
 from learner.rl.hooks import Hook, RunView, StepRecord, default_hooks
 from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
@@ -112,6 +120,7 @@ class Run:
 
     def __init__(self, config: RunConfig, hooks: Sequence[Hook] | None = None):
         self.config = config
+        self.publish = publish_policy(config)  # how rollouts and publishes interleave
         self.run_dir = pathlib.Path(config.run_dir).resolve()  # orbax needs an absolute checkpoint path
         self.process_index = jax.process_index()
         self.leader = self.process_index == 0
@@ -245,18 +254,15 @@ class Run:
                 weights = self._published()
                 engine = launching.take() if launching else build_engine_pool(config, self.trainer, stop_ids,
                                                                                 self.run_dir, weights)
-                rollout = config.rollout
-                episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
+                episodes = self.publish.in_flight * config.rollout.num_samples  # at most in flight
                 self.engine = stack.enter_context(EpisodeRunner(engine, self.task, episodes) if self.episodic
                                                   else engine)
                 check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                                config.server.address or "the embedded server")
                 self.server_version = self.engine.publish(self.trainer.policy_version, weights)
             self.canary_engine = engine
-            rollout = config.rollout
-            self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
-                                        max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
-                                        max_staleness=rollout.max_staleness, prefetch=rollout.max_staleness > 0)
+            self.buffer = RolloutBuffer(self.engine, self.stream.requests(), max_in_flight=self.publish.in_flight,
+                                        max_staleness=self.publish.max_staleness, prefetch=self.publish.prefetch)
             stack.callback(self.buffer.close)
         else:
             self._published()  # the gather is collective: every process takes part in process 0's
@@ -465,7 +471,7 @@ class Run:
         rewards = payload.rewards[:samples]
         server_version = None
         if self.leader:
-            if rollout.fixed_staleness or self.config.loop.deterministic:
+            if self.publish.drain:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
             canary = self._verify_publish(step)
