@@ -8,7 +8,7 @@
 
 The layers, bottom-up (docs/architecture.md): `learner.model`, `learner.logprobs`, `learner.update`,
 `learner.checkpoints`, `learner.reporting`, then `learner.tasks` (the task plug-in point), `learner.serving` (the
-reference server's model engine) and `learner.rl` (the loop's pieces and hooks); `learner.train` and
+reference server's model generator) and `learner.rl` (the loop's pieces and hooks); `learner.train` and
 `learner.export` are the command lines.
 """
 

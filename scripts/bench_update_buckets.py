@@ -75,7 +75,7 @@ def main(argv=None) -> dict:
 
     from learner.rl import load_config
     from learner.rl.batch_assembly import PayloadSpec
-    from learner.rl.engines import sampler_order
+    from learner.rl.rollout_engines import sampler_order
     from learner.rl.trainer import Trainer, model_context
     from learner.tasks import load_task
 

@@ -27,13 +27,14 @@ from learner.rl.hooks import MetricsHook
 from learner.rl.hooks import PlotHook
 from learner.rl.hooks import ProgressHook
 from learner.rl.hooks import RolloutLogHook
+from learner.rl.hooks import RunView
+from learner.rl.hooks import StepRecord
 from learner.rl.hooks import SummaryHook
 from learner.rl.hooks import default_hooks
 from learner.rl.preflight import ConfigError
 from learner.rl.run import NonFiniteUpdateError
 from learner.rl.run import ResumeConfigError
 from learner.rl.run import Run
-from learner.rl.run import StepRecord
 from learner.rl.run_lock import RunDirLockedError
 from learner.rl.trainer import Trainer
 
@@ -57,6 +58,7 @@ __all__ = [
     "Run",
     "RunConfig",
     "RunDirLockedError",
+    "RunView",
     "StepRecord",
     "SummaryHook",
     "Trainer",

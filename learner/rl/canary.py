@@ -21,8 +21,8 @@ waited).
 When (``canary.every``): the start's publish, the first step's, then every step that is a multiple of ``every``; 0
 turns the canary off (said once at start). The tolerance on the mean per-token difference is ``canary.tolerance``,
 else `default_tolerance` of the engine and the coarser of its serving dtype (what the run publishes:
-`learner.rl.engines.publish_dtype`; an external engine serving a narrower dtype needs ``canary.tolerance``) and the
-learner's parameter and compute dtypes, measured in docs/engines/weight-updates.md.
+`learner.rl.rollout_engines.publish_dtype`; an external engine serving a narrower dtype needs ``canary.tolerance``)
+and the learner's parameter and compute dtypes, measured in docs/engines/weight-updates.md.
 
 Multi-host: every process scores (the learner's weights are sharded over all of them); process 0 samples the canary
 and broadcasts its tokens.
@@ -39,7 +39,7 @@ import numpy as np
 
 from learner.logprobs.completions import completion_token_logprobs
 from learner.rl.config import RunConfig
-from learner.rl.engines import publish_dtype
+from learner.rl.rollout_engines import publish_dtype
 from learner.update.step import merge_model
 from rollout_client import LogprobMode, RolloutRequest, SamplingParams
 
@@ -138,7 +138,7 @@ class PublishCanary:
       every: ``canary.every`` (0: off).
       tolerance: ``canary.tolerance``; None: `default_tolerance`.
       logprob_mode: the run's (the engine may serve only one).
-      vocab_size: the learner's vocabulary (the engine's is the same: `learner.rl.engines.check_identity`).
+      vocab_size: the learner's vocabulary (the engine's is the same: `learner.rl.rollout_engines.check_identity`).
       context: the positions the engine serves (prompt plus new tokens; `canary_shape`).
       score: ``(prompts, completions) -> per-token logprobs`` under the learner's current weights; every process
         calls it (`completion_token_logprobs` on the learner's model).
@@ -227,7 +227,7 @@ def learner_scorer(model_of: Callable, batch_rows: int = CANARY_PROMPTS) -> Call
 
 def publish_canary(config: RunConfig, trainer, broadcast: Callable) -> PublishCanary:
     """The canary of a run (`learner.rl.config.RunConfig`) and its `learner.rl.trainer.Trainer`: the engine's serving
-    dtype is what the run publishes in (`learner.rl.engines.publish_dtype`)."""
+    dtype is what the run publishes in (`learner.rl.rollout_engines.publish_dtype`)."""
     def model_of():
         return merge_model(trainer.graphdef, trainer.state.params, trainer.frozen)
 

@@ -141,7 +141,7 @@ class RolloutSection:
 class ServerSection:
     """The inference engine: the embedded reference server (started here) unless ``address`` is set."""
 
-    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # backend (learner.rl.engines).
+    engine: str = _bounded("tether", choices=("tether", "mlx", "sglang", "vllm"))  # learner.rl.rollout_engines.
     # "host:port" of an external engine (or a gateway: smg, sglang-router), or a list of them (requests go to the
     # least loaded; a dead one is taken out and probed); None launches the engine (tether: the reference server).
     address: str | list[str] | None = None
@@ -313,7 +313,7 @@ class RunConfig:
         for address in engine_addresses(self) or ["127.0.0.1:0"]:
             client_config(self, address, auth_token=None)
         memory_fractions(self)
-        publish_pause(self)
+        publish_policy(self)
 
 
 # --- Library configs, each built from the sections by one function ----------------------------------------------
@@ -436,14 +436,36 @@ def sampling_params(config: RunConfig, max_new_tokens: int | None, stop_token_id
                     stop_token_ids=tuple(stop_token_ids))
 
 
-def publish_pause(config: RunConfig) -> tuple[PauseMode, KvCache]:
-    """How a publish pauses the engine, and what it does with the kept requests' KV cache: with rollouts in flight
-    (``rollout.max_staleness >= 1``), WAIT without ``rollout.partial`` (one version per sample) and KEEP with it
-    (``rollout.partial_kv``); KEEP when nothing is in flight (synchronous: nothing to wait for).
+@dataclasses.dataclass(frozen=True)
+class PublishPolicy:
+    """How rollouts and weight publishes interleave: decided once, from the ``rollout`` and ``loop`` sections, by
+    `publish_policy`; the run, its rollout buffer and its engines read it."""
 
-    >>> publish_pause(load_config(None, ["rollout.partial=true", "rollout.partial_kv='keep'"]))
-    (<PauseMode.KEEP: 3>, <KvCache.KEEP: 2>)
-    >>> publish_pause(load_config(None, ["rollout.partial=true", "rollout.max_staleness=0"]))
+    in_flight: int  # rollout requests (one group each) kept running: prompts_per_step * max(max_staleness, 1)
+    max_staleness: int  # the most versions a sample's oldest token may lag the learner (older: dropped)
+    prefetch: bool  # a request taken is replaced at once; False (synchronous): the next batch is issued after the
+    # publish, so it is sampled by the new weights
+    drain: bool  # the in-flight rollouts finish before each publish (fixed_staleness, loop.deterministic)
+    partial: bool  # requests run on across a publish under the new weights (partial rollouts)
+    pause_mode: PauseMode  # how a publish pauses the engine: WAIT (one version per sample) or KEEP
+    kv_cache: KvCache  # what a KEEP pause does with the kept requests' KV cache: RECOMPUTE or KEEP
+
+    @property
+    def recomputes_kv(self) -> bool:
+        """Requests kept across a publish have their KV cache recomputed under the new weights (the embedded
+        server compiles the recompute programs for it: ``--partial``)."""
+        return self.partial and self.kv_cache == KvCache.RECOMPUTE
+
+
+def publish_policy(config: RunConfig) -> PublishPolicy:
+    """The run's `PublishPolicy`. With rollouts in flight (``rollout.max_staleness >= 1``) a publish pauses with
+    WAIT without ``rollout.partial`` (one version per sample) and KEEP with it (the KV cache per
+    ``rollout.partial_kv``); KEEP when nothing is in flight (synchronous: nothing to wait for).
+
+    >>> policy = publish_policy(load_config(None, ["rollout.partial=true", "rollout.partial_kv='keep'"]))
+    >>> policy.pause_mode, policy.kv_cache, policy.in_flight, policy.prefetch, policy.drain
+    (<PauseMode.KEEP: 3>, <KvCache.KEEP: 2>, 16, True, False)
+    >>> publish_policy(load_config(None, ["rollout.partial=true", "rollout.max_staleness=0"]))
     Traceback (most recent call last):
     ...
     ValueError: rollout.partial=true with rollout.max_staleness=0: no rollout is running when the weights are
@@ -459,9 +481,12 @@ def publish_pause(config: RunConfig) -> tuple[PauseMode, KvCache]:
     if rollout.partial and config.loop.deterministic:
         raise ValueError("rollout.partial=true with loop.deterministic=true: a deterministic run finishes its "
                          "in-flight rollouts before each publish, so none runs across one; set one of them to false")
-    kv_cache = KvCache.KEEP if rollout.partial_kv == "keep" else KvCache.RECOMPUTE
     waits = rollout.max_staleness > 0 and not rollout.partial
-    return (PauseMode.WAIT if waits else PauseMode.KEEP), kv_cache
+    return PublishPolicy(in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
+                         max_staleness=rollout.max_staleness, prefetch=rollout.max_staleness > 0,
+                         drain=rollout.fixed_staleness or config.loop.deterministic, partial=rollout.partial,
+                         pause_mode=PauseMode.WAIT if waits else PauseMode.KEEP,
+                         kv_cache=KvCache.KEEP if rollout.partial_kv == "keep" else KvCache.RECOMPUTE)
 
 
 def engine_addresses(config: RunConfig) -> list[str]:

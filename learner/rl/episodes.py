@@ -11,7 +11,7 @@ denominator or sequence statistic. Each policy token keeps the logprob and the p
 on it, so a publish between two turns shows as version v on the first and v + 1 on the second, and the
 corrections see each token's own behaviour logprob and staleness.
 
-`EpisodeEngine` wraps a run's engine: ``submit(EpisodeRequest)`` runs a group of ``num_samples`` episodes of one
+`EpisodeRunner` wraps a run's engine: ``submit(EpisodeRequest)`` runs a group of ``num_samples`` episodes of one
 prompt record (a GRPO group per first prompt) and resolves to their list, as ``Engine.submit`` does for samples, so
 `rollout_client.RolloutBuffer` keeps many in flight; each episode runs in its own worker thread, so turns of
 different episodes interleave on the engine. The environment is called, checked and given up on at a boundary
@@ -92,7 +92,7 @@ def stop_string_end(tokenizer, ids, stop_strings: Sequence[str]) -> int:
     return len(ids)
 
 
-class EpisodeEngine(Engine):
+class EpisodeRunner(Engine):
     """``engine`` running episodes of ``task`` (see the module docstring); everything else passes through.
 
     Args:

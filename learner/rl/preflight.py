@@ -30,7 +30,7 @@ from learner.distributed import cluster_detected
 from learner.model.lora import adapter_shapes, adapter_targets
 from learner.model.transformer import Projection, Transformer, model_config
 from learner.rl.config import engine_addresses, lora_config
-from learner.rl.engines import publishes_adapters
+from learner.rl.rollout_engines import publishes_adapters
 from rollout_client.protocol import bearer, pb, pb_grpc
 from rollout_client.request_guards import ModelIdentity, check_model_identity
 

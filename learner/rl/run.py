@@ -7,15 +7,15 @@
 Entering a run sets it up: the run directory's lock (`learner.rl.run_lock`: one run per directory, held by process
 0), the task, the mesh and the sharded train state, then either the latest checkpoint of ``run_dir`` (state,
 reference policy, policy version, data position) or a fresh start (Hugging Face weights if configured, the
-supervised warm-up); then, on process 0, the inference engine (launched, or reached at
-``server.address``), the weights published to it, and the rollout buffer that keeps ``prompts_per_step *
-max_staleness`` requests in flight (``max_staleness = 0``: synchronous; ``fixed_staleness``: the in-flight rollouts
-finish before each publish, so every sample is exactly ``max_staleness`` versions old; ``loop.deterministic``: the
-same, with every request seeded and the embedded server batch-invariant, so that a rerun's metrics are equal:
-docs/library.md). A publish waits for the requests the engine is generating (one policy version per sample) unless
-``rollout.partial``: then they run on under the new weights, each token stamped with the version that drew it
-(partial rollouts; ``rollout/partial_fraction``). Everything it opens is closed on every exit path, in reverse
-order, by one ``ExitStack``; the checkpoint save in flight is completed.
+supervised warm-up); then, on process 0, the inference engine (launched, or reached at ``server.address``), the
+weights published to it, and the rollout buffer that keeps ``prompts_per_step * max(max_staleness, 1)`` requests in
+flight, as the run's `learner.rl.config.PublishPolicy` says (``max_staleness = 0``: synchronous;
+``fixed_staleness``: the in-flight rollouts finish before each publish, so every sample is exactly ``max_staleness``
+versions old; ``loop.deterministic``: the same, with every request seeded and the embedded server batch-invariant,
+so that a rerun's metrics are equal: docs/library.md). A publish waits for the requests the engine is generating
+(one policy version per sample) unless ``rollout.partial``: then they run on under the new weights, each token
+stamped with the version that drew it (partial rollouts; ``rollout/partial_fraction``). Everything it opens is
+closed on every exit path, in reverse order, by one ``ExitStack``; the checkpoint save in flight is completed.
 
 `Run.steps` yields one `StepRecord` per RL step: take one batch of groups, score them with the task's reward,
 compute GRPO advantages per group, train with ONE jitted update call under the configured corrections, publish the
@@ -45,7 +45,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import functools
 import pathlib
 import time
@@ -65,42 +64,33 @@ from learner.reporting.version_stats import version_metrics
 from learner.rl import framework_config
 from learner.rl.batch_assembly import NoUsableRolloutsError, Payload, PayloadSpec, assemble_payload
 from learner.rl.canary import publish_canary
-from learner.rl.config import RunConfig, changed_keys, checkpoint_config, embedded_server, sampling_params, to_dict
-from learner.rl.engines import (
-    build_engine,
+from learner.rl.config import (
+    RunConfig,
+    changed_keys,
+    checkpoint_config,
+    embedded_server,
+    publish_policy,
+    sampling_params,
+    to_dict,
+)
+from learner.rl.episodes import EpisodeRunner, episode_metrics
+from learner.rl.hooks import Hook, RunView, StepRecord, default_hooks
+from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
+from learner.rl.prompt_stream import DataPosition, PromptStream
+from learner.rl.rollout_engines import (
+    build_engine_pool,
     check_identity,
     launches_vllm,
     publish_dtype,
     publishes_adapters,
     sampler_order,
 )
-from learner.rl.episodes import EpisodeEngine, episode_metrics
-from learner.rl.hooks import Hook, default_hooks
-from learner.rl.preflight import ConfigError, check_lora, model_shape, probe_engines, probe_rewards
-from learner.rl.prompt_stream import DataPosition, PromptStream
 from learner.rl.run_lock import LOCK_FILE, hold_run_dir
 from learner.rl.stop_signals import Interrupted, StopSignals
 from learner.rl.trainer import Trainer, model_context
 from learner.tasks import Demonstrations, EnvironmentTask, load_task
-from learner.update.batch import TrainBatch
 from learner.update.logprob_mode import check_logprob_mode
 from rollout_client import LogprobMode, RolloutBuffer
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """What one RL step did. Rows of ``batch`` past ``samples`` are padding."""
-
-    step: int
-    metrics: dict[str, float]  # the update's metrics; on process 0 also reward, rollout, policy, perf and client
-    batch: TrainBatch  # the host batch trained on, [rows, length]
-    samples: int  # real rows of the batch
-    rewards: np.ndarray  # float32 [samples]
-    proximal_logprobs: np.ndarray  # float32 [samples, length]: the pre-update policy's logprobs of the batch (0
-    # outside each row's scored window, prompt tokens included, when update.scored_window is set)
-    policy_version: int  # the learner's, after the update
-    server_version: int | None  # the engine's, after the publish (process 0; None elsewhere)
-
 
 # What libraries and the engine process write under run_dir (orbax, tensorstore, the TensorBoard writer, the MLX
 # engine's weights, the server's log), checked for links before the run starts: no link may lead out of run_dir.
@@ -124,12 +114,13 @@ class Run:
 
     Args:
       config: the run.
-      hooks: side effects, called in order; None: `learner.rl.hooks.default_hooks`. Leader-only hooks run on
-        process 0 alone.
+      hooks: side effects, called in order with the run's `learner.rl.hooks.RunView`; None:
+        `learner.rl.hooks.default_hooks`. Leader-only hooks run on process 0 alone.
     """
 
     def __init__(self, config: RunConfig, hooks: Sequence[Hook] | None = None):
         self.config = config
+        self.publish = publish_policy(config)  # how rollouts and publishes interleave
         self.run_dir = pathlib.Path(config.run_dir).resolve()  # orbax needs an absolute checkpoint path
         self.process_index = jax.process_index()
         self.leader = self.process_index == 0
@@ -261,20 +252,17 @@ class Run:
         if self.leader:
             with self.startup_times.phase("engine start", Waiting(self._engine_wait())):
                 weights = self._published()
-                engine = launching.take() if launching else build_engine(config, self.trainer, stop_ids, self.run_dir,
-                                                                           weights)
-                rollout = config.rollout
-                episodes = rollout.prompts_per_step * max(rollout.max_staleness, 1) * rollout.num_samples  # in flight
-                self.engine = stack.enter_context(EpisodeEngine(engine, self.task, episodes) if self.episodic
+                engine = launching.take() if launching else build_engine_pool(config, self.trainer, stop_ids,
+                                                                                self.run_dir, weights)
+                episodes = self.publish.in_flight * config.rollout.num_samples  # at most in flight
+                self.engine = stack.enter_context(EpisodeRunner(engine, self.task, episodes) if self.episodic
                                                   else engine)
                 check_identity(self.engine.info(), self.trainer.model_config.vocab_size,
                                config.server.address or "the embedded server")
                 self.server_version = self.engine.publish(self.trainer.policy_version, weights)
             self.canary_engine = engine
-            rollout = config.rollout
-            self.buffer = RolloutBuffer(self.engine, self.stream.requests(),
-                                        max_in_flight=rollout.prompts_per_step * max(rollout.max_staleness, 1),
-                                        max_staleness=rollout.max_staleness, prefetch=rollout.max_staleness > 0)
+            self.buffer = RolloutBuffer(self.engine, self.stream.requests(), max_in_flight=self.publish.in_flight,
+                                        max_staleness=self.publish.max_staleness, prefetch=self.publish.prefetch)
             stack.callback(self.buffer.close)
         else:
             self._published()  # the gather is collective: every process takes part in process 0's
@@ -283,9 +271,14 @@ class Run:
             print(self.canary.describe(), flush=True)
         with self.startup_times.phase("publish canary"):
             self._start_canary = self._verify_publish(self.start_step)  # in the first step's metrics
+        self.view = RunView(config=config, run_dir=self.run_dir, process_index=self.process_index, task=self.task,
+                            engine=self.engine, start_step=self.start_step,
+                            resumed=self.checkpointer.latest_step() is not None,
+                            max_new_tokens=self.trainer.max_new_tokens, length=self.trainer.length,
+                            startup_times=self.startup_times, save_checkpoint=self.save_checkpoint)
         for hook in self.hooks:
             stack.callback(hook.close)
-            hook.on_start(self)
+            hook.on_start(self.view)
         compiles = compile_stats()
         self._startup_compiles = {"startup/compiled_programs": compiles["compile/programs"],
                                   "startup/compile_s": compiles["compile/seconds"],
@@ -380,8 +373,8 @@ class Run:
 
     def _published(self) -> dict:
         """What a publish sends (a collective gather): the LoRA adapters alone where the engine serves them
-        (`learner.rl.engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype the
-        engine takes (`learner.rl.engines.publish_dtype`)."""
+        (`learner.rl.rollout_engines.publishes_adapters`), else the weights (LoRA's merged into the base) in the dtype
+        the engine takes (`learner.rl.rollout_engines.publish_dtype`)."""
         if publishes_adapters(self.config):
             return self.trainer.host_adapters()
         return self.trainer.host_weights(publish_dtype(self.config))
@@ -424,14 +417,14 @@ class Run:
                 record = self._step(self.step + 1)  # holds stop signals from its update on
                 self.step = record.step
                 for hook in self.hooks:
-                    hook.on_step(self, record)
+                    hook.on_step(self.view, record)
             except BaseException:
                 self._signals.release(raise_pending=False)
                 raise
             self._signals.release()  # a stop signal received during the update or the hooks: the step is complete
             yield record
         for hook in self.hooks:
-            hook.on_end(self)
+            hook.on_end(self.view)
 
     def _step(self, step: int) -> StepRecord:
         started = time.monotonic()
@@ -478,7 +471,7 @@ class Run:
         rewards = payload.rewards[:samples]
         server_version = None
         if self.leader:
-            if rollout.fixed_staleness or self.config.loop.deterministic:
+            if self.publish.drain:
                 self.buffer.wait()
             server_version = self.engine.publish(trainer.policy_version, weights)
             canary = self._verify_publish(step)
@@ -526,18 +519,18 @@ class Run:
 
 
 class _EngineStart:
-    """`build_engine` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
+    """`build_engine_pool` on a thread that lives until ``stack`` closes (a launched engine's process dies with the
     thread that started it: `rollout_client.engines.child`); the engine is closed then unless `take` handed it
     over (to be closed before, as ``stack`` unwinds)."""
 
     def __init__(self, stack: contextlib.ExitStack, *args):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start")
-        self._future = self._executor.submit(build_engine, *args)
+        self._future = self._executor.submit(build_engine_pool, *args)
         self._taken = False
         stack.callback(self._close)
 
     def take(self):
-        """The engine (waits for it); raises what `build_engine` raised."""
+        """The engine (waits for it); raises what `build_engine_pool` raised."""
         self._taken = True
         return self._future.result()
 

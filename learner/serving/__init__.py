@@ -1,4 +1,4 @@
-"""The reference server's model engine: the learner's own transformer behind the server shell.
+"""The reference server's model generator: the learner's own transformer behind the server shell.
 
 ``python -m learner.serving`` serves it (``--help`` lists the arguments); `rollout_client.server` holds the shell it
 plugs into (gRPC service, scheduler, network settings), which knows nothing of the model.

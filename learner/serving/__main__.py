@@ -1,7 +1,7 @@
-"""The reference server with the learner's model engine: ``python -m learner.serving --help``.
+"""The reference server with the learner's model generator: ``python -m learner.serving --help``.
 
 The server shell (network, auth, TLS, drain, policy version) is `rollout_client.server.cli`'s; this entry point adds
-the model engine's arguments. The model is a Hugging Face checkpoint directory (--hf-path: the config from its
+the model generator's arguments. The model is a Hugging Face checkpoint directory (--hf-path: the config from its
 config.json, the weights from its safetensors) or a named config (--model-config) with random weights (from --seed);
 --weights then replaces the initial weights with a safetensors file or an orbax checkpoint in the server's naming.
 """
@@ -24,7 +24,7 @@ from rollout_client.server.weights_io import load_weights
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model engine's own arguments."""
+    """The model generator's own arguments."""
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--hf-path", help="Hugging Face checkpoint directory (config.json + *.safetensors) to serve")
     model.add_argument("--model-config", help="name for learner.model.model_config, random weights (default: tiny)")
@@ -51,8 +51,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="precision of every matmul; auto: highest for float32 compute, else default")
 
 
-def model_engine(args: argparse.Namespace) -> ModelGenerator:
-    """The model engine the arguments describe; without --eos-ids a request without stop tokens runs to its end."""
+def build_model_generator(args: argparse.Namespace) -> ModelGenerator:
+    """The model generator the arguments describe; without --eos-ids a request without stop tokens runs to its end."""
     if args.hf_path:
         # The served length bounds the sequences: a sliding window at least that long is no window.
         config = model_config_from_checkpoint(args.hf_path, max_seq_len=args.max_seq_len,
@@ -77,10 +77,10 @@ def model_engine(args: argparse.Namespace) -> ModelGenerator:
     return generator
 
 
-def served_engine(args: argparse.Namespace) -> ModelGenerator:
-    """`model_engine`, its programs compiled first with ``--precompile`` (before the server serves: no request waits
-    on a compile)."""
-    generator = model_engine(args)
+def served_generator(args: argparse.Namespace) -> ModelGenerator:
+    """`build_model_generator`, its programs compiled first with ``--precompile`` (before the server serves: no
+    request waits on a compile)."""
+    generator = build_model_generator(args)
     if args.precompile:
         what = "prefill, decode and recompute" if args.partial else "prefill and decode"
         print(f"compiling {generator.program_count(recompute=args.partial)} {what} programs", flush=True)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     enable_compilation_cache()  # the learner's (it passes JAX_COMPILATION_CACHE_DIR on): a rerun loads the programs
     parser = server_parser("python -m learner.serving", __doc__)
     add_model_arguments(parser)
-    run(parser, {"model": served_engine}, argv)
+    run(parser, {"model": served_generator}, argv)
 
 
 if __name__ == "__main__":

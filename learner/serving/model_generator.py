@@ -1,4 +1,4 @@
-"""The model engine: the learner's own transformer with a jitted prefill and KV-cache decode.
+"""The model generator: the learner's own transformer with a jitted prefill and KV-cache decode.
 
 Sequences occupy fixed slots of one batched KV cache (`max_batch_size` rows of
 `max_seq_len` slots), so concurrent requests decode together. A new sequence is

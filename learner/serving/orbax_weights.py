@@ -1,6 +1,6 @@
 """Reads an orbax checkpoint of weights into the server's flat ``{parameter path: array}`` form.
 
-The model engine's reader for ``UpdateWeights(path, format=ORBAX)`` and ``--weights DIR``: orbax and the nnx naming
+The model generator's reader for ``UpdateWeights(path, format=ORBAX)`` and ``--weights DIR``: orbax and the nnx naming
 of parameters are learner knowledge, so this reader lives here rather than in the server shell.
 """
 

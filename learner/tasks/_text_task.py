@@ -2,19 +2,40 @@
 
 A prompt is ``[bos] + question + [sep]``; a correct completion is ``answer + [eos]``. ``reward`` re-derives the
 answer from the prompt ids alone, so scoring a rollout needs nothing but the tokens the server returned.
+Its prompts are `PromptRecords`, computed when read.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from learner.tasks._text_records import PromptRecords
 from learner.tasks._tokenizer import TOKENIZER, CharTokenizer
+
+
+class PromptRecords(Sequence):
+    """The first ``num_prompts`` records of stream ``seed`` of a `TextTask`, computed when read: record ``i`` is
+    ``{"prompt_ids", "answer"}`` of ``task.make_prompt(np.random.default_rng((seed, i)))``.
+
+    A pure function of ``(seed, index)``, so a grain pipeline over it is deterministic, shuffleable and
+    checkpointable without storing any prompt.
+    """
+
+    def __init__(self, task: TextTask, seed: int, num_prompts: int):
+        self.task, self.seed, self.num_prompts = task, seed, num_prompts
+
+    def __len__(self) -> int:
+        return self.num_prompts
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        index = range(self.num_prompts)[operator.index(index)]
+        prompt_ids, answer = self.task.make_prompt(np.random.default_rng((self.seed, index)))
+        return {"prompt_ids": prompt_ids, "answer": answer}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,7 @@ class PartialRollouts(enum.Enum):
     IN_ENGINE = "in_engine"  # a KEEP pause: the engine decodes on with the new weights, stamping each token
     #   (rollout.v1)
     CONTINUED = "continued"  # an ABORT pause, then the client asks for the rest from the exact tokens so far, stamping
-    #   the new version on the rest (SGLang, vLLM: `rollout_client.engines.smg.stub`)
+    #   the new version on the rest (SGLang, vLLM: `rollout_client.engines.smg.adapter`)
 
 
 class VersionReporting(enum.Enum):

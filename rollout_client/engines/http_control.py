@@ -180,7 +180,7 @@ class HttpControlledEngine(Engine):
       pause_mode: how `publish` pauses the engine.
       keep_weight_versions: version directories kept (>= 1; the served one always).
       partial: partial rollouts: `publish` pauses with ABORT and each sample it interrupts is continued from its
-        exact tokens under the new version (`rollout_client.engines.smg.stub`), so samples carry a version per token.
+        exact tokens under the new version (`rollout_client.engines.smg.adapter`), so samples carry a version per token.
       check_alive: raises if the engine's launched process exited (`rollout_client.EngineProcess.check_alive`).
     """
 

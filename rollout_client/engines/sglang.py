@@ -17,7 +17,7 @@ Versions: the smg proto carries no per-token ``weight_versions`` (SGLang's HTTP 
 ``GenerateStreamChunk``/``GenerateComplete`` have no such field), so the client stamps the version served at
 admission (`VersionReporting.ENGINE`) and runs are synchronous (``rollout.max_staleness = 0``), or partial
 (``partial``: a publish aborts the running samples and the client continues each from its tokens, stamping the new
-version on the rest: `rollout_client.engines.smg.stub`).
+version on the rest: `rollout_client.engines.smg.adapter`).
 
 Logprobs: SGLang returns ``log_softmax(logits / temperature)``, before top-k, top-p and min-p: Tether's PROCESSED
 when no truncation is used (the default here; a truncating request is refused), or the RAW ``log_softmax(logits)``

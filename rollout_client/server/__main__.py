@@ -1,6 +1,6 @@
 """The reference server with the scripted engine: ``python -m rollout_client.server --help``.
 
-The scripted engine replays a precomputed token stream (tests, transport benchmarks). The learner's model engine
+The scripted engine replays a precomputed token stream (tests, transport benchmarks). The learner's model generator
 runs behind the same shell as ``python -m learner.serving``.
 """
 

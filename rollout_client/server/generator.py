@@ -3,7 +3,7 @@
 A `Generator` advances a batch of sequences; everything else (queueing, batching
 of concurrent requests, stop and length rules, pause / resume, policy-version
 stamping, streaming) is the `Scheduler`'s, which asks the generator to rebuild
-kept sequences' caches after a weight update (`Generator.recompute_cache`). The model engine, the benchmark's
+kept sequences' caches after a weight update (`Generator.recompute_cache`). The model generator, the benchmark's
 precomputed stream and the tests' scripted engines all implement this interface.
 """
 

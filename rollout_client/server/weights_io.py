@@ -2,7 +2,7 @@
 
 Weights are a flat mapping from parameter path (joined by "/") to numpy array, the
 same form the client streams. Every engine reads safetensors files (`read_safetensors`);
-an engine adds readers for its own formats (the learner's model engine: orbax).
+an engine adds readers for its own formats (the learner's model generator: orbax).
 
 A client names weights by a path inside the server's weights directory (``--weights-dir``; without one, the server
 takes no weights from paths). Only regular files and directories of them are read, never FIFOs, devices or links

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import learner.rl.engines
+import learner.rl.rollout_engines
 from learner.model.param_paths import named_leaves
 from learner.model.transformer import Transformer, model_config
 from learner.rl import Run, load_config
@@ -73,8 +73,8 @@ def test_a_stale_head_on_the_real_mlx_engine_stops_the_run_at_its_first_publish(
     def seed_head_writer(write, directory, weights, **kwargs):
         return write(directory, {**weights, HEAD: seed_head}, **kwargs)
 
-    monkeypatch.setattr(learner.rl.engines, "write_hf_checkpoint",
-                        functools.partial(seed_head_writer, learner.rl.engines.write_hf_checkpoint))
+    monkeypatch.setattr(learner.rl.rollout_engines, "write_hf_checkpoint",
+                        functools.partial(seed_head_writer, learner.rl.rollout_engines.write_hf_checkpoint))
     records = []
     with pytest.raises(CanaryMismatchError, match=r"the mlx engine at policy version 2 serves other weights .* "
                                                   r"tolerance 0\.0001 for float32"):

@@ -26,7 +26,7 @@ from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
 from learner.checkpoints.safetensors_io import _parameter_shapes
 from learner.reporting.metrics_writers import read_metrics
 from learner.rl import Run, load_config
-from learner.rl.engines import _checkpoint_writer, _launch_vllm
+from learner.rl.rollout_engines import _checkpoint_writer, _launch_vllm
 from rollout_client import ClientConfig, FinishReason, LogprobMode, PauseMode, RolloutRequest, SamplingParams
 from rollout_client.engines.vllm import VllmEngine
 from tests.e2e.test_hf_tiny_run import _load_script

@@ -5,7 +5,7 @@ Run as ``python -m tests.faults.nan_server [learner.serving args]``.
 
 import numpy as np
 
-from learner.serving.__main__ import add_model_arguments, model_engine
+from learner.serving.__main__ import add_model_arguments, build_model_generator
 from rollout_client.packed_arrays import LOGPROB_DTYPE
 from rollout_client.server.cli import run, server_parser
 from rollout_client.server.service import RolloutServicer
@@ -23,7 +23,7 @@ class NanServicer(RolloutServicer):
 def main() -> None:
     parser = server_parser("python -m tests.faults.nan_server")
     add_model_arguments(parser)
-    run(parser, {"model": model_engine}, servicer_class=NanServicer)
+    run(parser, {"model": build_model_generator}, servicer_class=NanServicer)
 
 
 if __name__ == "__main__":

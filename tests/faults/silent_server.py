@@ -8,7 +8,7 @@ Run as ``python -m tests.faults.silent_server [server args]``.
 
 import asyncio
 
-from learner.serving.__main__ import add_model_arguments, model_engine
+from learner.serving.__main__ import add_model_arguments, build_model_generator
 from rollout_client.server.__main__ import add_scripted_arguments, scripted_engine
 from rollout_client.server.cli import run, server_parser
 from rollout_client.server.service import RolloutServicer
@@ -26,7 +26,7 @@ def main() -> None:
     parser = server_parser("python -m tests.faults.silent_server")
     add_scripted_arguments(parser)
     add_model_arguments(parser)
-    run(parser, {"scripted": scripted_engine, "model": model_engine}, None, SilentServicer)
+    run(parser, {"scripted": scripted_engine, "model": build_model_generator}, None, SilentServicer)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The reference server with the learner's model engine, except that a weight update keeps its start-up output head
+"""The reference server with the learner's model generator, except that a weight update keeps its start-up output head
 (``lm_head/kernel``), as vLLM's in-place reload does for a tied-embedding model (vllm#48312): every update succeeds,
 the version moves, and the engine silently samples with a stale head.
 
@@ -8,7 +8,7 @@ Run as ``python -m tests.faults.stale_head_server [learner.serving args]``.
 import jax
 import numpy as np
 
-from learner.serving.__main__ import add_model_arguments, served_engine
+from learner.serving.__main__ import add_model_arguments, served_generator
 from learner.serving.model_generator import ModelGenerator
 from rollout_client.server.cli import run, server_parser
 
@@ -26,7 +26,7 @@ def keep_startup_head(generator: ModelGenerator) -> ModelGenerator:
 def main() -> None:
     parser = server_parser("python -m tests.faults.stale_head_server")
     add_model_arguments(parser)
-    run(parser, {"model": lambda args: keep_startup_head(served_engine(args))})
+    run(parser, {"model": lambda args: keep_startup_head(served_generator(args))})
 
 
 if __name__ == "__main__":

@@ -46,11 +46,11 @@ BAD_STEPS = {  # what step returns -> what the error says
 @pytest.mark.parametrize("case", BAD_STEPS)
 def test_a_bad_step_result_is_a_counted_episode_error_naming_the_environment_and_the_field(case):
     value, message = BAD_STEPS[case]
-    episodes, episode_engine, engine = run_group(EchoTask(environment=returning(value)), num_samples=2)
+    episodes, episode_runner, engine = run_group(EchoTask(environment=returning(value)), num_samples=2)
     assert [e.ended_by for e in episodes] == ["env_error"] * 2 and all(np.isnan(e.reward) for e in episodes)
-    assert episode_engine.metrics()["multiturn/env_errors"] == 2
+    assert episode_runner.metrics()["multiturn/env_errors"] == 2
     assert len(engine.requests) == 2  # the first turns only: nothing bad reached the engine
-    error = episode_engine.last_environment_error
+    error = episode_runner.last_environment_error
     assert error.startswith("environment of task 'echo' (returning.<locals>.Returns.step) returned "), error
     assert message in error, error
 
@@ -58,9 +58,9 @@ def test_a_bad_step_result_is_a_counted_episode_error_naming_the_environment_and
 def test_an_environment_factory_that_fails_is_a_counted_episode_error():
     task = EchoTask()
     task.environment = lambda: None
-    episodes, episode_engine, _ = run_group(task, num_samples=2)
+    episodes, episode_runner, _ = run_group(task, num_samples=2)
     assert [e.ended_by for e in episodes] == ["env_error"] * 2
-    assert "returned NoneType: it needs reset and step methods" in episode_engine.last_environment_error
+    assert "returned NoneType: it needs reset and step methods" in episode_runner.last_environment_error
 
 
 @pytest.mark.parametrize("prompt, message", [(None, "returned a first prompt=None"),
@@ -71,11 +71,11 @@ def test_a_bad_first_prompt_is_a_counted_episode_error(prompt, message):
         def reset(self, record):
             return prompt
 
-    episodes, episode_engine, engine = run_group(EchoTask(environment=BadReset), num_samples=2)
+    episodes, episode_runner, engine = run_group(EchoTask(environment=BadReset), num_samples=2)
     assert [e.ended_by for e in episodes] == ["env_error"] * 2 and engine.requests == []
-    assert episode_engine.metrics()["multiturn/env_errors"] == 2
+    assert episode_runner.metrics()["multiturn/env_errors"] == 2
     assert "(test_a_bad_first_prompt_is_a_counted_episode_error.<locals>.BadReset.reset)" in (
-        episode_engine.last_environment_error) and message in episode_engine.last_environment_error
+        episode_runner.last_environment_error) and message in episode_runner.last_environment_error
 
 
 class Hangs(Echo):
@@ -92,24 +92,24 @@ class HangsAsync(Echo):
 def test_a_step_that_hangs_is_given_up_on_and_counted_while_it_runs(environment):
     RELEASE.clear()
     try:
-        episodes, episode_engine, _ = run_group(EchoTask(environment=environment, step_timeout_s=0.2), num_samples=2)
+        episodes, episode_runner, _ = run_group(EchoTask(environment=environment, step_timeout_s=0.2), num_samples=2)
         assert [e.ended_by for e in episodes] == ["env_error"] * 2
-        assert "took more than 0.2 s (the task's step_timeout_s): given up on" in episode_engine.last_environment_error
-        metrics = episode_engine.metrics()
+        assert "took more than 0.2 s (the task's step_timeout_s): given up on" in episode_runner.last_environment_error
+        metrics = episode_runner.metrics()
         assert (metrics["multiturn/env_errors"], metrics["multiturn/env_calls_abandoned"],
                 metrics["multiturn/env_calls_stuck"]) == (2, 2, 2)
     finally:
         RELEASE.set()
     for _ in range(600):  # released: the given-up threads end (no deadline: only an upper bound on the polling)
-        if episode_engine.metrics()["multiturn/env_calls_stuck"] == 0:
+        if episode_runner.metrics()["multiturn/env_calls_stuck"] == 0:
             break
         time.sleep(0.1)
-    assert episode_engine.metrics()["multiturn/env_calls_stuck"] == 0
+    assert episode_runner.metrics()["multiturn/env_calls_stuck"] == 0
 
 
 NEVER_RETURNS = """
 import threading
-from learner.rl.episodes import EpisodeEngine, EpisodeRequest
+from learner.rl.episodes import EpisodeRunner, EpisodeRequest
 from rollout_client import SamplingParams
 from tests.learner.rl.test_episodes import CountingEngine, Echo, EchoTask
 
@@ -118,7 +118,7 @@ class NeverReturns(Echo):
         threading.Event().wait()
 
 task = EchoTask(environment=NeverReturns, step_timeout_s=0.5)
-engine = EpisodeEngine(CountingEngine(), task)
+engine = EpisodeRunner(CountingEngine(), task)
 episodes = engine.submit(EpisodeRequest(task.prompts()[0], SamplingParams(), num_samples=2)).result(120)
 print([e.ended_by for e in episodes], engine.metrics()["multiturn/env_calls_stuck"], flush=True)
 engine.close()

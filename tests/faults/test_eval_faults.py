@@ -31,8 +31,7 @@ def _evaluation_run(tmp_path, cancel_attempts: int, status: str = "CANCELLED"):
                             tmp_path / "server.log", start_timeout_s=60)
     engine = TetherEngine(client_config(config, process.address, auth_token=None, vocab_size=vocab), process=process)
     pool = EnginePool([Member(process.address, engine)])
-    return types.SimpleNamespace(task=task, config=config, engine=pool,
-                                 trainer=types.SimpleNamespace(max_new_tokens=3))
+    return types.SimpleNamespace(task=task, config=config, engine=pool, max_new_tokens=3)
 
 
 def test_an_evaluation_whose_calls_are_cancelled_once_is_retried_and_scored(tmp_path):

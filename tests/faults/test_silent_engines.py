@@ -1,4 +1,4 @@
-"""Issue #49, item 2, for the engines that stream (smg: vLLM, SGLang, MLX share `SmgStub`), protocol conformance
+"""Issue #49, item 2, for the engines that stream (smg: vLLM, SGLang, MLX share `SmgAdapter`), protocol conformance
 only: against the fake vLLM of tests/rollout_client/engines/conformance_servers.py (a real gRPC server on 127.0.0.1),
 an engine that stops streaming mid-sample is found by its silence, and one whose every token takes longer than a
 quarter of the silence timeout, with samples far longer than it, is never cut: its chunks are progress, relayed to

@@ -1,4 +1,4 @@
-"""What the model engine's decode loop asks of the device per generated token: one program dispatch, one upload and
+"""What the model generator's decode loop asks of the device per generated token: one program dispatch, one upload and
 one wait (host sync) per `ModelGenerator.step` call of ``decode_steps_per_call`` tokens a row, and no program built
 after `ModelGenerator.compile_all`. Counted on the real engine in process: its compiled programs wrapped in
 counters, `jax.device_put` / `jax.device_get` counted, and every step run under ``jax.transfer_guard("disallow")``

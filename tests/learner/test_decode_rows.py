@@ -1,4 +1,4 @@
-"""The model engine decodes only its active rows, kept lowest in the cache: the scheduler with the real
+"""The model generator decodes only its active rows, kept lowest in the cache: the scheduler with the real
 `ModelGenerator` in process."""
 
 import functools

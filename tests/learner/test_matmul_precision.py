@@ -17,9 +17,9 @@ import pytest
 from learner.model.precision import resolve_matmul_precision, with_matmul_precision
 from learner.model.sharding import make_mesh
 from learner.rl import load_config
-from learner.rl.engines import reference_server_args
+from learner.rl.rollout_engines import reference_server_args
 from learner.rl.trainer import Trainer
-from learner.serving.__main__ import add_model_arguments, model_engine
+from learner.serving.__main__ import add_model_arguments, build_model_generator
 from learner.tasks import load_task
 from learner.update.step import make_update_fn
 from learner.update.train_state import create_sharded_train_state
@@ -107,7 +107,7 @@ def test_the_embedded_server_gets_the_setting_through_its_launch_args(server_dty
     assert args[args.index("--matmul-precision") + 1] == "auto"
     parser = server_parser("test")
     add_model_arguments(parser)
-    generator = model_engine(parser.parse_args(args))
+    generator = build_model_generator(parser.parse_args(args))
     params, cache, valid = generator._params, generator._cache, generator._valid
     rows = valid.shape[0]
     sampling = (np.ones(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),

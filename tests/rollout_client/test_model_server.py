@@ -1,4 +1,4 @@
-"""The model engine (``python -m learner.serving``) against the learner's own logprobs, as a real server process."""
+"""The model generator (``python -m learner.serving``) against the learner's own logprobs, as a real server process."""
 
 import pathlib
 import signal
@@ -164,16 +164,16 @@ def test_server_from_hf_checkpoint_gives_transformers_logprobs(tmp_path):
         server.stop(signal.SIGKILL)
 
 
-def test_model_engine_arguments_build_the_checkpoints_model_in_the_learners_dtype(capsys):
+def test_model_generator_arguments_build_the_checkpoints_model_in_the_learners_dtype(capsys):
     """In-process protocol check of the CLI: --hf-path gives the checkpoint's shapes (Qwen3's q/k norms), and the
     accepted weights have --param-dtype; --hf-path and --model-config exclude each other."""
-    from learner.serving.__main__ import add_model_arguments, model_engine
+    from learner.serving.__main__ import add_model_arguments, build_model_generator
     from rollout_client.server.cli import server_parser
 
     parser = server_parser("python -m learner.serving", "")
     add_model_arguments(parser)
-    generator = model_engine(parser.parse_args(["--hf-path", str(GOLDEN / "qwen3"), "--param-dtype", "bfloat16",
-                                                "--max-seq-len", "32"]))
+    generator = build_model_generator(parser.parse_args(["--hf-path", str(GOLDEN / "qwen3"), "--param-dtype",
+                                                         "bfloat16", "--max-seq-len", "32"]))
     assert (generator.info.vocab_size, generator.info.max_seq_len) == (96, 32)
     assert generator.weight_spec["layers/1/attn/k_norm/scale"] == ((16,), np.dtype(jnp.bfloat16))
     assert {dtype for _, dtype in generator.weight_spec.values()} == {np.dtype(jnp.bfloat16)}

@@ -1,6 +1,6 @@
 """rollout_client stands alone: every module imports, and the scripted server serves, with flax and learner refused.
 
-The dependency runs one way (learner -> rollout_client): the model engine lives in `learner.serving`.
+The dependency runs one way (learner -> rollout_client): the model generator lives in `learner.serving`.
 """
 
 import signal

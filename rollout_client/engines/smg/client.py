@@ -1,6 +1,6 @@
 """Clients of an engine that speaks an smg proto: rollout.v1's clients with the engine's data plane underneath.
 
-`AsyncSmgClient` is `rollout_client.AsyncRolloutClient` whose stub is `rollout_client.engines.smg.stub.SmgStub`:
+`AsyncSmgClient` is `rollout_client.AsyncRolloutClient` whose stub is `rollout_client.engines.smg.adapter.SmgAdapter`:
 sampling,
 retries, deadlines, validation and the `Sample` objects are the rollout.v1 client's own. The smg protos have no
 pause or weight RPCs: those methods raise, and the engine's control plane (e.g. `rollout_client.MlxEngine.publish`,
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout_client.client import AsyncRolloutClient, ClientConfig
+from rollout_client.engines.smg.adapter import SmgAdapter, SmgHealth
 from rollout_client.engines.smg.dialects import SmgDialect
-from rollout_client.engines.smg.stub import SmgHealth, SmgStub
 from rollout_client.sync_client import RolloutClient
 
 __all__ = ["AsyncSmgClient", "SmgClient"]
@@ -27,13 +27,14 @@ class AsyncSmgClient(AsyncRolloutClient):
       config: how to reach it (``auth_token`` and TLS as for rollout.v1).
       dialect: its proto.
       check_alive: raises if a launched engine's process exited (`rollout_client.EngineProcess.check_alive`).
-      continue_interrupted: continue samples a publish interrupts from their tokens (`rollout_client.engines.smg.stub`).
+      continue_interrupted: continue samples a publish interrupts from their tokens
+        (`rollout_client.engines.smg.adapter`).
     """
 
     def __init__(self, config: ClientConfig, dialect: SmgDialect, check_alive: Callable[[], None] | None = None,
                  continue_interrupted: bool = False):
         super().__init__(config)
-        self._stub = SmgStub(self._channel, dialect, check_alive, continue_interrupted)
+        self._stub = SmgAdapter(self._channel, dialect, check_alive, continue_interrupted)
         self._health = SmgHealth(self._stub)
 
     @property

@@ -1,6 +1,6 @@
 """What differs between the engines' smg protos (``smg-grpc-proto``), as data: one `SmgDialect` per engine.
 
-The data plane (`rollout_client.engines.smg.stub`) is written once against what the protos share: a server-streaming
+The data plane (`rollout_client.engines.smg.adapter`) is written once against what the protos share: a server-streaming
 ``Generate`` whose responses are a ``chunk`` (``token_ids``, ``output_logprobs.token_logprobs``, ``index``) or a
 ``complete`` (``output_ids``, ``output_logprobs``, ``finish_reason``, ``index``), ``Abort``, ``HealthCheck``
 (``healthy``) and ``GetModelInfo`` (``vocab_size``, ``max_context_length``, ``eos_token_ids``, ``model_type``,

@@ -12,6 +12,7 @@ from learner.rl.config import (
     from_dict,
     optimizer_config,
     optimizer_updates,
+    publish_policy,
     sampling_params,
     update_config,
 )
@@ -153,3 +154,30 @@ def test_scored_window_is_the_completion_budget_unless_set(window, length, max_n
     update = update_config(config, correction_config(config), length=length, max_new_tokens=max_new_tokens)
     assert update.scored_window == expected
     assert RunConfig().update.scored_window == "auto"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # (in_flight, max_staleness, prefetch, drain, partial, pause_mode, kv_cache); prompts_per_step = 4
+    ([], (4, 1, True, False, False, "WAIT", "RECOMPUTE")),  # asynchronous, one version per sample
+    (["rollout.max_staleness=0"], (4, 0, False, False, False, "KEEP", "RECOMPUTE")),  # synchronous: nothing in flight
+    (["rollout.max_staleness=3"], (12, 3, True, False, False, "WAIT", "RECOMPUTE")),
+    (["rollout.fixed_staleness=true"], (4, 1, True, True, False, "WAIT", "RECOMPUTE")),
+    (["loop.deterministic=true", "rollout.max_staleness=2"], (8, 2, True, True, False, "WAIT", "RECOMPUTE")),
+    (["rollout.partial=true"], (4, 1, True, False, True, "KEEP", "RECOMPUTE")),
+    (["rollout.partial=true", "rollout.partial_kv='keep'"], (4, 1, True, False, True, "KEEP", "KEEP")),
+])
+def test_publish_policy_is_computed_once_from_the_rollout_and_loop_sections(overrides, expected):
+    policy = publish_policy(load_config(None, ["rollout.prompts_per_step=4", *overrides]))
+    assert (policy.in_flight, policy.max_staleness, policy.prefetch, policy.drain, policy.partial,
+            policy.pause_mode.name, policy.kv_cache.name) == expected
+    assert policy.recomputes_kv == (policy.partial and policy.kv_cache.name == "RECOMPUTE")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.partial=true", "rollout.max_staleness=0"], "rollout.partial=true with rollout.max_staleness=0"),
+    (["rollout.partial=true", "rollout.fixed_staleness=true"], "rollout.partial=true with rollout.fixed_staleness"),
+    (["rollout.partial=true", "loop.deterministic=true"], "rollout.partial=true with loop.deterministic=true"),
+])
+def test_a_publish_policy_that_contradicts_itself_is_refused_at_load_time(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)

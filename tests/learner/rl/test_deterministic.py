@@ -1,22 +1,22 @@
 """``loop.deterministic``: seeded requests (per request, per episode turn), what it asks of the engine, and two real
 runs that give the same metrics."""
 
+import dataclasses
 import json
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
 from learner.rl import Run, load_config
-from learner.rl.engines import reference_server_args, requirements
-from learner.rl.episodes import EpisodeEngine, EpisodeRequest
+from learner.rl.episodes import EpisodeRequest, EpisodeRunner
 from learner.rl.prompt_stream import PromptStream
+from learner.rl.rollout_engines import reference_server_args, requirements
 from rollout_client import EngineCapabilityError, LogprobMode, SamplingParams, TetherEngine, check_capabilities
 from rollout_client.sampling_params import derived_seed
-from tests.learner.rl.test_engines import MLX_LIKE
 from tests.learner.rl.test_episodes import CountingEngine, EchoTask
+from tests.learner.rl.test_rollout_engines import MLX_LIKE
 
 RECORDS = [{"prompt_ids": np.asarray([5, 6 + i], np.int32)} for i in range(12)]
 
@@ -43,7 +43,7 @@ def test_seeded_requests_differ_from_each_other_and_repeat_after_a_resume():
 
 def test_every_turn_of_a_seeded_group_draws_with_its_own_seed():
     engine = CountingEngine()
-    with EpisodeEngine(engine, EchoTask(done_after=2)) as episodes:
+    with EpisodeRunner(engine, EchoTask(done_after=2)) as episodes:
         for seed in (11, None):
             request = EpisodeRequest({"prompt_ids": np.asarray([10, 20], np.int32)},
                                      sampling=SamplingParams(seed=seed), num_samples=3)
@@ -80,13 +80,11 @@ def test_evaluation_requests_are_seeded_per_step_prompt_and_mode_when_determinis
     seeds = {}
     for deterministic in (True, False):
         engine = _AnsweringEngine(task.tokenizer, lambda prompt, request: ["1"] * request.num_samples)
-        run = _run(tmp_path, steps=2)
-        run.config = load_config(None, ["loop.steps=2", "loop.seed=3",
-                                        f"loop.deterministic={str(deterministic).lower()}"])
-        run.task, run.engine, run.trainer, run.step = task, engine, types.SimpleNamespace(max_new_tokens=2), 2
+        config = load_config(None, ["loop.steps=2", "loop.seed=3", f"loop.deterministic={str(deterministic).lower()}"])
+        run = dataclasses.replace(_run(tmp_path, steps=2), config=config, task=task, engine=engine, max_new_tokens=2)
         hook = EvalHook()
         hook.on_start(run)
-        hook.evaluate(run)
+        hook.evaluate(run, 2)
         seeds[deterministic] = [request.sampling.seed for request in engine.requests]
     # 4 prompts x (sampled, greedy): (loop.seed, step, prompt, mode), a stream apart from training's (batch, place)
     assert seeds[True] == [derived_seed(3, 2, index, mode) for mode in (0, 1) for index in range(4)]

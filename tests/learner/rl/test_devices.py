@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from learner.model.transformer import model_config
-from learner.rl import engines, load_config
+from learner.rl import load_config, rollout_engines
 from learner.rl.config import memory_fractions
 from learner.rl.devices import configure_learner, engine_environment, local_gpu_ids
 from rollout_client import EngineProcess
@@ -91,15 +91,15 @@ def test_a_server_device_the_host_lacks_is_refused(tmp_path, gpus, message):
     (["server.device=1"], {"XLA_PYTHON_CLIENT_MEM_FRACTION": None, "CUDA_VISIBLE_DEVICES": "5"}),
 ])
 def test_the_launched_server_process_runs_with_its_budget_and_device(tmp_path, monkeypatch, overrides, want):
-    """The run's own launch path (`learner.rl.engines`), with a server that reports its environment."""
+    """The run's own launch path (`learner.rl.rollout_engines`), with a server that reports its environment."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # what the learner's process was given
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    monkeypatch.setattr(engines, "EngineProcess",
+    monkeypatch.setattr(rollout_engines, "EngineProcess",
                         lambda module, *args, **kwargs: EngineProcess("tests.learner.rl.env_reporting_server", *args,
                                                                       **kwargs))
     config = load_config(None, overrides)
     trainer = types.SimpleNamespace(model_config=model_config("tiny"), length=32)
-    members = engines._tether_members(config, trainer, [2], tmp_path)
+    members = rollout_engines._tether_members(config, trainer, [2], tmp_path)
     members[0].engine.close()
     reported = json.loads((tmp_path / "server.log").read_text().splitlines()[0].removeprefix("ENV "))
     for name, value in want.items():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from learner.rl.batch_assembly import PayloadSpec, assemble_payload
-from learner.rl.episodes import EpisodeEngine, EpisodeRequest, episode_metrics
+from learner.rl.episodes import EpisodeRequest, EpisodeRunner, episode_metrics
 from learner.tasks import EnvironmentTask, EpisodeLimits, StepResult, load_task
 from rollout_client import (
     ClientConfig,
@@ -135,7 +135,7 @@ class CountingEngine(Engine):
 
 def run_group(task, engine=None, num_samples=1):
     engine = engine or CountingEngine()
-    episodes = EpisodeEngine(engine, task)
+    episodes = EpisodeRunner(engine, task)
     request = EpisodeRequest(task.prompts()[0], SamplingParams(temperature=1.0), num_samples=num_samples)
     return episodes.submit(request).result(timeout=60), episodes, engine
 
@@ -230,11 +230,11 @@ def test_stop_ids_of_the_task_end_every_turn_besides_eos():
                                   EchoTask(sleep_s=3.0, step_timeout_s=0.2, environment=AsyncEcho)],
                          ids=["raises", "sync_timeout", "async_timeout"])
 def test_an_environment_error_ends_its_episode_with_a_nan_reward_and_is_counted(task):
-    episodes, episode_engine, _ = run_group(task, num_samples=2)
+    episodes, episode_runner, _ = run_group(task, num_samples=2)
     assert len(episodes) == 2 and all(np.isnan(e.reward) and e.ended_by == "env_error" for e in episodes)
-    assert episode_engine.metrics()["multiturn/env_errors"] == 2
-    assert "tool crashed" in episode_engine.last_environment_error or "step_timeout_s" in (
-        episode_engine.last_environment_error)
+    assert episode_runner.metrics()["multiturn/env_errors"] == 2
+    assert "tool crashed" in episode_runner.last_environment_error or "step_timeout_s" in (
+        episode_runner.last_environment_error)
 
 
 def test_an_async_environment_steps_within_its_timeout():
@@ -249,9 +249,9 @@ def test_a_failed_reset_gives_an_episode_without_policy_tokens_that_the_buffer_a
 
     task = EchoTask(environment=BadReset)
     engine = CountingEngine()
-    episode_engine = EpisodeEngine(engine, task)
-    episode_engine.publish(3, {})
-    buffer = RolloutBuffer(episode_engine, iter([EpisodeRequest(task.prompts()[i], SamplingParams(), num_samples=2)
+    episode_runner = EpisodeRunner(engine, task)
+    episode_runner.publish(3, {})
+    buffer = RolloutBuffer(episode_runner, iter([EpisodeRequest(task.prompts()[i], SamplingParams(), num_samples=2)
                                                  for i in range(2)]), max_in_flight=2, max_staleness=0)
     groups = [buffer.get(3), buffer.get(3)]
     assert [len(g) for g in groups] == [2, 2] and engine.requests == []
@@ -266,8 +266,8 @@ def test_turns_of_many_episodes_interleave_on_the_engine():
     # after another would wait out the 60 s hold and alternate turns.
     engine = CountingEngine(hold_until=16)
     task = EchoTask(done_after=2)
-    episode_engine = EpisodeEngine(engine, task)
-    futures = [episode_engine.submit(EpisodeRequest(task.prompts()[i], SamplingParams(), num_samples=4))
+    episode_runner = EpisodeRunner(engine, task)
+    futures = [episode_runner.submit(EpisodeRequest(task.prompts()[i], SamplingParams(), num_samples=4))
                for i in range(4)]
     groups = [f.result(timeout=120) for f in futures]
     assert [len(g) for g in groups] == [4] * 4
@@ -282,8 +282,8 @@ def test_turns_of_many_episodes_interleave_on_the_engine():
 def test_episodes_make_a_fixed_shape_payload_with_env_tokens_masked_and_the_environments_rewards():
     task = EchoTask(done_after=2)
     engine = CountingEngine()
-    episode_engine = EpisodeEngine(engine, task)
-    groups = [episode_engine.submit(EpisodeRequest(task.prompts()[i], SamplingParams(temperature=1.0),
+    episode_runner = EpisodeRunner(engine, task)
+    groups = [episode_runner.submit(EpisodeRequest(task.prompts()[i], SamplingParams(temperature=1.0),
                                                    num_samples=2)).result(60) for i in range(2)]
     spec = PayloadSpec(rows=6, length=32, sampling=False, raw=False)
     payload, _ = assemble_payload(groups, task.prompts()[:2], task, spec, 2, "processed")
@@ -383,10 +383,10 @@ def test_over_the_wire_the_trained_ids_are_the_ids_the_server_was_given_and_retu
     # A stop string that never matches: sent on the wire (rollout.v1 stop_strings), which Tether's server ignores.
     task = EchoTask(done_after=3, environment=PublishOnce, max_turn_tokens=5, stop_strings=("</never>",))
     task.published = threading.Semaphore(1)
-    episode_engine = EpisodeEngine(recording, task)
+    episode_runner = EpisodeRunner(recording, task)
     request = EpisodeRequest(task.prompts()[0], SamplingParams(stop_token_ids=()), num_samples=1,
                              logprob_mode=LogprobMode.PROCESSED)
-    (episode,) = episode_engine.submit(request).result(timeout=60)
+    (episode,) = episode_runner.submit(request).result(timeout=60)
     calls = sorted(recording.calls, key=lambda call: len(call[0].prompt_token_ids))
     assert len(calls) == 3 and all(sent.sampling.to_proto().stop_strings == ["</never>"] for sent, _ in calls)
     trained = np.concatenate([episode.prompt_token_ids, episode.completion_token_ids])
@@ -426,7 +426,7 @@ def test_the_rollout_log_keeps_episode_masks_and_per_token_versions_and_recomput
 
     task = EchoTask(done_after=3, environment=PublishAfterFirstTurn)
     task.publish_once = threading.Semaphore(1)
-    episodes = EpisodeEngine(engine, task).submit(EpisodeRequest(task.prompts()[0], SamplingParams(temperature=1.0),
+    episodes = EpisodeRunner(engine, task).submit(EpisodeRequest(task.prompts()[0], SamplingParams(temperature=1.0),
                                                                  num_samples=2)).result(60)
     spec = PayloadSpec(rows=2, length=32, sampling=False, raw=False)
     batch = assemble_payload([episodes], task.prompts()[:1], task, spec, 2, "processed")[0].batch

@@ -1,23 +1,30 @@
-"""Hooks in process, on a stand-in run: when they act and what they write."""
+"""Hooks in process, on a stand-in run's `RunView`: when they act and what they write."""
 
+import dataclasses
 import json
 import types
 
 import numpy as np
 
 from learner.reporting.progress import StartupTimes
-from learner.rl import AgreementHook, CheckpointHook, MetricsHook, StepRecord, SummaryHook, default_hooks, load_config
+from learner.rl import (
+    AgreementHook,
+    CheckpointHook,
+    MetricsHook,
+    RunView,
+    StepRecord,
+    SummaryHook,
+    default_hooks,
+    load_config,
+)
 from learner.update.batch import TrainBatch
 
 
-def _run(tmp_path, steps=5, start_step=0, restored_from=None):
-    saved = []
-    run = types.SimpleNamespace(config=load_config(None, [f"loop.steps={steps}"]), run_dir=tmp_path,
-                                start_step=start_step, step=start_step, process_index=0, saved=saved,
-                                save_checkpoint=saved.append,
-                                checkpointer=types.SimpleNamespace(latest_step=lambda: restored_from),
-                                trainer=types.SimpleNamespace(policy_version=7), startup_times=StartupTimes())
-    return run
+def _run(tmp_path, steps=5, start_step=0, resumed=False, saved=None):
+    """A run's view without a run: ``saved`` collects the steps checkpointed."""
+    return RunView(config=load_config(None, [f"loop.steps={steps}"]), run_dir=tmp_path, process_index=0, task=None,
+                   engine=None, start_step=start_step, resumed=resumed, max_new_tokens=4, length=4,
+                   startup_times=StartupTimes(), save_checkpoint=(saved if saved is not None else []).append)
 
 
 def _record(step, reward):
@@ -30,17 +37,18 @@ def _record(step, reward):
 
 
 def test_checkpoints_at_the_start_every_n_steps_and_the_last_step(tmp_path):
-    run, hook = _run(tmp_path, steps=5), CheckpointHook(every=2)
+    saved = []
+    run, hook = _run(tmp_path, steps=5, saved=saved), CheckpointHook(every=2)
     hook.on_start(run)
     for step in range(1, 6):
         hook.on_step(run, _record(step, 0.0))
-    assert run.saved == [0, 2, 4, 5]
-    resumed = _run(tmp_path, steps=5, start_step=2, restored_from=2)
-    CheckpointHook(every=2).on_start(resumed)
-    assert resumed.saved == []  # a resumed run does not save its start again
-    from_zero = _run(tmp_path, steps=5, start_step=0, restored_from=0)  # killed before its first periodic save
-    CheckpointHook(every=2).on_start(from_zero)
-    assert from_zero.saved == []
+    assert saved == [0, 2, 4, 5]
+    resumed = []
+    CheckpointHook(every=2).on_start(_run(tmp_path, steps=5, start_step=2, resumed=True, saved=resumed))
+    assert resumed == []  # a resumed run does not save its start again
+    from_zero = []  # killed before its first periodic save: resumed from step 0's checkpoint
+    CheckpointHook(every=2).on_start(_run(tmp_path, steps=5, start_step=0, resumed=True, saved=from_zero))
+    assert from_zero == []
 
 
 def test_metrics_hook_writes_every_step_and_drops_steps_after_a_resume(tmp_path):
@@ -77,7 +85,7 @@ def test_summary_and_agreement_at_the_end(tmp_path, capsys):
     assert "| eval/pass@1 (step 2)                 | 0.500" in table  # the last evaluation
     assert "eval/skipped_samples (step 2)" in table and "eval/dropped_samples" not in table  # counters where not 0
     record = json.loads((tmp_path / "process_0.json").read_text())
-    assert (record["steps"], record["reward_mean"], record["policy_version"]) == ([1, 2, 3], [0.25, 0.5, 1.0], 7)
+    assert (record["steps"], record["reward_mean"], record["policy_version"]) == ([1, 2, 3], [0.25, 0.5, 1.0], 3)
 
 
 def test_default_hooks_order_puts_evaluation_first_and_checkpoints_after_the_writers():
@@ -122,10 +130,8 @@ def test_eval_hook_scores_greedy_and_sampled_completions_of_the_validation_promp
         return ["0", "5", "0", "5"] if "0+0" in prompt else ["1", "2", None, "3"]
 
     engine = _AnsweringEngine(task.tokenizer, answers)
-    run = _run(tmp_path, steps=3)
-    run.config = load_config(None, ["loop.steps=3", "rollout.num_samples=4"])
-    run.task, run.engine = task, engine
-    run.trainer = types.SimpleNamespace(max_new_tokens=4)
+    run = dataclasses.replace(_run(tmp_path), config=load_config(None, ["loop.steps=3", "rollout.num_samples=4"]),
+                              task=task, engine=engine)
     hook = EvalHook()
     hook.on_start(run)
     records = {step: _record(step, 0.0) for step in (1, 2, 3)}
@@ -147,8 +153,7 @@ def test_eval_hook_scores_greedy_and_sampled_completions_of_the_validation_promp
 def test_eval_hook_is_inactive_for_tasks_without_validation(tmp_path):
     from learner.rl import EvalHook
     from learner.tasks import load_task
-    run = _run(tmp_path)
-    run.task = load_task("addition_1digit", {})
+    run = dataclasses.replace(_run(tmp_path), task=load_task("addition_1digit", {}))
     hook = EvalHook()
     hook.on_start(run)
     record = _record(5, 0.0)
@@ -169,7 +174,7 @@ def test_the_plot_refresh_draws_on_a_thread_and_the_end_waits_for_its_own(tmp_pa
         drawn.append(png_path)
 
     monkeypatch.setattr(hooks_module, "plot_learning_curves", slow_plot)
-    hook, run = PlotHook(every=2, num_samples=4), types.SimpleNamespace(run_dir=tmp_path)
+    hook, run = PlotHook(every=2, num_samples=4), _run(tmp_path)
     hook.on_step(run, types.SimpleNamespace(step=2))  # returns while the refresh still draws
     hook.on_step(run, types.SimpleNamespace(step=4))  # due while the last one draws: skipped
     assert drawn == [] and hook._drawing.is_alive()

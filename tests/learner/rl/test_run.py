@@ -32,7 +32,7 @@ class Recorder(Hook):
         self.calls.append(("step", record.step))
 
     def on_end(self, run):
-        self.calls.append(("end", run.step))
+        self.calls.append(("end",))
 
     def close(self):
         self.calls.append(("close",))
@@ -78,7 +78,7 @@ def test_three_steps_from_a_notebook_then_a_finished_rerun_then_a_refused_resume
         # staleness 1: each token was sampled by the policy before this update or the one before it
         versions = record.batch.policy_version[record.batch.loss_mask > 0]
         assert versions.max() <= record.policy_version - 1 and versions.min() >= record.policy_version - 2
-    assert recorder.calls == [("start", 0), ("step", 1), ("step", 2), ("step", 3), ("end", 3), ("close",)]
+    assert recorder.calls == [("start", 0), ("step", 1), ("step", 2), ("step", 3), ("end",), ("close",)]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
     with Checkpointer(CheckpointConfig(str(tmp_path / "run" / "checkpoints"))) as checkpointer:
@@ -103,7 +103,7 @@ def test_an_exception_right_after_a_checkpoint_save_started_keeps_that_checkpoin
         with Run(config, hooks=[recorder, CheckpointHook(every=1), RaiseAt(2)]) as run:
             for _ in run.steps():
                 pass
-    assert recorder.calls[-1] == ("close",) and ("end", 2) not in recorder.calls
+    assert recorder.calls[-1] == ("close",) and ("end",) not in recorder.calls
     directory = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]  # complete: no *.orbax-checkpoint-tmp left
     with Checkpointer(CheckpointConfig(str(directory))) as checkpointer:

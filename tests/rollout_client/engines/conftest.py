@@ -34,7 +34,7 @@ def host_weights(model: Transformer) -> dict[str, np.ndarray]:
 
 
 def checkpoint_writer():
-    """What `learner.rl.engines` hands the MLX engine: an atomic HF checkpoint with the task's tokenizer."""
+    """What `learner.rl.rollout_engines` hands the MLX engine: an atomic HF checkpoint with the task's tokenizer."""
     return functools.partial(write_hf_checkpoint, config=MODEL_CONFIG, tokenizer=CharTokenizer(),
                              eos_token_ids=(EOS_ID,), overwrite=True)
 

@@ -20,7 +20,7 @@ from flax import nnx
 from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 from learner.logprobs.chunked import token_logprobs
 from learner.model.transformer import Transformer, model_config
-from learner.rl.episodes import EpisodeEngine, EpisodeRequest
+from learner.rl.episodes import EpisodeRequest, EpisodeRunner
 from learner.tasks import EpisodeLimits, HFTokenizer, StepResult, message_segment_ids
 from rollout_client import ClientConfig, LogprobMode, MlxEngine, SamplingParams, ValidationConfig
 from rollout_client.engines.sglang import SGLangEngine
@@ -135,7 +135,7 @@ class ChatTask:
 
 def run_episode(engine, task, mode=LogprobMode.RAW):
     recording = Recording(engine)
-    (episode,) = EpisodeEngine(recording, task).submit(
+    (episode,) = EpisodeRunner(recording, task).submit(
         EpisodeRequest({}, SamplingParams(temperature=1.0), num_samples=1, logprob_mode=mode)).result(timeout=300)
     return episode, recording.calls
 

@@ -14,7 +14,7 @@ from smg_grpc_proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 from rollout_client import ClientConfig, LogprobMode, RolloutRequest, SamplingParams
 from rollout_client.engines.smg import MLX, AsyncSmgClient, EngineSampling
-from rollout_client.engines.smg.stub import echoed_sampling, resolve_sampling
+from rollout_client.engines.smg.adapter import echoed_sampling, resolve_sampling
 from rollout_client.protocol import pb
 
 SAMPLING = EngineSampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_new_tokens=12, stop_token_ids=(2, 7))

@@ -1,4 +1,4 @@
-"""The inference engine of a run, built from the ``server`` section, and what the run requires of it.
+"""The run's rollout engines, built from the ``server`` section as one engine pool, and what the run requires of them.
 
 ``server.engine`` picks the backend (`ENGINES`):
 
@@ -31,7 +31,7 @@ import rollout_client.engines
 from learner.checkpoints.hf_checkpoint import write_hf_checkpoint
 from learner.checkpoints.peft_export import write_peft_adapter
 from learner.checkpoints.safetensors_io import config_to_hf
-from learner.rl.config import RunConfig, client_config, embedded_server, engine_addresses, publish_pause
+from learner.rl.config import RunConfig, client_config, embedded_server, engine_addresses, publish_policy
 from learner.rl.devices import engine_environment
 from rollout_client import (
     Engine,
@@ -84,19 +84,18 @@ def publishes_adapters(config: RunConfig) -> bool:
 
 def requirements(config: RunConfig) -> EngineRequirements:
     """What the run's ``rollout`` section asks of an engine."""
-    rollout = config.rollout
+    rollout, publish = config.rollout, publish_policy(config)
     used = {"temperature": rollout.temperature != 1, "top_k": rollout.top_k > 0, "top_p": rollout.top_p < 1,
             "min_p": rollout.min_p > 0}
     return EngineRequirements(logprob_mode=LogprobMode[rollout.logprob_mode.upper()],
                               sampler_steps=tuple(step for step, on in used.items() if on),
-                              pause_mode=publish_pause(config)[0],
-                              max_staleness=rollout.max_staleness, partial=rollout.partial,
-                              seeded=config.loop.deterministic)
+                              pause_mode=publish.pause_mode, max_staleness=publish.max_staleness,
+                              partial=publish.partial, seeded=config.loop.deterministic)
 
 
 def sampler_order(config: RunConfig) -> SamplerOrder:
     """The order in which the learner replays the run's engine's sampler (temperature-first where the engine's is
-    not replayable: `build_engine` refuses that run)."""
+    not replayable: `build_engine_pool` refuses that run)."""
     capabilities = ENGINES[config.server.engine].capabilities
     return capabilities.replayed_order(requirements(config).sampler_steps) or SamplerOrder.TEMPERATURE_FIRST
 
@@ -118,11 +117,11 @@ def reference_server_args(config: RunConfig, trainer, eos_ids) -> list[str]:
             "--max-seq-len", str(trainer.length), "--decode-steps-per-call", str(config.server.decode_steps_per_call),
             "--seed", str(config.loop.seed), "--matmul-precision", config.model.matmul_precision,
             *(["--batch-invariant"] if config.loop.deterministic else []),
-            *(["--partial"] if config.rollout.partial and config.rollout.partial_kv == "recompute" else [])]
+            *(["--partial"] if publish_policy(config).recomputes_kv else [])]
 
 
-def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, weights: Mapping[str, np.ndarray]
-                 ) -> EnginePool:
+def build_engine_pool(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path,
+                      weights: Mapping[str, np.ndarray]) -> EnginePool:
     """The run's engines, connected, as one `rollout_client.EnginePool`: those at ``server.address``, or one launched
     here (log: ``run_dir/server.log``), which the pool relaunches with the current weights if it dies.
 
@@ -166,7 +165,7 @@ def build_engine(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path, wei
 
 def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> list[Member]:
     """rollout.v1 servers at ``server.address``, or the reference server launched here (relaunchable)."""
-    vocab_size = trainer.model_config.vocab_size
+    vocab_size, publish = trainer.model_config.vocab_size, publish_policy(config)
     addresses = engine_addresses(config)
     if addresses:
         token = os.environ.get(config.server.auth_token_env) if config.server.auth_token_env else None
@@ -175,7 +174,7 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
             for address in addresses:
                 members.append(Member(address, TetherEngine(client_config(config, address, auth_token=token,
                                                                           vocab_size=vocab_size),
-                                                            None, *publish_pause(config))))
+                                                            None, publish.pause_mode, publish.kv_cache)))
         except BaseException:
             for member in members:
                 member.engine.close()
@@ -190,9 +189,9 @@ def _tether_members(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) 
                                                         "--weights-dir", str(shared.directory)],
                                     run_dir / "server.log", config.server.start_timeout_s,
                                     env={AUTH_TOKEN_ENV: token, **engine_environment(config)})
-            pause_mode, kv_cache = publish_pause(config)
             return TetherEngine(client_config(config, process.address, auth_token=token, vocab_size=vocab_size),
-                                process=process, pause_mode=pause_mode, kv_cache=kv_cache, shared_weights=shared)
+                                process=process, pause_mode=publish.pause_mode, kv_cache=publish.kv_cache,
+                                shared_weights=shared)
         except BaseException:
             shared.close()
             raise
@@ -276,7 +275,7 @@ def _connect_http_controlled(backend, config: RunConfig, trainer, eos_ids) -> En
     engine = backend(client, server.control_url, _checkpoint_writer(config, trainer, eos_ids), server.weights_dir,
                      logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
                      keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
-                     auth_token=token, partial=config.rollout.partial, **adapters)
+                     auth_token=token, partial=publish_policy(config).partial, **adapters)
     return _checked(engine, config, trainer, server.address)
 
 
@@ -333,7 +332,7 @@ def _launch_vllm(config: RunConfig, trainer, eos_ids, run_dir: pathlib.Path) -> 
                         server.weights_dir or run_dir / "engine_weights",
                         logprob_mode=LogprobMode[config.rollout.logprob_mode.upper()],
                         keep_weight_versions=server.keep_weight_versions, control_timeout_s=server.control_timeout_s,
-                        partial=config.rollout.partial, process=process)
+                        partial=publish_policy(config).partial, process=process)
     return _checked(engine, config, trainer, process.address)
 
 

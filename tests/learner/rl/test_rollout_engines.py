@@ -12,9 +12,9 @@ import pytest
 from learner.checkpoints.safetensors_io import _parameter_shapes
 from learner.model.transformer import model_config
 from learner.rl import load_config
-from learner.rl.engines import (
+from learner.rl.rollout_engines import (
     ENGINES,
-    build_engine,
+    build_engine_pool,
     check_identity,
     learner_identity,
     publishes_adapters,
@@ -110,7 +110,7 @@ def test_partial_rollouts_need_an_engine_that_continues_a_request_across_an_upda
 def test_a_refused_engine_is_refused_before_any_process_starts(tmp_path, monkeypatch):
     monkeypatch.setattr(TetherEngine, "capabilities", MLX_LIKE)
     with pytest.raises(EngineCapabilityError):
-        build_engine(load_config(None), trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
+        build_engine_pool(load_config(None), trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
     assert not (tmp_path / "server.log").exists()  # nothing was launched
 
 
@@ -138,7 +138,7 @@ def test_the_mlx_engine_is_launched_by_tether_never_reached_at_an_address(tmp_pa
     config = load_config("configs/mlx_engine.toml", ["server.address='127.0.0.1:50051'"])
     with pytest.raises(ValueError, match="server.address='127.0.0.1:50051': the mlx engine takes new weights by "
                                          "restart, so Tether launches it; unset server.address"):
-        build_engine(config, trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
+        build_engine_pool(config, trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
     assert not any(tmp_path.iterdir())  # nothing was written or launched
 
 
@@ -160,7 +160,7 @@ def test_sglang_and_vllm_need_an_address_a_control_url_and_a_shared_weights_dir(
         config = load_config(None, [f"server.engine='{engine}'", "rollout.max_staleness=0", *missing])
         with pytest.raises(ValueError, match=f"server.engine='{engine}': set server.address \\(one gRPC host:port, "
                                              "or a gateway\\), server.control_url"):
-            build_engine(config, trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
+            build_engine_pool(config, trainer=None, eos_ids=(2,), run_dir=tmp_path, weights={})
     assert ENGINES["sglang"] is SGLangEngine and ENGINES["vllm"] is VllmEngine
 
 
@@ -231,7 +231,7 @@ def test_a_launched_vllm_refuses_a_missing_checkpoint_bad_flags_and_a_missing_py
                                                                      "no such executable")):
         config = load_config("configs/vllm_engine.toml", overrides)
         with pytest.raises(ValueError, match=re.escape(message)):
-            build_engine(config, trainer=_tied_trainer(), eos_ids=(2,), run_dir=tmp_path, weights={})
+            build_engine_pool(config, trainer=_tied_trainer(), eos_ids=(2,), run_dir=tmp_path, weights={})
     assert not any(tmp_path.iterdir())  # nothing was written or launched
 
 
@@ -259,7 +259,7 @@ def test_a_launched_vllm_whose_python_lacks_vllm_stops_the_run_with_one_line_nam
     trainer = _tied_trainer()
     trainer.task, trainer.lora = types.SimpleNamespace(tokenizer=None), None
     with pytest.raises(EngineExitedError) as error:
-        build_engine(config, trainer=trainer, eos_ids=(2,), run_dir=tmp_path, weights={})
+        build_engine_pool(config, trainer=trainer, eos_ids=(2,), run_dir=tmp_path, weights={})
     first = str(error.value).splitlines()[0]
     assert "cannot import vLLM and smg-grpc-servicer" in first and "set server.python" in first
     assert f"end of its log {tmp_path / 'server.log'}" in first and "exit code 1" in first

@@ -1,6 +1,6 @@
 """rollout.v1 calls answered by an engine that speaks an smg proto: the data plane of every smg engine.
 
-`SmgStub` has the methods of rollout.v1's ``RolloutServiceStub`` that `rollout_client.AsyncRolloutClient` calls for
+`SmgAdapter` has the methods of rollout.v1's ``RolloutServiceStub`` that `rollout_client.AsyncRolloutClient` calls for
 sampling (``Generate``, ``GetServerInfo``, ``Abort``), and `SmgHealth` the ``grpc.health.v1`` check it waits on.
 They translate to the engine's proto (`rollout_client.engines.smg.dialects.SmgDialect`), so the client's retries,
 deadlines, validation drops and `Sample` assembly apply to these engines unchanged:
@@ -87,10 +87,10 @@ class _SampleState:
         self.logprobs: list[float] = []
         self.spans: list[list[int]] = []  # [start, end, policy version], one per engine request (segment)
         self.finish_reason: str | None = None
-        self.holds = 0  # `SmgStub.holds` when the current segment began
+        self.holds = 0  # `SmgAdapter.holds` when the current segment began
 
     def start_segment(self, version: int, holds: int) -> None:
-        """The tokens that follow are sampled by ``version``; ``holds``: the stub's `SmgStub.holds` now."""
+        """The tokens that follow are sampled by ``version``; ``holds``: the adapter's `SmgAdapter.holds` now."""
         self.spans.append([len(self.token_ids), len(self.token_ids), version])
         self.finish_reason = None
         self.holds = holds
@@ -107,7 +107,7 @@ class _SampleState:
         self.spans[-1][1] = start
 
 
-class SmgStub:
+class SmgAdapter:
     """The rollout.v1 sampling calls over one smg engine (see the module docstring).
 
     Args:
@@ -198,7 +198,7 @@ class SmgStub:
 class _FanOut:
     """One rollout.v1 Generate call: engine requests for its sample indices, their final messages as they end."""
 
-    def __init__(self, stub: SmgStub, request: pb.GenerateRequest, indices: list[int], timeout: float, metadata):
+    def __init__(self, stub: SmgAdapter, request: pb.GenerateRequest, indices: list[int], timeout: float, metadata):
         self._stub, self._request, self._indices = stub, request, indices
         self._timeout, self._metadata = timeout, metadata
         self._tasks: list[asyncio.Task] = []
@@ -363,7 +363,7 @@ class _Done:
 class SmgHealth:
     """``grpc.health.v1``'s Check, answered by the engine's own HealthCheck (``healthy``)."""
 
-    def __init__(self, stub: SmgStub):
+    def __init__(self, stub: SmgAdapter):
         self._stub = stub
 
     async def Check(self, request, timeout: float, wait_for_ready: bool = False) -> health_pb2.HealthCheckResponse:
