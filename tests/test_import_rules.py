@@ -52,12 +52,6 @@ NEVER_IMPORTS = {
     "rollout_client": {"learner", "flax"},
 }
 
-# The circles left when this check came in (issue 52 removes them); the cycle test lists what it finds.
-KNOWN_CYCLES = [
-    ["learner.rl.hooks", "learner.rl.run"],
-    ["learner.tasks._text_records", "learner.tasks._text_task"],
-]
-
 
 def module_files(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, pathlib.Path]:
     """Dotted module name -> source file, for every ``.py`` file under the packages (a package is its __init__)."""
@@ -183,14 +177,8 @@ def test_no_module_outside_corrections_imports_a_private_corrections_module(grap
     assert offenders == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 52 removes these circles: learner.rl.hooks <-> run, "
-                                      "learner.tasks._text_records <-> _text_task")
 def test_no_import_circles(graph):
     assert cycles(graph) == []
-
-
-def test_the_known_circles_are_all_there_are(graph):
-    assert all(cycle in KNOWN_CYCLES for cycle in cycles(graph))
 
 
 def test_the_graph_sees_imports_in_functions_relative_and_for_type_checking(tmp_path):
