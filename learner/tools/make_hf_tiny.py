@@ -22,7 +22,7 @@ Usage::
 
     python -m learner.tools.make_hf_tiny [OUT_DIR] [--overwrite] [--tool-calculator]
 
-or from Python, ``make_hf_tiny(out_dir)``.
+or from Python, ``learner.tools.make_hf_tiny.make_hf_tiny(out_dir)``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ every Tether worker: `learner.model.attention` (``auto``: cuDNN flash attention 
 ``.fuse_proximal``.
 
 Every worker reports its device's peak memory in use. Results go to ``--out`` as ``bench_gpu.json`` and a Markdown
-table (also printed). On the CPU it runs at tiny shapes (what tests/test_bench_gpu.py checks):
+table (also printed). On the CPU it runs at tiny shapes (what tests/scripts/bench/test_gpu.py checks):
 
     python -m scripts.bench.gpu --out bench_out                                                # on a GPU
     python -m scripts.bench.gpu --compare "" --rows 2 --length 8192 --out bench_long           # B2 x T8192

@@ -52,7 +52,7 @@ def _nbytes(tree) -> int:
 
 
 def _progress(mode: str, message: str) -> None:
-    print(f"bench_lora [{mode}]: {message}", file=sys.stderr, flush=True)  # on stderr: a timeout shows where
+    print(f"scripts.bench.lora [{mode}]: {message}", file=sys.stderr, flush=True)  # on stderr: a timeout shows where
 
 
 def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: int, dtype: str, adapters: int
@@ -133,7 +133,7 @@ def main() -> None:
                                "--steps", str(args.steps), "--dtype", args.dtype, "--adapters", str(args.adapters)],
                               stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=checkout_env())
         if done.returncode:
-            sys.exit(f"bench_lora: the {mode} worker failed (exit {done.returncode}; its stderr is above)")
+            sys.exit(f"scripts.bench.lora: the {mode} worker failed (exit {done.returncode}; its stderr is above)")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     keys = ("opt_state_mb", "update_s", "peak_memory_mb", "publish_mb")

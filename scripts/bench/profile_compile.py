@@ -9,8 +9,8 @@ measurement with JAX's persistent compilation cache off:
 * ``lower``: ``traced.lower()`` (jaxpr -> StableHLO),
 * ``compile``: ``lowered.compile()`` (XLA),
 * ``run``: the compiled program's first call,
-* ``call``: in another fresh process, the plain first call ``jitted(state, batch, None)`` (what bench_peers times),
-  with the number of programs JAX compiles during it (``jax_log_compiles``).
+* ``call``: in another fresh process, the plain first call ``jitted(state, batch, None)`` (what scripts.bench.peers
+  times), with the number of programs JAX compiles during it (``jax_log_compiles``).
 
 and counts the jaxpr equations (nested ones included), the StableHLO text size and op count, and the ops of the
 optimised HLO. Variants attribute the cost to the corrections:
