@@ -2,9 +2,9 @@
 # Issue 28's checks on the GPU machine in ONE command, from the checkout's root: installs the carried wheels (.whl/),
 # runs the loop checks of issues 37 and 51 first (decode, the recipe cold and warm, publish and the weight delta, the
 # main job's speed: the most valuable per second of GPU time), then tests/accelerator/ (golden logits and the update
-# against the CPU's; then the main job for 60 steps), then the benchmarks (scripts/bench_gpu.py: Tether vs tunix at
-# qwen2-0.5b; scripts/bench_lora.py: LoRA vs full fine-tuning at llama-1b; bench_gpu.py: MFU at llama-1b), then
-# issue 41's partial rollouts side by side (scripts/bench_partial.py, then scripts/check_rollout_logprobs.py on its
+# against the CPU's; then the main job for 60 steps), then the benchmarks (scripts.bench.gpu: Tether vs tunix at
+# qwen2-0.5b; scripts.bench.lora: LoRA vs full fine-tuning at llama-1b; scripts.bench.gpu: MFU at llama-1b), then
+# issue 41's partial rollouts side by side (scripts.bench.partial, then learner.tools.check_rollout_logprobs on its
 # partial run), each step under its own timeout, with JAX_PLATFORMS=cuda
 # so that a CPU fallback cannot pass. A failing or timed-out step does not stop the later ones. Everything is
 # written under OUT_DIR (default: $OUT, the device tool's output folder, else ./gpu_check_out);
@@ -125,23 +125,23 @@ assert '$MODE' == 'cpu' or jax.default_backend() == 'gpu', 'no GPU: JAX_PLATFORM
 # README's main job's steps/s and per-phase split.
 RECIPE_CACHE="$OUT_DIR/recipe_jax_cache"
 summary_lines() { grep -E "$2" "$OUT_DIR/$1.log" | tee -a "$SUMMARY"; }
-wanted bench_decode && step bench_decode 120 "$PYTHON" scripts/bench_decode.py "${DECODE[@]}" \
+wanted bench_decode && step bench_decode 120 "$PYTHON" -m scripts.bench.decode "${DECODE[@]}" \
   --out "$OUT_DIR/bench_decode.json" && summary_lines bench_decode "tokens/s"
-wanted bench_decode_cut && step bench_decode_cut 90 "$PYTHON" scripts/bench_decode.py "${DECODE[@]}" --top-p 0.9 \
+wanted bench_decode_cut && step bench_decode_cut 90 "$PYTHON" -m scripts.bench.decode "${DECODE[@]}" --top-p 0.9 \
   --out "$OUT_DIR/bench_decode_cut.json" && summary_lines bench_decode_cut "tokens/s"
 wanted recipe && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
-  step recipe 300 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 3 --out "$OUT_DIR/recipe" \
+  step recipe 300 "$PYTHON" -m scripts.bench.recipe "${RECIPE[@]}" --steps 3 --out "$OUT_DIR/recipe" \
   && summary_lines recipe "^(step |steady|start-up|  learner so far)"
 wanted recipe_warm && JAX_ENABLE_COMPILATION_CACHE=true JAX_COMPILATION_CACHE_DIR="$RECIPE_CACHE" \
-  step recipe_warm 150 "$PYTHON" scripts/bench_recipe.py "${RECIPE[@]}" --steps 2 --out "$OUT_DIR/recipe_warm" \
+  step recipe_warm 150 "$PYTHON" -m scripts.bench.recipe "${RECIPE[@]}" --steps 2 --out "$OUT_DIR/recipe_warm" \
   && summary_lines recipe_warm "^(step |start-up|  learner so far)"
-wanted bench_publish && step bench_publish 120 "$PYTHON" scripts/bench_publish.py "${PUBLISH[@]}" \
+wanted bench_publish && step bench_publish 120 "$PYTHON" -m scripts.bench.publish "${PUBLISH[@]}" \
   --out "$OUT_DIR/bench_publish.json" && summary_lines bench_publish "memcpy|shared|streamed"
-wanted bench_weight_delta && step bench_weight_delta 90 "$PYTHON" scripts/bench_weight_delta.py "${WEIGHT_DELTA[@]}" \
+wanted bench_weight_delta && step bench_weight_delta 90 "$PYTHON" -m scripts.bench.weight_delta "${WEIGHT_DELTA[@]}" \
   --out "$OUT_DIR/bench_weight_delta.json" && summary_lines bench_weight_delta "changed"
 wanted main_job_speed && step main_job_speed 150 "$PYTHON" -m learner.train --config configs/default.toml \
   --run-dir "$OUT_DIR/main_job_speed" --set loop.steps=$MAIN_JOB_STEPS --set checkpoints.every=1000 \
-  && step main_job_summary 30 "$PYTHON" scripts/bench_recipe.py --summarize "$OUT_DIR/main_job_speed" \
+  && step main_job_summary 30 "$PYTHON" -m scripts.bench.recipe --summarize "$OUT_DIR/main_job_speed" \
   && summary_lines main_job_summary "^(steady|start-up)"
 
 
@@ -161,24 +161,25 @@ tests accelerator_tests 150 tests/accelerator/test_golden_logits.py tests/accele
   tests/accelerator/test_attention_cudnn.py
 tests main_job 200 tests/accelerator/test_main_job.py  # main at staleness 1: 108 s for 60 steps
 
-wanted bench_compare && step bench_compare 120 "$PYTHON" scripts/bench_gpu.py "${BENCH_COMPARE[@]}" --out "$OUT_DIR/bench_compare"
-wanted bench_lora && step bench_lora 240 "$PYTHON" scripts/bench_lora.py "${BENCH_LORA[@]}" --out "$OUT_DIR/bench_lora.json" \
+wanted bench_compare && step bench_compare 120 "$PYTHON" -m scripts.bench.gpu "${BENCH_COMPARE[@]}" --out "$OUT_DIR/bench_compare"
+wanted bench_lora && step bench_lora 240 "$PYTHON" -m scripts.bench.lora "${BENCH_LORA[@]}" --out "$OUT_DIR/bench_lora.json" \
   && grep -E "^LoRA / full" "$OUT_DIR/bench_lora.log" | tee -a "$SUMMARY"
-wanted bench_mfu && step bench_mfu 240 "$PYTHON" scripts/bench_gpu.py "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
-wanted bench_long && step bench_long 240 "$PYTHON" scripts/bench_gpu.py "${BENCH_LONG[@]}" --out "$OUT_DIR/bench_long"
-wanted bench_remat && step bench_remat 360 "$PYTHON" scripts/bench_gpu.py "${BENCH_REMAT[@]}" \
+wanted bench_mfu && step bench_mfu 240 "$PYTHON" -m scripts.bench.gpu "${BENCH_MFU[@]}" --out "$OUT_DIR/bench_mfu"
+wanted bench_long && step bench_long 240 "$PYTHON" -m scripts.bench.gpu "${BENCH_LONG[@]}" --out "$OUT_DIR/bench_long"
+wanted bench_remat && step bench_remat 360 "$PYTHON" -m scripts.bench.gpu "${BENCH_REMAT[@]}" \
   --out "$OUT_DIR/bench_remat"
-wanted bench_passes && step bench_passes 420 "$PYTHON" scripts/bench_gpu.py "${BENCH_PASSES[@]}" \
+wanted bench_passes && step bench_passes 420 "$PYTHON" -m scripts.bench.gpu "${BENCH_PASSES[@]}" \
   --out "$OUT_DIR/bench_passes"
 # Issue 41: partial rollouts side by side with rollout.partial = false, where generation, not the update, is the
 # bottleneck (on a CPU the update is: docs/benchmarks.md); then the partial run's logged tokens against the checkpoint
-# of the version that drew them (scripts/check_rollout_logprobs.py: the versions with a checkpoint; --max-diff 0.05
-# leaves room for TF32 rounding and catches a wrong version or cache, ~0.1 and up)
+# of the version that drew them (learner.tools.check_rollout_logprobs: the versions with a checkpoint; --max-diff
+# 0.05 leaves room for TF32 rounding and catches a wrong version or cache, ~0.1 and up)
 # (the two run directories stay out of OUT_DIR: their checkpoints and logs are many files; the tables are the result)
 PARTIAL_RUNS=$(mktemp -d)
-wanted bench_partial && step bench_partial 300 "$PYTHON" scripts/bench_partial.py "${PARTIAL[@]}" \
+wanted bench_partial && step bench_partial 300 "$PYTHON" -m scripts.bench.partial "${PARTIAL[@]}" \
   --out "$PARTIAL_RUNS" && summary_lines bench_partial "run|partial=" \
-  && step partial_logprobs 60 "$PYTHON" scripts/check_rollout_logprobs.py "$PARTIAL_RUNS/partial=true-0" --max-diff 0.05 \
+  && step partial_logprobs 60 "$PYTHON" -m learner.tools.check_rollout_logprobs "$PARTIAL_RUNS/partial=true-0" \
+  --max-diff 0.05 \
   && summary_lines partial_logprobs "checked|version"
 for table in "$OUT_DIR"/bench_{compare,mfu,long,remat,passes}/bench_gpu.md; do
   [[ -f $table ]] && tee -a "$SUMMARY" < "$table"

@@ -1,7 +1,8 @@
 """Checkpoints and weights on disk: orbax train-state checkpoints, safetensors, Hugging Face checkpoints, PEFT export.
 
-`learner.checkpoints` re-exports `learner.checkpoints.checkpointer`; `safetensors_io`, `hf_checkpoint` and
-`peft_export` are imported by name.
+`learner.checkpoints` re-exports `learner.checkpoints.checkpointer`; `safetensors_io`, `hf_checkpoint`,
+`peft_export` and `reading` (a run's checkpoints read back: `choose_checkpoint`, `checkpoint_policy`) are imported by
+name.
 """
 
 from learner.checkpoints.checkpointer import CheckpointConfig

@@ -2,7 +2,7 @@
 
 For an exact-match task (reward 1 for one completion, its answer then eos; 0 for any other) the probability of that
 completion is the expected reward of a sample at that temperature (no top-k, top-p or min-p). So a policy is scored
-exactly on a fixed prompt set, with no sampling noise (scripts/bench_partial.py compares runs so).
+exactly on a fixed prompt set, with no sampling noise (scripts/bench/partial.py compares runs so).
 
 Token by token (`completion_token_logprobs`) they are what an engine returns for the tokens it sampled: the publish
 canary compares the two (`learner.rl.canary`).

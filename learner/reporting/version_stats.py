@@ -3,7 +3,7 @@
 A sample kept running across a publish holds tokens of several versions, each stamped by the engine. These
 functions read the per-token versions of a trained batch (``[B, T]``, the loss mask saying which tokens count: a
 multi-turn episode's observations carry no version of their own), for the run's metrics and for
-``scripts/recompute_diagnostics.py`` on a rollout log.
+``python -m learner.tools.recompute_diagnostics`` on a rollout log.
 """
 
 from __future__ import annotations

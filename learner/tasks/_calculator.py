@@ -115,7 +115,7 @@ class Calculator:
         if self.tokenizer.encode(CALL_TAG).size != 1:
             raise ValueError(f"task.args.model_path: the tokenizer encodes the tool-call tag {CALL_TAG!r} as several "
                              "tokens; it must be one (a turn's stop id): use a checkpoint whose tokenizer has it as "
-                             "one token (scripts/make_hf_tiny.py --tool-calculator writes one)")
+                             "one token (`python -m learner.tools.make_hf_tiny --tool-calculator` writes one)")
 
     @functools.cached_property
     def tokenizer(self):

@@ -92,9 +92,9 @@ VLLM_WARMUP_STEPS = 20  # the head moves away from the checkpoint's; loading the
 
 @pytest.fixture(scope="module")
 def hf_tiny(tmp_path_factory):
-    from tests.e2e.test_hf_tiny_run import _load_script
+    from learner.tools.make_hf_tiny import make_hf_tiny
 
-    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_tiny") / "files")
+    return make_hf_tiny(tmp_path_factory.mktemp("hf_tiny") / "files")
 
 
 def vllm_config(files, run_dir, *extra):

@@ -1,6 +1,6 @@
 """configs/gsm8k_qwen2.5.toml end to end on a loaded 2-core CPU (issue 39, item 7): a random ~17M-parameter Qwen2
-checkpoint (scripts/bench_recipe.py, the same inputs as the GPU check's), 4 prompts x 4 samples, 3 steps, with the
-config's server.max_batch_size of 512 and its evaluation at the last step.
+checkpoint (learner.tools.make_gsm8k_tiny's, the same inputs as the GPU check's scripts.bench.recipe), 4 prompts x 4
+samples, 3 steps, with the config's server.max_batch_size of 512 and its evaluation at the last step.
 
 The embedded server compiles every program a request runs before it serves, so no Generate waits on a compile: the
 server builds no program after step 1's record, the learner none after step 2. Evaluation requests go through the same
@@ -18,20 +18,18 @@ import types
 import pytest
 
 from learner.reporting.metrics_writers import read_metrics
+from learner.tools import make_gsm8k_tiny
+from scripts.bench.recipe import recipe_command
 from tests.e2e.test_main_job import REPO_ROOT, train_env
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 
 @pytest.mark.slow  # 471 s at load ~4, 807 s at ~5-6 (2-core): 18 server programs (512 rows x 1024 slots), 3 steps
 def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
-    import bench_recipe
-
-    files = bench_recipe.write_inputs(tmp_path, "17m", max_seq_len=2048)
+    files = make_gsm8k_tiny.write_inputs(tmp_path, "17m", max_seq_len=2048)
     # float32 compute: the recipe's bf16 is for accelerators (XLA:CPU runs bf16 dots slowly: 115-185 s an update of
     # 2 x 2 samples under load, in the scripts/gpu_check.sh --cpu dry run)
     options = types.SimpleNamespace(prompts=4, samples=4, new_tokens=64, steps=3, set=['model.compute_dtype="float32"'])
-    command = bench_recipe.recipe_command(files, tmp_path / "run", options)
+    command = recipe_command(files, tmp_path / "run", options)
     # XLA's own code generation, not the test run's -O0 (conftest.py): this checks the run's speed under load, and
     # -O0 code decodes 512 rows several times slower (every Generate missed its deadline with it, at load ~10).
     env = {**train_env(), "XLA_FLAGS": ""}
@@ -51,11 +49,9 @@ def test_the_gsm8k_recipe_at_its_batch_size_finishes_on_a_cpu(tmp_path):
 
 @pytest.mark.slow  # 183 s at load 12-16 on the 2-core CPU with an empty compilation cache
 def test_the_cpu_recipe_finishes_three_steps_and_no_step_compiles(tmp_path):
-    """configs/gsm8k_cpu.toml as docs/models.md tells a user to try it (scripts/make_gsm8k_tiny.py's inputs): 3 steps,
-    every update program compiled at start (the first update is announced as running, not compiling), none built
-    after step 1, and a reward of 0 at every step keeps its panel in learning_curves.png."""
-    import make_gsm8k_tiny
-
+    """configs/gsm8k_cpu.toml as docs/models.md tells a user to try it (learner.tools.make_gsm8k_tiny's inputs): 3
+    steps, every update program compiled at start (the first update is announced as running, not compiling), none
+    built after step 1, and a reward of 0 at every step keeps its panel in learning_curves.png."""
     from learner.reporting.plots import DEFAULT_PANELS, learning_curves_figure
 
     files = make_gsm8k_tiny.main([str(tmp_path / "files")])

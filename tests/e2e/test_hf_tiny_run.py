@@ -1,4 +1,4 @@
-"""configs/hf_tiny.toml end to end: the files from scripts/make_hf_tiny.py (a tiny random Qwen2 checkpoint, its own
+"""configs/hf_tiny.toml end to end: the files from learner.tools.make_hf_tiny (a tiny random Qwen2 checkpoint, its own
 BPE tokenizer with a chat template, a jsonl dataset), a few RL steps against a real engine process, evaluation on the
 validation split, and the export read back by transformers (config, tokenizer) and mlx-lm (weights and logits).
 
@@ -14,7 +14,6 @@ reward and evaluation included, is the config's. At random initialisation the ev
 are checked for presence and consistency (their values: tests/learner/rl/test_hooks.py).
 """
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -31,6 +30,7 @@ from learner.checkpoints.safetensors_io import hf_tensors
 from learner.model.param_paths import named_leaves
 from learner.reporting.metrics_writers import read_metrics
 from learner.rl import CheckpointHook, EvalHook, MetricsHook, Run, load_config
+from learner.tools.make_hf_tiny import make_hf_tiny
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "configs" / "hf_tiny.toml"
@@ -45,17 +45,9 @@ KL_TOLERANCE = 1e-4
 ENGINES = {"mlx": ("server.engine='mlx'", "rollout.logprob_mode='raw'"), "tether": ()}
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_hf_tiny", REPO_ROOT / "scripts" / "make_hf_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # NamedTuple looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_tiny") / "files")
+    return make_hf_tiny(tmp_path_factory.mktemp("hf_tiny") / "files")
 
 
 def _config(files, run_dir, *extra):

@@ -1,5 +1,5 @@
 """configs/lora_hf_tiny.toml end to end (issue #32, items 3-6): LoRA on the tiny random Qwen2 of
-scripts/make_hf_tiny.py, a few RL steps against a real engine given the merged weights after every update, the
+learner.tools.make_hf_tiny, a few RL steps against a real engine given the merged weights after every update, the
 checkpoints (adapters only, the base's identity), a resume against another base, and both exports.
 
 What is independent of the code under test: the PEFT adapter is checked against the merged export through PEFT's
@@ -10,7 +10,6 @@ default (the embedded reference server, a second JAX process, marked slow).
 """
 
 import hashlib
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -24,8 +23,9 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from learner.export import read_checkpoint_params
+from learner.checkpoints.reading import read_checkpoint_params
 from learner.rl import CheckpointHook, MetricsHook, Run, load_config
+from learner.tools.make_hf_tiny import make_hf_tiny
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "configs" / "lora_hf_tiny.toml"
@@ -36,11 +36,7 @@ ENGINES = {"mlx": ("server.engine='mlx'", "rollout.logprob_mode='raw'"), "tether
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("make_hf_tiny", REPO_ROOT / "scripts" / "make_hf_tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.make_hf_tiny(tmp_path_factory.mktemp("lora_hf_tiny") / "files")
+    return make_hf_tiny(tmp_path_factory.mktemp("lora_hf_tiny") / "files")
 
 
 def _config(files, run_dir, *extra, model=None):

@@ -148,8 +148,7 @@ def test_short_default_run_writes_a_consistent_run_directory(tmp_path):
     assert f"{run_dir}: already finished at step 4 of 4; nothing to do" in rerun.stdout
     assert rerun.stderr == "" and not (run_dir / "server.log").read_text().count("listening") > 1
 
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from recompute_diagnostics import recompute
+    from learner.tools.recompute_diagnostics import recompute
 
     diagnostics = recompute(run_dir)
     assert [d["step"] for d in diagnostics] == [1, 2, 3, 4]

@@ -1,7 +1,6 @@
-"""scripts/mismatch_study.py: its summaries against hand-computed values, and the --quick grid end to end."""
+"""scripts/bench/mismatch_study.py: its summaries against hand-computed values, and the --quick grid end to end."""
 
 import doctest
-import importlib.util
 import json
 import math
 import pathlib
@@ -14,21 +13,12 @@ import pytest
 
 from learner.reporting.metrics_writers import read_metrics
 from learner.rl import load_config
+from scripts.bench import mismatch_study as study
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "scripts" / "mismatch_study.py"
 
 
-@pytest.fixture(scope="module")
-def study():
-    spec = importlib.util.spec_from_file_location("mismatch_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_docstring_examples(study):
+def test_docstring_examples():
     assert doctest.testmod(study).failed == 0  # scripts/ is not collected, so its doctests run here
 
 
@@ -37,7 +27,7 @@ def records(rewards, **extra):
             for step, reward in enumerate(rewards, start=1)]
 
 
-def test_summary_of_a_learning_run(study):
+def test_summary_of_a_learning_run():
     rewards = [0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.9]
     summary = study.summarize(records(rewards, **{"rollout_corr/kl": [0.01] * 4 + [0.03] * 4}), target=0.6)
     trailing = [np.mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]  # 5-step trailing means
@@ -49,7 +39,7 @@ def test_summary_of_a_learning_run(study):
     assert summary["kl"] == pytest.approx(0.02) and summary["chi2"] is None and summary["log_kept_mass"] is None
 
 
-def test_summary_flags_collapse_and_non_finite_losses(study):
+def test_summary_flags_collapse_and_non_finite_losses():
     collapsed = study.summarize(records([0.3, 0.6, 0.8, 1.0, 0.9, 0.9, 0.9, 0.5, 0.3, 0.2, 0.1, 0.1]), target=0.7)
     assert collapsed["collapsed"] and collapsed["steps_to_target"] == 5  # trailing means 0.675 then 0.72
     stalled = study.summarize(records([0.3] * 10))
@@ -58,7 +48,7 @@ def test_summary_flags_collapse_and_non_finite_losses(study):
     assert exploded["collapsed"]
 
 
-def test_aggregate_and_table(study):
+def test_aggregate_and_table():
     runs = [study.summarize(records([0.3, 0.7, 0.9, 1.0, 1.0]), target=0.7),  # trailing means .3 .5 .633 .725
             study.summarize(records([0.2, 0.2, 0.2, 0.2, 0.2]), target=0.7)]
     row = study.aggregate(runs)
@@ -70,7 +60,7 @@ def test_aggregate_and_table(study):
     assert "| bf16 | none | 0.417 | 0.490 ± 0.290 | 4 (1/2) | 0/2 |" in table
 
 
-def test_cells_isolate_their_source_and_correction(study):
+def test_cells_isolate_their_source_and_correction():
     """A source's overrides replace every mismatch setting of the base config (here bf16_server.toml's)."""
     cell = study.Cell("staleness_2", "cispo", seed=3)
     config = load_config(REPO_ROOT / "configs" / "bf16_server.toml", cell.overrides())
@@ -84,7 +74,8 @@ def test_cells_isolate_their_source_and_correction(study):
 @pytest.mark.slow  # several real runs (minutes on 2 cores): run with `pytest -m slow`
 def test_quick_study_end_to_end(tmp_path):
     """Ten real runs (every source x two corrections), then a rerun that only re-reads the finished runs."""
-    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--parallel", "2"]
+    command = [sys.executable, "-m", "scripts.bench.mismatch_study", "--quick", "--out", str(tmp_path), "--parallel",
+               "2"]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

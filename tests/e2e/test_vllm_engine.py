@@ -5,7 +5,7 @@ CPU build in its own virtual environment, named by ``TETHER_VLLM_PYTHON`` (its `
 Each vLLM start costs ~20-80 s on the shared 2-core CPU, so the tests share what they soundly can: one run checks the
 synchronous numbers (the tied model, untied by ``server.untie_embeddings``) and, in the same run, vLLM killed and
 relaunched mid-run (the steps after the relaunch must match as well); the pause modes share one engine. The model is
-configs/vllm_engine.toml's, the tiny Qwen2 of scripts/make_hf_tiny.py (2 heads x 32: vLLM's CPU attention has no
+configs/vllm_engine.toml's, the tiny Qwen2 of learner/tools/make_hf_tiny.py (2 heads x 32: vLLM's CPU attention has no
 head size 16), in float32 on both sides.
 """
 
@@ -27,9 +27,9 @@ from learner.checkpoints.safetensors_io import _parameter_shapes
 from learner.reporting.metrics_writers import read_metrics
 from learner.rl import Run, load_config
 from learner.rl.rollout_engines import _checkpoint_writer, _launch_vllm
+from learner.tools.make_hf_tiny import make_hf_tiny
 from rollout_client import ClientConfig, FinishReason, LogprobMode, PauseMode, RolloutRequest, SamplingParams
 from rollout_client.engines.vllm import VllmEngine
-from tests.e2e.test_hf_tiny_run import _load_script
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO_ROOT / "configs" / "vllm_engine.toml"
@@ -48,7 +48,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("vllm_tiny") / "files")
+    return make_hf_tiny(tmp_path_factory.mktemp("vllm_tiny") / "files")
 
 
 def _overrides(files, run_dir, *extra) -> list[str]:
@@ -94,8 +94,8 @@ def assert_no_vllm_left(run_dir: pathlib.Path, within_s: float = 30.0) -> None:
 
 
 def check_rollout_logprobs(run_dir: pathlib.Path) -> str:
-    """scripts/check_rollout_logprobs.py on the run, as a user runs it; its report."""
-    done = subprocess.run([sys.executable, "scripts/check_rollout_logprobs.py", str(run_dir), "--max-diff",
+    """``python -m learner.tools.check_rollout_logprobs`` on the run, as a user runs it; its report."""
+    done = subprocess.run([sys.executable, "-m", "learner.tools.check_rollout_logprobs", str(run_dir), "--max-diff",
                            str(LOGPROB_TOLERANCE)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

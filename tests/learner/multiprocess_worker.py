@@ -1,4 +1,5 @@
-"""One process of the multi-process update test: ``python multiprocess_worker.py PORT NUM_PROCESSES ID OUT.npz``.
+"""One process of the multi-process update test: ``python multiprocess_worker.py PORT NUM_PROCESSES ID OUT.npz``,
+the checkout on ``PYTHONPATH``.
 
 Each process simulates ``8 / NUM_PROCESSES`` CPU devices, joins the others through the gloo collectives on
 127.0.0.1 (`learner.distributed.initialize`), runs `update_problem.run_update` on the global (2, 2, 2) mesh and
@@ -6,13 +7,11 @@ process 0 writes the gathered parameter change and metrics to ``OUT.npz``.
 """
 
 import os
-import pathlib
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import jax  # noqa: E402
+import jax  # noqa: E402  (after JAX_PLATFORMS)
 import numpy as np  # noqa: E402
 
 

@@ -24,8 +24,9 @@ from flax import nnx
 
 from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint, write_hf_checkpoint
+from learner.checkpoints.reading import read_checkpoint_params
 from learner.checkpoints.safetensors_io import load_safetensors, write_safetensors
-from learner.export import export_run, main, read_checkpoint_params
+from learner.export import export_run, main
 from learner.model.lora import LoraConfig, LoRAParam, base_identity
 from learner.model.param_paths import named_leaves, update_named
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config

@@ -408,13 +408,8 @@ def test_over_the_wire_the_trained_ids_are_the_ids_the_server_was_given_and_retu
 
 def test_the_rollout_log_keeps_episode_masks_and_per_token_versions_and_recompute_diagnostics_reads_episodes(
         tmp_path):
-    import importlib.util
-
     from learner.reporting.rollout_log import LoggedBatch, RolloutLogReader, RolloutLogWriter
-    from tests.learner.test_recompute_diagnostics import SCRIPT
-    spec = importlib.util.spec_from_file_location("recompute_diagnostics", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from learner.tools.recompute_diagnostics import episode_statistics, recompute
 
     engine = CountingEngine()
 
@@ -439,12 +434,12 @@ def test_the_rollout_log_keeps_episode_masks_and_per_token_versions_and_recomput
     (read,) = RolloutLogReader(tmp_path / "rollout_log").batches()
     np.testing.assert_array_equal(read.loss_mask, batch.loss_mask)
     np.testing.assert_array_equal(read.policy_version, batch.policy_version)
-    (record,) = script.recompute(tmp_path)
+    (record,) = recompute(tmp_path)
     expected = episode_metrics(episodes)
     assert record["multiturn/turns_mean"] == expected["multiturn/turns_mean"] == 3
     assert record["multiturn/env_tokens_fraction"] == pytest.approx(expected["multiturn/env_tokens_fraction"])
     assert record["multiturn/versions_per_episode_max"] == 2  # the publish fell between turns of an episode
-    assert script.episode_statistics(dataclasses.replace(read, loss_mask=(read.loss_mask.cumsum(1) > 0) * 1.0)) == {}
+    assert episode_statistics(dataclasses.replace(read, loss_mask=(read.loss_mask.cumsum(1) > 0) * 1.0)) == {}
 
 
 def docs_environment_source() -> str:
@@ -508,9 +503,9 @@ def test_a_short_calculator_run_trains_on_episodes_and_logs_their_masks_and_metr
 
 @pytest.fixture(scope="module")
 def hf_calculator_files(tmp_path_factory):
-    from tests.e2e.test_hf_tiny_run import _load_script
+    from learner.tools.make_hf_tiny import make_hf_tiny
 
-    return _load_script().make_hf_tiny(tmp_path_factory.mktemp("hf_calc") / "files", tool_calculator=True)
+    return make_hf_tiny(tmp_path_factory.mktemp("hf_calc") / "files", tool_calculator=True)
 
 
 def test_the_chat_calculator_renders_tool_messages_with_the_checkpoints_template(hf_calculator_files):

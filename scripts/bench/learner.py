@@ -17,7 +17,7 @@ model forward + chunked logprobs, jitted on the same mesh and batch) is timed at
 without replay, and with `REPLAY` replayed per row; the calls alternate so that load on a shared machine hits both
 alike, and the ratio of the medians is reported (target <= 1.3).
 
-    python scripts/bench_learner.py [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3] [--repeats 15]
+    python -m scripts.bench.learner [--configs tiny 100m] [--batch 16 4] [--length 128 128] [--steps 3] [--repeats 15]
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from learner.update.batch import TrainBatch
 from learner.update.optimizer import OptimizerConfig, make_optimizer
 from learner.update.step import UpdateConfig, make_update_fn, recompute_logprobs
 from learner.update.train_state import create_sharded_train_state
+from scripts.bench.common import timed
 
 # The replayed sampler: top-k bounds the kept set, so the candidates decide every threshold (no full-sort fallback).
 REPLAY = SamplerParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)
@@ -79,12 +80,6 @@ def synthetic_batch(config: ModelConfig, batch: int, length: int) -> TrainBatch:
                         policy_version=np.zeros(shape, np.int32))
 
 
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
-
-
 def logprob_pass_seconds(graphdef, params, batch: TrainBatch, update_config: UpdateConfig, mesh,
                          repeats: int) -> tuple[float, float]:
     """Median seconds of the update's logprob pass without and with sampler replay (see the module docstring)."""
@@ -100,14 +95,21 @@ def logprob_pass_seconds(graphdef, params, batch: TrainBatch, update_config: Upd
     return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
-def bench(name: str, batch_size: int, length: int, steps: int, repeats: int) -> dict:
-    """Compile and time the update for one model config; returns a table row."""
-    config = model_config(name)
+def update_setup(length: int) -> tuple:
+    """The timed update's mesh (every local device), optimizer (AdamW) and `UpdateConfig` (decoupled PPO with token
+    TIS) for rows of ``length`` tokens: what this benchmark and `scripts.bench.lora` time."""
     mesh = make_mesh(data=-1)
     optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-5, total_steps=1000))
     update_config = UpdateConfig(
         corrections=corrections.CorrectionConfig(importance=corrections.ImportanceWeights("token", high=2.0)),
         logprob_chunk_size=min(length, 512))
+    return mesh, optimizer, update_config
+
+
+def bench(name: str, batch_size: int, length: int, steps: int, repeats: int) -> dict:
+    """Compile and time the update for one model config; returns a table row."""
+    config = model_config(name)
+    mesh, optimizer, update_config = update_setup(length)
     graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
     update = make_update_fn(graphdef, optimizer, update_config, mesh, shardings)
     batch = synthetic_batch(config, batch_size, length)

@@ -24,7 +24,7 @@ sampling, the log kept mass over steps; one line per correction, the band spans 
 table) and ``results.json``, and each run's own directory. Rerunning the same command skips finished runs and
 resumes unfinished ones from their checkpoints.
 
-    python scripts/mismatch_study.py [--config configs/default.toml] [--out runs/mismatch_study] [--quick]
+    python -m scripts.bench.mismatch_study [--config configs/default.toml] [--out runs/mismatch_study] [--quick]
         [--sources ...] [--corrections ...] [--seeds 0 1] [--steps 40] [--parallel 2] [--set section.field=value]
 """
 
@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from matplotlib.figure import Figure
 
 from learner.reporting.metrics_writers import read_metrics
 from learner.rl import RunConfig, load_config
+from scripts.bench.common import checkout_env
 
 # What every source sets (its own settings replace these), so a base config's choices cannot leak into a source.
 NO_MISMATCH = {"server.dtype": "float32", "rollout.max_staleness": 0, "rollout.fixed_staleness": True,
@@ -128,7 +128,7 @@ def finished(run_dir: pathlib.Path) -> bool:
 def run_grid(cells: list[Cell], command: list[str], out: pathlib.Path, parallel: int,
              warm: dict[int, list[str]]) -> dict[Cell, int]:
     """Runs the cells, ``parallel`` at a time; returns each cell's exit status (0 for runs finished before)."""
-    env = dict(os.environ)
+    env = checkout_env()  # the runs import this checkout, wherever the study starts
     env.setdefault("PYTHONHASHSEED", "0")  # the update program's serialised form (its cache key) depends on it
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(out / "jax_cache"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

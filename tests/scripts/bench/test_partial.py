@@ -1,9 +1,7 @@
-"""scripts/bench_partial.py: its summary of one run's metrics records against the same numbers computed by hand, and
+"""scripts/bench/partial.py: its summary of one run's metrics records against the same numbers computed by hand, and
 its exact policy reward of a checkpoint against a float64 NumPy reference."""
 
 import math
-import pathlib
-import sys
 
 import numpy as np
 import optax
@@ -15,11 +13,8 @@ from learner.model.transformer import Transformer, model_config
 from learner.rl.config import load_config, to_dict
 from learner.tasks import load_task
 from learner.update.train_state import create_train_state
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import bench_partial  # noqa: E402
-from bench_partial import CONFIG, EVAL_SEED, LAST, policy_reward, summary  # noqa: E402
+from scripts.bench import partial as bench_partial
+from scripts.bench.partial import CONFIG, EVAL_SEED, LAST, policy_reward, summary
 
 
 def records(steps: int, partial: bool) -> list[dict]:

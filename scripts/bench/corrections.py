@@ -7,7 +7,7 @@ large-array copy bandwidth measured in the same run, the speed-up over a plain N
 same pipeline, and, for scale, the same call with its metrics dropped (the per-token outputs alone) against
 the same byte count.
 
-    python scripts/bench_corrections.py [--shapes 256x4096 1024x1024] [--repeats 20]
+    python -m scripts.bench.corrections [--shapes 256x4096 1024x1024] [--repeats 20]
 """
 
 import argparse

@@ -2,8 +2,8 @@
 split, tokens/s, start-up and compile counts.
 
 Nothing is downloaded: the checkpoint is written with `learner.checkpoints.hf_checkpoint.write_hf_checkpoint`
-(`scripts/make_hf_tiny.write_checkpoint`: random weights, a small BPE tokenizer; random weights never emit EOS, so
-every completion runs to ``--new-tokens``), and the dataset is GSM8K-shaped jsonl (question, answer ending in
+(`learner.tools.make_gsm8k_tiny.write_inputs`: random weights, a small BPE tokenizer; random weights never emit EOS,
+so every completion runs to ``--new-tokens``), and the dataset is GSM8K-shaped jsonl (question, answer ending in
 ``#### <number>``). The run is ``python -m learner.train --config configs/gsm8k_qwen2.5.toml`` with the paths and the
 sizes set on the command line (``--set`` passes more), its metrics summarised per step:
 
@@ -15,8 +15,8 @@ sizes set on the command line (``--set`` passes more), its metrics summarised pe
 Shapes: ``qwen2-0.5b`` (Qwen2.5-0.5B's exact config: the accelerator check, issue 37) and ``17m`` (a Qwen2 of ~17M
 parameters: the loaded-CPU check of issue 39, with the recipe's ``server.max_batch_size`` 512).
 
-    python scripts/bench_recipe.py --shape qwen2-0.5b --prompts 16 --samples 8 --new-tokens 512 --steps 3   # GPU
-    python scripts/bench_recipe.py --shape 17m --prompts 4 --samples 4 --new-tokens 32 --steps 3             # CPU
+    python -m scripts.bench.recipe --shape qwen2-0.5b --prompts 16 --samples 8 --new-tokens 512 --steps 3   # GPU
+    python -m scripts.bench.recipe --shape 17m --prompts 4 --samples 4 --new-tokens 32 --steps 3             # CPU
 """
 
 from __future__ import annotations
@@ -25,52 +25,15 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
+from learner.tools.make_gsm8k_tiny import shape_config, write_inputs
+from scripts.bench.common import REPO_ROOT, checkout_env, write_json
 
 PHASES = ("perf/step_s", "perf/rollout_wait_s", "perf/update_s", "perf/publish_s")
-
-
-def shape_config(shape: str, max_seq_len: int):
-    """The `ModelConfig` of ``shape``: ``qwen2-0.5b`` (Qwen2.5-0.5B's) or ``17m`` (a small Qwen2)."""
-    from learner.model import model_config
-
-    if shape == "17m":  # 50k x 256 tied embedding + 4 layers: ~17M parameters
-        return model_config("qwen2-0.5b", vocab_size=50_000, hidden_size=256, intermediate_size=1024, num_layers=4,
-                            num_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=max_seq_len)
-    return model_config(shape, max_seq_len=max_seq_len)
-
-
-def gsm8k_rows(count: int, seed: int) -> list[dict]:
-    """GSM8K-shaped rows: a word problem and a worked answer ending in ``#### <number>``."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    rows = []
-    for a, b in rng.integers(2, 99, (count, 2)):
-        rows.append({"question": f"Natalia sold clips to {a} of her friends in April, and then she sold {b} clips "
-                                 "in May. How many clips did Natalia sell altogether in April and May?",
-                     "answer": f"Natalia sold {a} + {b} = {a + b} clips altogether.\n#### {a + b}"})
-    return rows
-
-
-def write_inputs(out_dir: pathlib.Path, shape: str, max_seq_len: int) -> dict[str, pathlib.Path]:
-    """The checkpoint and the train / test jsonl files under ``out_dir``."""
-    from make_hf_tiny import write_checkpoint
-
-    files = {"model": out_dir / "model", "train": out_dir / "train.jsonl", "test": out_dir / "test.jsonl"}
-    for name, count in (("train", 256), ("test", 16)):
-        rows = gsm8k_rows(count, seed=len(name))
-        files[name].write_text("".join(json.dumps(row) + "\n" for row in rows))
-    texts = [row["question"] + " " + row["answer"] for row in gsm8k_rows(256, seed=0)]
-    write_checkpoint(files["model"], texts, shape_config(shape, max_seq_len), overwrite=True)
-    return files
 
 
 def recipe_command(files: dict, run_dir: pathlib.Path, args) -> list[str]:
@@ -126,13 +89,11 @@ def main(argv=None) -> dict:
     run_dir = args.out / "run"
     command = recipe_command(files, run_dir, args)
     print(" ".join(command), flush=True)
-    # the checkout first, then whatever the caller put on the path (gpu_check.sh: the carried wheels)
-    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
-    result = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": path})
+    result = subprocess.run(command, cwd=REPO_ROOT, env=checkout_env())
     if result.returncode:
         sys.exit(f"the recipe run failed (exit {result.returncode}); its server log: {run_dir / 'server.log'}")
     summary = summarize(run_dir) | {"shape": args.shape, "config": dataclasses.asdict(shape_config(args.shape, 2048))}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(args.out / "summary.json", summary)
     return report(summary)
 
 

@@ -1,7 +1,5 @@
-"""scripts/recompute_diagnostics.py on a small rollout log: the values equal the corrections' own."""
+"""learner/tools/recompute_diagnostics.py on a small rollout log: the values equal the corrections' own."""
 
-import importlib.util
-import pathlib
 
 import jax
 import numpy as np
@@ -10,20 +8,12 @@ import pytest
 import corrections
 from learner.reporting.metrics_writers import read_metrics
 from learner.reporting.rollout_log import RolloutLogWriter
+from learner.tools import recompute_diagnostics
 from tests.learner.test_rollout_log import make_batch
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "recompute_diagnostics.py"
 PRESET = "decoupled_token_is"
 VERSION_KEYS = {"rollout/partial_fraction", "rollout/versions_per_sample_max", "rollout_corr/staleness_mean",
                 "rollout_corr/staleness_max"}
-
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("recompute_diagnostics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +27,9 @@ def run_dir(tmp_path_factory):
     return path, batches
 
 
-def test_mismatch_metrics_equal_the_corrections(script, run_dir, capsys):
+def test_mismatch_metrics_equal_the_corrections(run_dir, capsys):
     path, batches = run_dir
-    script.main([str(path), "--jsonl", str(path / "diagnostics.jsonl")])
+    recompute_diagnostics.main([str(path), "--jsonl", str(path / "diagnostics.jsonl")])
     records = read_metrics(path / "diagnostics.jsonl")
     assert [r["step"] for r in records] == [10, 11]
     mismatch_metrics = jax.jit(corrections.mismatch_metrics)
@@ -54,9 +44,9 @@ def test_mismatch_metrics_equal_the_corrections(script, run_dir, capsys):
     assert float(table[1].split()[1]) == pytest.approx(records[0]["rollout_corr/kl"], rel=1e-3)
 
 
-def test_preset_metrics_equal_compute(script, run_dir):
+def test_preset_metrics_equal_compute(run_dir):
     path, batches = run_dir
-    records = script.recompute(path, preset=PRESET)
+    records = recompute_diagnostics.recompute(path, preset=PRESET)
 
     @jax.jit
     def expected_metrics(proximal, rollout, mask, advantages):
@@ -69,11 +59,11 @@ def test_preset_metrics_equal_compute(script, run_dir):
         np.testing.assert_allclose([record[k] for k in expected], [float(v) for v in expected.values()], rtol=1e-6)
 
 
-def test_partial_rollout_statistics_equal_a_float64_reference(script, run_dir):
+def test_partial_rollout_statistics_equal_a_float64_reference(run_dir):
     """The logged batches' rows hold tokens of up to three versions (`make_batch`): the share of rows drawn by more
     than one, the most versions in a row, and the trained tokens' staleness (learner version - token version)."""
     path, batches = run_dir
-    for record, batch in zip(script.recompute(path), batches):
+    for record, batch in zip(recompute_diagnostics.recompute(path), batches):
         mask = batch.loss_mask.astype(np.float64)
         trained = [np.unique(v[m > 0]) for v, m in zip(batch.policy_version, mask) if m.any()]
         lag = (batch.learner_version - batch.policy_version.astype(np.float64)) * mask

@@ -10,7 +10,7 @@ versions sampled one episode. Every batch gets its partial-rollout statistics (`
 samples drawn by several policy versions, the most versions in one, and each trained token's staleness, mean and
 max). Prints a table; ``--jsonl`` writes all metrics.
 
-    python scripts/recompute_diagnostics.py RUN [--preset decoupled_geo_rs_token_tis] [--jsonl out.jsonl]
+    python -m learner.tools.recompute_diagnostics RUN [--preset decoupled_geo_rs_token_tis] [--jsonl out.jsonl]
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def format_table(records: list[dict[str, float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m learner.tools.recompute_diagnostics", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=pathlib.Path, help="run directory holding rollout_log/")
     parser.add_argument("--preset", choices=sorted(corrections.PRESETS), metavar="NAME",
                         help="also run this preset's corrections (one of corrections.PRESETS)")

@@ -4,7 +4,7 @@ Only the output head is benchmarked (hidden ``[B, T, D]`` @ kernel ``[D, V]`` ->
 where ``[B, T, V]`` float32 logits would live. Nothing is executed: the numbers come from XLA's memory analysis of
 the compiled program on the default backend.
 
-    python scripts/bench_logprob_memory.py --batch 8 --seq-len 4096 --vocab 32768 --chunk-size 512
+    python -m scripts.bench.logprob_memory --batch 8 --seq-len 4096 --vocab 32768 --chunk-size 512
 """
 
 import argparse

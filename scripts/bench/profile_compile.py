@@ -1,6 +1,6 @@
 """Where the learner update's cold first call goes: trace, lower, XLA compile and first run, timed separately.
 
-Builds the update exactly as ``scripts/bench_peers.py``'s Tether worker does (`learner.update.make_update_fn`,
+Builds the update exactly as ``scripts/bench/peers.py``'s Tether worker does (`learner.update.make_update_fn`,
 AdamW
 + clip + non-finite guard, B x T tokens of which the last half are trained) and times, in a fresh process per
 measurement with JAX's persistent compilation cache off:
@@ -9,8 +9,8 @@ measurement with JAX's persistent compilation cache off:
 * ``lower``: ``traced.lower()`` (jaxpr -> StableHLO),
 * ``compile``: ``lowered.compile()`` (XLA),
 * ``run``: the compiled program's first call,
-* ``call``: in another fresh process, the plain first call ``jitted(state, batch, None)`` (what bench_peers times),
-  with the number of programs JAX compiles during it (``jax_log_compiles``).
+* ``call``: in another fresh process, the plain first call ``jitted(state, batch, None)`` (what scripts.bench.peers
+  times), with the number of programs JAX compiles during it (``jax_log_compiles``).
 
 and counts the jaxpr equations (nested ones included), the StableHLO text size and op count, and the ops of the
 optimised HLO. Variants attribute the cost to the corrections:
@@ -27,8 +27,8 @@ revision's ``corrections/`` is extracted into a temporary directory that goes fi
 Measurements alternate over revisions, variants and repeats, so load from other processes hits all alike; the
 table gives medians.
 
-    python scripts/profile_compile.py --cases tiny:16:128 100m:4:128 --presets bypass_ppo_clip decoupled_token_is
-    python scripts/profile_compile.py --cases tiny:16:128 --revs HEAD~1 worktree --variants full --repeats 3
+    python -m scripts.bench.profile_compile --cases tiny:16:128 100m:4:128 --presets bypass_ppo_clip decoupled_token_is
+    python -m scripts.bench.profile_compile --cases tiny:16:128 --revs HEAD~1 worktree --variants full --repeats 3
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from scripts.bench.common import REPO_ROOT, checkout_env, write_json
+
 PHASES = ("trace", "lower", "compile", "run")
 
 
@@ -208,11 +209,11 @@ def revision_paths(revs: list[str]):
         paths = {}
         for rev in revs:
             if rev == "worktree":
-                paths[rev] = str(ROOT)
+                paths[rev] = str(REPO_ROOT)
                 continue
             target = pathlib.Path(tmp) / re.sub(r"\W", "_", rev)
             target.mkdir()
-            archive = subprocess.run(["git", "archive", rev, "corrections"], cwd=ROOT, check=True,
+            archive = subprocess.run(["git", "archive", rev, "corrections"], cwd=REPO_ROOT, check=True,
                                      capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
             paths[rev] = str(target)
@@ -222,14 +223,14 @@ def revision_paths(revs: list[str]):
 def run_worker(spec: dict, path: str) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("JAX_COMPILATION_CACHE")}
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join([path, str(ROOT)] if path != str(ROOT) else [str(ROOT)])
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, cwd=ROOT,
-                          capture_output=True, text=True)
+    # -P: the working directory (the checkout) does not go first on the path, so the revision's copy does
+    done = subprocess.run([sys.executable, "-P", "-m", "scripts.bench.profile_compile", "--worker", json.dumps(spec)],
+                          env=checkout_env(path, env=env), cwd=REPO_ROOT, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
     if done.returncode or not lines:
         raise RuntimeError(f"worker {spec} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     result = json.loads(lines[-1][2:])
-    if path != str(ROOT) and not result["corrections_file"].startswith(path):
+    if path != str(REPO_ROOT) and not result["corrections_file"].startswith(path):
         raise RuntimeError(f"worker imported {result['corrections_file']}, not the revision's copy under {path}")
     return result
 
@@ -265,8 +266,7 @@ def main() -> None:
                     result = dict(spec, rev=rev, repeat=repeat, **run_worker(spec, paths[rev]))
                     results.append(result)
                     print(json.dumps(result), file=sys.stderr, flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    write_json(args.json, results)
     print_table(results)
 
 

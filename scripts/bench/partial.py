@@ -15,8 +15,8 @@ samples the policy on the same 160 prompts. ``policy_reward`` is computed, not s
 (reward 1 for the answer then eos, the `TextTask` rule) a sample's expected reward is the probability of that
 completion, `learner.logprobs.completions`. Two runs of one config differ there by ~0.01.
 
-    python scripts/bench_partial.py [--steps 80] [--repeats 1] [--out DIR] [--set KEY=VALUE ...]
-    python scripts/bench_partial.py --summarize DIR   # the table again, from the run directories in DIR
+    python -m scripts.bench.partial [--steps 80] [--repeats 1] [--out DIR] [--set KEY=VALUE ...]
+    python -m scripts.bench.partial --summarize DIR   # the table again, from the run directories in DIR
 """
 
 from __future__ import annotations
@@ -31,14 +31,12 @@ import tempfile
 import jax
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from learner.export import checkpoint_policy, choose_checkpoint  # noqa: E402
-from learner.logprobs.completions import completion_logprobs  # noqa: E402
-from learner.logprobs.sampler_replay import truncates  # noqa: E402
-from learner.reporting.metrics_writers import read_metrics  # noqa: E402
-from learner.tasks import TextTask, load_task  # noqa: E402
+from learner.checkpoints.reading import checkpoint_policy, choose_checkpoint
+from learner.logprobs.completions import completion_logprobs
+from learner.logprobs.sampler_replay import truncates
+from learner.reporting.metrics_writers import read_metrics
+from learner.tasks import TextTask, load_task
+from scripts.bench.common import REPO_ROOT, checkout_env
 
 CONFIG = REPO_ROOT / "configs" / "partial_rollouts.toml"
 LAST = 20  # steps averaged for the reward at the start and at the end
@@ -108,7 +106,7 @@ def start(run_dir: pathlib.Path, partial: bool, steps: int, overrides: list[str]
                *[arg for item in sets for arg in ("--set", item)]]
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "train.log", "wb") as log:
-        return subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=checkout_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,21 +16,22 @@ mini-batch) and times the next ``--steps`` calls on a synthetic batch. Reported 
 Goals (issue #32): LoRA's update time <= full fine-tuning's, its optimizer state <= 5% of it. On this shared CPU run
 it briefly (``--model tiny``); on a quiet machine or a GPU::
 
-    python scripts/bench_lora.py --model qwen2-0.5b --batch 8 --length 256 --steps 5
-    python scripts/bench_lora.py --model llama-1b --batch 8 --length 1024 --steps 5 --dtype bfloat16   # a GPU
-    python scripts/bench_lora.py --model 100m --batch 8 --length 128 --steps 3 --adapters 4   # multi-LoRA's cost
+    python -m scripts.bench.lora --model qwen2-0.5b --batch 8 --length 256 --steps 5
+    python -m scripts.bench.lora --model llama-1b --batch 8 --length 1024 --steps 5 --dtype bfloat16   # a GPU
+    python -m scripts.bench.lora --model 100m --batch 8 --length 128 --steps 3 --adapters 4   # multi-LoRA's cost
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from scripts.bench.common import REPO_ROOT, checkout_env, write_json
 
 MODES = ("full", "lora")
 
@@ -51,7 +52,7 @@ def _nbytes(tree) -> int:
 
 
 def _progress(mode: str, message: str) -> None:
-    print(f"bench_lora [{mode}]: {message}", file=sys.stderr, flush=True)  # on stderr: a timeout shows where
+    print(f"scripts.bench.lora [{mode}]: {message}", file=sys.stderr, flush=True)  # on stderr: a timeout shows where
 
 
 def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: int, dtype: str, adapters: int
@@ -63,24 +64,17 @@ def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: in
     import numpy as np
     from flax import nnx
 
-    import corrections
     from learner.model.lora import LoraConfig
-    from learner.model.sharding import make_mesh
     from learner.model.transformer import Transformer, model_config
-    from learner.update.optimizer import OptimizerConfig, make_optimizer
-    from learner.update.step import UpdateConfig, make_update_fn
+    from learner.update.step import make_update_fn
     from learner.update.train_state import create_sharded_frozen, create_sharded_train_state
-    from scripts.bench_learner import synthetic_batch
+    from scripts.bench.learner import synthetic_batch, update_setup
 
     config = model_config(model, dtype=dtype)  # float32 parameters (the frozen base too), ``dtype`` compute
     if mode in ("lora", "multi"):
         names = tuple(f"adapter{k}" for k in range(adapters)) if mode == "multi" else ()
         config = dataclasses.replace(config, lora=LoraConfig(rank=rank, alpha=2.0 * rank, adapters=names))
-    mesh = make_mesh(data=-1)
-    optimizer = make_optimizer(OptimizerConfig(peak_learning_rate=1e-5, total_steps=1000))
-    update_config = UpdateConfig(
-        corrections=corrections.CorrectionConfig(importance=corrections.ImportanceWeights("token", high=2.0)),
-        logprob_chunk_size=min(length, 512))
+    mesh, optimizer, update_config = update_setup(length)
     start = time.perf_counter()
     graphdef, state, shardings = create_sharded_train_state(config, optimizer, mesh)
     frozen, frozen_shardings = create_sharded_frozen(config, mesh)
@@ -134,12 +128,12 @@ def main() -> None:
         return
     rows = []
     for mode in MODES + (("multi",) if args.adapters > 1 else ()):  # one process each: its own peak memory
-        done = subprocess.run([sys.executable, "-m", "scripts.bench_lora", "--mode", mode, "--model", args.model,
+        done = subprocess.run([sys.executable, "-m", "scripts.bench.lora", "--mode", mode, "--model", args.model,
                                "--rank", str(args.rank), "--batch", str(args.batch), "--length", str(args.length),
                                "--steps", str(args.steps), "--dtype", args.dtype, "--adapters", str(args.adapters)],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=checkout_env())
         if done.returncode:
-            sys.exit(f"bench_lora: the {mode} worker failed (exit {done.returncode}; its stderr is above)")
+            sys.exit(f"scripts.bench.lora: the {mode} worker failed (exit {done.returncode}; its stderr is above)")
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     keys = ("opt_state_mb", "update_s", "peak_memory_mb", "publish_mb")
@@ -153,8 +147,7 @@ def main() -> None:
         results["multi_over_lora"] = {key: rows[2][key] / lora[key] for key in keys}
         print(f"{args.adapters} adapters mixed / one adapter: " + ", ".join(
             f"{key} {value:.3f}" for key, value in results["multi_over_lora"].items()))
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

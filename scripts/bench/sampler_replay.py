@@ -7,12 +7,11 @@ per-sequence temperature, top-k, top-p and min-p in the engine's order (``--orde
 first; ``--order last``: mlx-lm's, cut on the temperature-1 logits, ties broken by token id). Runs alternate so that
 load on a shared machine hits both alike; the ratio of the medians is reported (target <= 1.3).
 
-    python scripts/bench_sampler_replay.py --batch 4 --seq-len 256 --width 1024 --vocab 32768 --order last
+    python -m scripts.bench.sampler_replay --batch 4 --seq-len 256 --width 1024 --vocab 32768 --order last
 """
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,9 @@ import jax.numpy as jnp
 from learner.logprobs.chunked import logprobs_from_hidden
 from learner.logprobs.sampler_replay import SamplerParams
 from rollout_client.sampling_params import SamplerOrder
+from scripts.bench.common import timed
 
 ORDERS = {"first": SamplerOrder.TEMPERATURE_FIRST, "last": SamplerOrder.TEMPERATURE_LAST}
-
-
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
 
 
 def main():

@@ -1,8 +1,6 @@
-"""scripts/check_rollout_logprobs.py on a run directory written by the real checkpointer and rollout log writer:
+"""learner/tools/check_rollout_logprobs.py on a run directory written by the real checkpointer and rollout log writer:
 two policy versions, a sample drawn by both, rollout logprobs from a float64 NumPy reference, one of them wrong."""
 
-import pathlib
-import sys
 
 import numpy as np
 import optax
@@ -13,11 +11,8 @@ from learner.checkpoints.checkpointer import CheckpointConfig, Checkpointer
 from learner.model.transformer import Transformer, model_config
 from learner.reporting.rollout_log import LoggedBatch, RolloutLogWriter
 from learner.rl.config import load_config, to_dict
+from learner.tools.check_rollout_logprobs import main
 from learner.update.train_state import create_train_state
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from check_rollout_logprobs import main  # noqa: E402
 
 T = 12
 PROMPT = 4  # tokens 0-3 are the prompt; 4-11 the completion

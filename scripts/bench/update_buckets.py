@@ -1,13 +1,13 @@
 """The GSM8K recipe's RL update at the run's full length against its batch's bucket (`Trainer.fit`): seconds per update
 on this machine, and the tokens each processes (what estimates the gain on another machine).
 
-The model and data are `bench_recipe`'s (a random Qwen2 checkpoint of the ``--shape``, GSM8K-shaped prompts through
-the recipe's prompt format); the batch holds ``--prompts`` x ``--samples`` rows, each a real prompt of the task and
-``--new-tokens`` random completion tokens (random weights never stop early: every completion is at the limit), rollout
-logprobs near a random model's (so that the recipe's rejection keeps the tokens). Each
-update is timed after one untimed call of the same shape (its compile), on the same starting state.
+The model and data are `scripts.bench.recipe`'s (a random Qwen2 checkpoint of the ``--shape``, GSM8K-shaped prompts
+through the recipe's prompt format); the batch holds ``--prompts`` x ``--samples`` rows, each a real prompt of the task
+and ``--new-tokens`` random completion tokens (random weights never stop early: every completion is at the limit),
+rollout logprobs near a random model's (so that the recipe's rejection keeps the tokens). Each update is timed
+after one untimed call of the same shape (its compile), on the same starting state.
 
-    python scripts/bench_update_buckets.py --out runs/bench_buckets --shape 17m --prompts 4 --samples 4 \\
+    python -m scripts.bench.update_buckets --out runs/bench_buckets --shape 17m --prompts 4 --samples 4 \\
         --new-tokens 64 --set 'model.compute_dtype="float32"'
 """
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "scripts")]
+from learner.tools.make_gsm8k_tiny import write_inputs
+from scripts.bench.common import REPO_ROOT
+from scripts.bench.recipe import recipe_command
 
 
 def host_batch(trainer, task, spec, rows: int, samples: int, new_tokens: int, seed: int = 0):
@@ -71,7 +71,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/bench_buckets"))
     parser.add_argument("--set", action="append", default=[], help="more run overrides (key=value)")
     args = parser.parse_args(argv)
-    import bench_recipe
 
     from learner.rl import load_config
     from learner.rl.batch_assembly import PayloadSpec
@@ -80,8 +79,8 @@ def main(argv=None) -> dict:
     from learner.tasks import load_task
 
     args.out.mkdir(parents=True, exist_ok=True)
-    files = bench_recipe.write_inputs(args.out, args.shape, max_seq_len=2048)
-    command = bench_recipe.recipe_command(files, args.out / "run", args)
+    files = write_inputs(args.out, args.shape, max_seq_len=2048)
+    command = recipe_command(files, args.out / "run", args)
     overrides = [value for flag, value in zip(command, command[1:]) if flag == "--set"]
     config = load_config(REPO_ROOT / "configs" / "gsm8k_qwen2.5.toml", overrides)
     task = load_task(config.task.name, config.task.args, model_path=config.model.hf_path,

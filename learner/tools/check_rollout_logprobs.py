@@ -19,7 +19,7 @@ sampler without top-k, top-p or min-p: the logprob is then ``log softmax(logits 
 for RAW logprobs (``rollout.logprob_mode = "raw"``). ``--max-diff X`` exits 1 when a group that should agree (all
 three, the third not under ``"keep"``) differs by more than X.
 
-    python scripts/check_rollout_logprobs.py RUN [--max-diff 1e-3]
+    python -m learner.tools.check_rollout_logprobs RUN [--max-diff 1e-3]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import argparse
 import collections
 import functools
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +35,11 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-from learner.checkpoints.checkpointer import read_step, verify_manifest  # noqa: E402
-from learner.export import checkpoint_policy  # noqa: E402
-from learner.logprobs.chunked import token_logprobs  # noqa: E402
-from learner.logprobs.sampler_replay import truncates  # noqa: E402
-from learner.reporting.rollout_log import RolloutLogReader  # noqa: E402
+from learner.checkpoints.checkpointer import read_step, verify_manifest
+from learner.checkpoints.reading import checkpoint_policy
+from learner.logprobs.chunked import token_logprobs
+from learner.logprobs.sampler_replay import truncates
+from learner.reporting.rollout_log import RolloutLogReader
 
 GROUPS = ("one version", "several versions, before a publish", "several versions, after a publish")
 CACHED_VERSIONS = 4  # policies kept loaded: a batch holds a few consecutive versions
@@ -110,7 +106,8 @@ def _logprobs(graphdef, state, tokens, attention_mask, temperature):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m learner.tools.check_rollout_logprobs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=pathlib.Path, help="the run directory (rollout_log/ and checkpoints/)")
     parser.add_argument("--max-diff", type=float, help="exit 1 when a group that should agree differs by more")
     args = parser.parse_args(argv)

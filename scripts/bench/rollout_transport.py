@@ -24,7 +24,7 @@ MB.
 Decode: the model engine (default model "tiny", float32) in this process, decode
 tokens/s with a full batch.
 
-    python scripts/bench_rollout_transport.py [--tokens 1024] [--rounds 200] [--smg-rounds 10]
+    python -m scripts.bench.rollout_transport [--tokens 1024] [--rounds 200] [--smg-rounds 10]
         [--engine-tokens 64] [--engine-rounds 10]
 """
 
@@ -43,17 +43,20 @@ from smg_grpc_proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 from rollout_client import AsyncRolloutClient, ClientConfig, LogprobMode, RolloutRequest, SamplingParams
 from rollout_client.protocol import CLIENT_OPTIONS, SERVER_OPTIONS, pb, pb_grpc
+from scripts.bench.common import REPO_ROOT, checkout_env
 
 
 def start_server(tokens: int, floor: bool = False, smg: bool = False) -> tuple[subprocess.Popen, str]:
     """The reference server (scripted engine), or with `floor` this script's bare server, or with `smg` its scripted
     MLX-proto server."""
     if floor or smg:
-        argv = [__file__, "--serve-floor" if floor else "--serve-smg", "--tokens", str(tokens)]
+        argv = ["-m", "scripts.bench.rollout_transport", "--serve-floor" if floor else "--serve-smg", "--tokens",
+                str(tokens)]
     else:
         argv = ["-m", "rollout_client.server", "--engine", "scripted", "--vocab-size", "32000",
                 "--tokens-per-step", str(tokens), "--max-seq-len", str(4 * tokens), "--max-batch-size", "64"]
-    process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                               env=checkout_env())
     line = process.stdout.readline()
     return process, re.search(r"listening on (\S+)", line).group(1)
 

@@ -1,12 +1,12 @@
 """Benchmark on one accelerator, with the packages at hand (no environment is created): issues 28 and 38.
 
-One timed call is one whole update (`scripts/bench_peers.py`'s workers: bfloat16 compute, float32 parameters,
+One timed call is one whole update (`scripts/bench/peers.py`'s workers: bfloat16 compute, float32 parameters,
 corrections with recompute, the completion half of every row trained), ``--rows`` x ``--length`` tokens:
 
 * ``--compare`` (qwen2-0.5b): Tether against google-tunix, alternated in two worker processes that share the device
   (``--memory-fraction`` each), if this interpreter can import tunix; else Tether alone.
 * ``--mfu`` (llama-1b): Tether alone (``--mfu-memory-fraction``). Model-FLOPs utilisation as the field reports it:
-  model FLOPs per second over the card's spec dense-bf16 peak (`scripts/mfu.py`: H100/H200 SXM 989 TFLOP/s, ...),
+  model FLOPs per second over the card's spec dense-bf16 peak (`learner.reporting.mfu`: H100/H200 SXM 989 TFLOP/s, ...),
   with the rate of an ``--peak-size``^3 bfloat16 product measured by the same worker printed beside it as a check.
   Model FLOPs per update (PaLM's): tokens x (6N + 12·L·H·Dh·T) for the training pass, plus tokens x
   (2N + 4·L·H·Dh·T) when a proximal pass runs (not in the default one-epoch, one-mini-batch update, which takes its
@@ -21,26 +21,25 @@ every Tether worker: `learner.model.attention` (``auto``: cuDNN flash attention 
 ``.fuse_proximal``.
 
 Every worker reports its device's peak memory in use. Results go to ``--out`` as ``bench_gpu.json`` and a Markdown
-table (also printed). On the CPU it runs at tiny shapes (what tests/test_bench_gpu.py checks):
+table (also printed). On the CPU it runs at tiny shapes (what tests/scripts/bench/test_gpu.py checks):
 
-    python scripts/bench_gpu.py --out bench_out                                                # on a GPU
-    python scripts/bench_gpu.py --compare "" --rows 2 --length 8192 --out bench_long           # B2 x T8192
-    python scripts/bench_gpu.py --compare "" --variants remat=full remat=dots attention=xla --out bench_sweep
-    python scripts/bench_gpu.py --compare tiny --mfu tiny --rows 2 --length 64 --peak-size 256 --rounds 1 --calls 1
+    python -m scripts.bench.gpu --out bench_out                                                # on a GPU
+    python -m scripts.bench.gpu --compare "" --rows 2 --length 8192 --out bench_long           # B2 x T8192
+    python -m scripts.bench.gpu --compare "" --variants remat=full remat=dots attention=xla --out bench_sweep
+    python -m scripts.bench.gpu --compare tiny --mfu tiny --rows 2 --length 64 --peak-size 256 --rounds 1 --calls 1
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import pathlib
 import statistics
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_peers import KNOB_DEFAULTS, Case, Worker, alternate, completion_length, worker_env  # noqa: E402
-from mfu import model_flops, spec_peak_tflops  # noqa: E402
+from learner.reporting.mfu import model_flops, spec_peak_tflops
+from scripts.bench.common import write_json
+from scripts.bench.peers import KNOB_DEFAULTS, Case, Worker, alternate, completion_length, worker_env
 
 
 def tether_case(model: str, args, **knobs) -> Case:
@@ -211,7 +210,7 @@ def main(argv=None) -> None:
 
 def write(results: dict, out: pathlib.Path) -> None:
     """``bench_gpu.json`` and the Markdown table ``bench_gpu.md`` of the results so far."""
-    (out / "bench_gpu.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "bench_gpu.json", results)
     (out / "bench_gpu.md").write_text(table(results) + "\n")
 
 

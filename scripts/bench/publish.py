@@ -13,25 +13,22 @@ before each publish, so that each ratio holds under whatever load the machine ha
 medians over the publishes after the first. Goals (issue 37): shared <= 5x the memcpy at
 100m float32 on a CPU; <= 0.3 s at qwen2-0.5b bfloat16 on an H100/H200.
 
-    python scripts/bench_publish.py [--model 100m] [--dtype float32] [--repeats 5] [--out bench_publish.json]
-    python scripts/bench_publish.py --model qwen2-0.5b --dtype bfloat16    # on a GPU
+    python -m scripts.bench.publish [--model 100m] [--dtype float32] [--repeats 5] [--out bench_publish.json]
+    python -m scripts.bench.publish --model qwen2-0.5b --dtype bfloat16    # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import secrets
 import statistics
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from scripts.bench.common import write_json
 
 
 class Memcpy:
@@ -122,8 +119,7 @@ def main(argv=None) -> dict:
                                                "publish_and_memcpy_s": pairs}
             print(f"{transport:>8}: first {pairs[0][0] * 1e3:8.1f} ms, steady {seconds * 1e3:8.1f} ms = {ratio:5.1f}x "
                   f"the memcpy beside it ({nbytes / seconds / 1e9:.2f} GB/s)", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     return result
 
 

@@ -27,12 +27,12 @@ whose persistent cache (on by default in ``python -m learner.train``) an earlier
 ``--cost-analysis`` each worker also compiles its programs through ``lower().compile()`` and reports XLA's FLOP and
 byte counts (summed over the programs of one update).
 
-    python scripts/bench_peers.py [--cases tiny:16:128 100m:4:128] [--recompute on off] [--rounds 5] [--calls 2]
-    python scripts/bench_peers.py --cases 100m:4:128 --recompute on --epochs 2 --minibatches 2   # default RL update
-    python scripts/bench_peers.py --cases 100m:4:128 --scored-window off   # Tether's logprobs at every token
+    python -m scripts.bench.peers [--cases tiny:16:128 100m:4:128] [--recompute on off] [--rounds 5] [--calls 2]
+    python -m scripts.bench.peers --cases 100m:4:128 --recompute on --epochs 2 --minibatches 2   # default RL update
+    python -m scripts.bench.peers --cases 100m:4:128 --scored-window off   # Tether's logprobs at every token
 
-The module imports nothing beyond the standard library at the top: the tunix worker runs this same file in the tunix
-environment, which has no Tether.
+The module imports nothing beyond the standard library and `scripts.bench.common` (standard library alone) at the
+top: the tunix worker runs this same module in the tunix environment, which has no Tether.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from scripts.bench.common import REPO_ROOT, checkout_env, write_json
 
 TUNIX_VERSION = "0.1.7"
 PINS = ("jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8")  # Tether's (pyproject.toml)
@@ -370,9 +372,10 @@ class Worker:
 
     def __init__(self, name: str, python: pathlib.Path, case: Case, env: dict):
         self.name = name
-        command = [str(python), __file__, "--worker", name, "--case", json.dumps(dataclasses.asdict(case))]
+        command = [str(python), "-m", "scripts.bench.peers", "--worker", name, "--case",
+                   json.dumps(dataclasses.asdict(case))]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                        cwd=pathlib.Path(__file__).resolve().parents[1])
+                                        cwd=REPO_ROOT)
         self.ready = self.read()
 
     def read(self) -> dict:
@@ -402,9 +405,7 @@ def worker_env(cache_dir: pathlib.Path | None = None, memory_fraction: float | N
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false" if cache_dir is None else "true"
     if cache_dir is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    inherited = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]  # e.g. carried wheels
-    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[1]), *inherited])
-    return env
+    return checkout_env(env=env)
 
 
 def alternate(workers: dict, command: str, rounds: int) -> dict:
@@ -515,8 +516,7 @@ def main() -> None:
         if args.cost_analysis:
             cells += [f"{t['gflop']:.1f}", f"{u['gflop']:.1f}", f"{t['gbytes']:.2f}", f"{u['gbytes']:.2f}"]
         print("| " + " | ".join(cells) + " |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

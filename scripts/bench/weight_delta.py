@@ -11,21 +11,18 @@ changed words (a compare of the two versions: what the learner would pay before 
 Adam's update moves every weight by about the learning rate, far below a bfloat16 word's spacing (~0.4% of its
 value), so few bfloat16 words change; float32 words almost all do.
 
-    python scripts/bench_weight_delta.py --model small --dtype bfloat16 --learning-rate 1e-6
+    python -m scripts.bench.weight_delta --model small --dtype bfloat16 --learning-rate 1e-6
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import sys
 import time
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from scripts.bench.common import write_json
 
 
 def best_seconds(function, repeats: int = 3) -> float:
@@ -91,8 +88,7 @@ def main(argv=None) -> dict:
           f"changed ({changed / total:.2%}); delta {delta_bytes / 1e6:,.2f} MB vs full {full_bytes / 1e6:,.2f} MB "
           f"({delta_bytes / full_bytes:.1%}); here a memcpy of the payload takes {memcpy_s * 1e3:.2f} ms, finding "
           f"the changed words {compare_s * 1e3:.2f} ms", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     return result
 
 

@@ -20,9 +20,9 @@ so that ``configs/tool_calculator_hf.toml`` can train on this checkpoint (defaul
 
 Usage::
 
-    python scripts/make_hf_tiny.py [OUT_DIR] [--overwrite] [--tool-calculator]
+    python -m learner.tools.make_hf_tiny [OUT_DIR] [--overwrite] [--tool-calculator]
 
-or from Python, ``make_hf_tiny(out_dir)``.
+or from Python, ``learner.tools.make_hf_tiny.make_hf_tiny(out_dir)``.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def make_hf_tiny(out_dir: str | pathlib.Path = DEFAULT_DIR, *, seed: int = 0, ov
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python scripts/make_hf_tiny.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m learner.tools.make_hf_tiny", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", nargs="?", type=pathlib.Path,
                         help=f"directory to write into (default: {DEFAULT_DIR}, where configs/hf_tiny.toml looks; "

@@ -16,21 +16,18 @@ Each `ModelGenerator.step` call is one program dispatch, one upload of the rows'
 without top-k, top-p or min-p (``--top-p 1``, the default, as the RL recipes sample) skips the sort of the
 vocabulary; ``--top-p 0.9`` measures the decode with it.
 
-    python scripts/bench_decode.py --model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512   # a GPU
+    python -m scripts.bench.decode --model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512   # a GPU
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import sys
 import time
 
 import numpy as np
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from scripts.bench.common import write_json
 
 SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s, SXM parts
 
@@ -118,8 +115,7 @@ def main(argv=None) -> dict:
           f"{result['floor_tokens_per_s']:,.0f} tokens/s (weights + live KV per step); "
           f"{result['implementation_floor_tokens_per_s']:,.0f} reading every cache slot as the engine does; "
           f"reached {result['decode_tokens_per_s'] / result['floor_tokens_per_s']:.0%} of the floor", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     return result
 
 

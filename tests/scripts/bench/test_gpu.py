@@ -1,6 +1,6 @@
-"""scripts/mfu.py and scripts/bench_gpu.py: the model-FLOPs count against an independent count of the matmul parameters
-and a hand computation, the spec-peak lookup, and (slow) the whole script on the CPU at the tiny shape, as
-scripts/gpu_check.sh runs it on a GPU."""
+"""learner/reporting/mfu.py and scripts/bench/gpu.py: the model-FLOPs count against an independent count of the matmul
+parameters and a hand computation, the spec-peak lookup, and (slow) the whole benchmark on the CPU at the tiny shape,
+as scripts/gpu_check.sh runs it on a GPU."""
 
 import json
 import math
@@ -14,10 +14,9 @@ import pytest
 from flax import nnx
 
 from learner.model.transformer import Transformer, model_config
+from learner.reporting.mfu import model_flops, spec_peak_tflops
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-from mfu import model_flops, spec_peak_tflops  # noqa: E402
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def matmul_parameters(name: str) -> int:
@@ -66,7 +65,7 @@ def test_spec_peaks_of_jax_device_kinds(device_kind, tflops):
 @pytest.mark.slow  # ~3 min on a loaded 2-core CPU: four worker processes compile
 def test_the_script_runs_on_the_cpu_at_the_tiny_shape(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "bench_gpu.py"), "--compare", "tiny", "--mfu", "tiny",
+    subprocess.run([sys.executable, "-m", "scripts.bench.gpu", "--compare", "tiny", "--mfu", "tiny",
                     "--rows", "2", "--length", "64", "--peak-size", "256", "--rounds", "1", "--calls", "1",
                     "--variants", "fuse_proximal=off,remat=full", "--out", str(tmp_path)],
                    check=True, env=env, cwd=REPO_ROOT, timeout=900)
