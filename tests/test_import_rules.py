@@ -42,7 +42,7 @@ IMPORTED_BY = {
     "corrections.frameworks": {"learner.rl"},
     "rollout_client": {"learner.rl", "learner.serving", "learner.update", "learner.logprobs"},
     "rollout_client.engines": {"learner.rl"},
-    # learner.rl.engines reads the server's AUTH_TOKEN_ENV, the variable an engine child process takes its token in.
+    # learner.rl.rollout_engines reads the server's AUTH_TOKEN_ENV, the variable an engine child takes its token in.
     "rollout_client.server": {"learner.serving", "learner.rl"},
 }
 
