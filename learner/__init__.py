@@ -25,6 +25,7 @@ _LAZY = {
     "OptimizerConfig": "learner.update.optimizer",
     "Run": "learner.rl",
     "RunConfig": "learner.rl",
+    "RunView": "learner.rl",
     "StepRecord": "learner.rl",
     "Task": "learner.tasks",
     "TrainBatch": "learner.update.batch",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # the same names for type checkers, which do not run __getatt
     from learner.rl import Hook as Hook
     from learner.rl import Run as Run
     from learner.rl import RunConfig as RunConfig
+    from learner.rl import RunView as RunView
     from learner.rl import StepRecord as StepRecord
     from learner.rl import load_config as load_config
     from learner.tasks import Task as Task
