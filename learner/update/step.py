@@ -494,10 +494,14 @@ def update_step(state: TrainState, batch: TrainBatch, ref_params: Params | None 
 
 
 class UpdateFn(Protocol):
-    """What `make_update_fn` returns: the jitted update, and its ``lower`` (to inspect or compile it ahead)."""
+    """What `make_update_fn` returns: the jitted update, and its ``trace`` and ``lower`` (to inspect or compile it
+    ahead, phase by phase)."""
 
     def __call__(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None,
                  frozen: Params | None = None) -> tuple[TrainState, Metrics, jax.Array | None]: ...
+
+    def trace(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None,
+              frozen: Params | None = None) -> jax.stages.Traced: ...
 
     def lower(self, state: TrainState, batch: TrainBatch, ref_params: Params | None = None,
               frozen: Params | None = None) -> jax.stages.Lowered: ...
@@ -551,6 +555,8 @@ def make_update_fn(graphdef: ModelGraph, optimizer: optax.GradientTransformation
         result: tuple[TrainState, Metrics, jax.Array | None] = jitted(state, batch, ref_params, frozen)
         return result
 
+    update.trace = lambda state, batch, ref_params=None, frozen=None: jitted.trace(  # type: ignore[attr-defined]
+        state, batch, ref_params, frozen)
     update.lower = lambda state, batch, ref_params=None, frozen=None: jitted.lower(  # type: ignore[attr-defined]
         state, batch, ref_params, frozen)
-    return update  # type: ignore[return-value]  # with its `lower`, an UpdateFn
+    return update  # type: ignore[return-value]  # with its `trace` and `lower`, an UpdateFn

@@ -5,7 +5,7 @@ AdamW
 + clip + non-finite guard, B x T tokens of which the last half are trained) and times, in a fresh process per
 measurement with JAX's persistent compilation cache off:
 
-* ``trace``: ``jitted.trace(state, batch, None)`` (Python tracing to a jaxpr),
+* ``trace``: ``update.trace(state, batch, None)`` (Python tracing to a jaxpr),
 * ``lower``: ``traced.lower()`` (jaxpr -> StableHLO),
 * ``compile``: ``lowered.compile()`` (XLA),
 * ``run``: the compiled program's first call,
@@ -189,7 +189,7 @@ def worker(spec: dict) -> dict:
     with timed(out, "compile"):
         compiled = lowered.compile()
     with timed(out, "run"):
-        jax.block_until_ready(compiled(state, batch, None))
+        jax.block_until_ready(compiled(state, batch, None, None))
     text = lowered.as_text()
     optimized = compiled.as_text()
     out.update(jaxpr_eqns=_count_eqns(traced.jaxpr), stablehlo_kb=len(text) / 1024,
