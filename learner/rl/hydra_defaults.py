@@ -1,11 +1,12 @@
-"""Hydra ``defaults`` lists left in a config block: the package each entry fills, and whether the front door can
-take the block without the files they name.
+"""Hydra ``defaults`` lists: the entries' files, the package each entry fills, and the entries a composed config
+still holds (their files were not in its folder), settled before the config goes to a front door.
 
-A verl YAML as its users keep it (``yaml.safe_load`` of ``ppo_trainer.yaml``, or a file whose composition could
-not read every entry) still holds ``defaults``. An entry that fills a block outside the loss is listed; a
-framework's stock entry for a loss block carries the framework's defaults, which the front door fills in; any other
-entry for a loss block is refused, naming the command that composes and resolves the config (a loss from a file
-that was not read cannot be known). Composing the files is the file reader's (``learner.rl.framework_files``).
+A verl or SkyRL YAML as its users keep it names other files in ``defaults``; ``learner.rl.framework_files`` composes
+those it finds. An entry left over that fills a block outside the loss is listed (``UnknownKeyWarning``) and
+dropped; verl's stock entry for a loss block carries verl's defaults, which the front door fills in, and is dropped;
+any other entry for a loss block is refused, naming the command that composes and resolves the config (a loss from
+a file that was not read cannot be known). The front doors (``corrections.from_verl`` & co) take plain data and
+refuse a ``defaults`` key.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from corrections.frameworks._keys import UnknownKeyWarning
+from corrections.frameworks import UnknownKeyWarning, detect_framework, merge, nest
+
+__all__ = ["HYDRA_COMMANDS", "LOSS_PACKAGES", "STOCK_DEFAULTS", "check_defaults", "defaults_entry", "entry_package",
+           "hydra_command", "settle_defaults"]
 
 HYDRA_COMMANDS = {
     "verl": "python -m verl.trainer.main_ppo --config-path {folder} --config-name {name} --cfg job --resolve "
@@ -25,6 +29,22 @@ HYDRA_COMMANDS = {
              "initialize_config_dir('{folder}', version_base=None); "
              "print(OmegaConf.to_yaml(compose('{name}'), resolve=True))\" > resolved.yaml",
 }
+# Entries of the frameworks' own config folders that fill the loss blocks: their values are the front door's
+# defaults (verl 1dda039b; SkyRL's loss block is trainer.algorithm, filled by no entry of its own).
+STOCK_DEFAULTS = {"verl": ({"actor@actor_rollout_ref.actor": "dp_actor"},
+                           {"actor@actor_rollout_ref.actor": "megatron_actor"},
+                           {"algorithm@algorithm.rollout_correction": "rollout_correction"}, "actor"),
+                  "skyrl": ()}
+# The packages that set the loss (verl's actor keys too: an entry filling actor_rollout_ref.actor touches its
+# policy_loss).
+LOSS_PACKAGES = {"verl": ("algorithm.rollout_correction", "actor_rollout_ref.actor.policy_loss"),
+                 "skyrl": ("trainer.algorithm",)}
+# Where a defaults list may be left in each framework's config: its dotted place -> (the package its entries fill
+# relative to, the block named in messages).
+PLACES = {"verl": {"defaults": ("", "verl"),
+                   "actor_rollout_ref.actor.defaults": ("actor_rollout_ref.actor", "verl.actor_rollout_ref.actor"),
+                   "actor.defaults": ("actor_rollout_ref.actor", "verl.actor_rollout_ref.actor")},
+          "skyrl": {"defaults": ("", "skyrl")}}
 
 
 def hydra_command(framework: str, path: str = "DIR/NAME.yaml") -> str:
@@ -69,7 +89,61 @@ def entry_package(entry: Any, package: str) -> str | None:
     return ".".join(part for part in (package, relative) if part)
 
 
-def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[str], loss_packages: Iterable[str],
+def settle_defaults(data: Any, framework: str | None = None) -> Any:
+    """``data`` (a composed config) without the ``defaults`` lists left in it, once each entry is checked
+    (``check_defaults``); ``framework``: whose rules apply, recognised when None from the keys and the blocks the
+    entries fill (``actor@actor_rollout_ref.actor`` is verl's). A framework without Hydra defaults (slime, AReaL),
+    or data that is not a mapping, is returned as it is.
+
+    >>> settle_defaults({"defaults": [{"actor@actor_rollout_ref.actor": "dp_actor"}, "_self_"],
+    ...                  "actor_rollout_ref": {"actor": {"clip_ratio": 0.2}}})
+    {'actor_rollout_ref': {'actor': {'clip_ratio': 0.2}}}
+    """
+    if not isinstance(data, Mapping) or not _holds_defaults(data):
+        return data
+    framework = framework or detect_framework(merge(_filled(data.get("defaults")), data))
+    out = dict(data)
+    for place, (package, where) in PLACES.get(framework, {}).items():
+        *parents, leaf = place.split(".")
+        parent = _block(out, parents)
+        if parent is not None and leaf in parent:
+            out, entries = _without(out, [*parents, leaf])
+            check_defaults(entries, where, framework, STOCK_DEFAULTS[framework], LOSS_PACKAGES[framework], package)
+    return out
+
+
+def _holds_defaults(data: Mapping) -> bool:
+    return any(key == "defaults" or isinstance(value, Mapping) and _holds_defaults(value)
+               for key, value in data.items())
+
+
+def _filled(entries: Any) -> dict:
+    """The blocks a top-level defaults list fills, empty (what they tell of the framework)."""
+    if not isinstance(entries, list):
+        return {}
+    targets = (entry_package(entry, "") for entry in entries)
+    return nest({target: {} for target in targets if target}, "defaults")
+
+
+def _block(data: Mapping, parts: list[str]) -> Mapping | None:
+    """The block at ``parts`` (None: not a block there)."""
+    for part in parts:
+        data = data.get(part)
+        if not isinstance(data, Mapping):
+            return None
+    return data
+
+
+def _without(data: Mapping, parts: list[str]) -> tuple[dict, Any]:
+    """``data`` without the key at ``parts`` (the blocks on the way copied, ``data`` unchanged), and its value."""
+    head, *rest = parts
+    if not rest:
+        return {key: value for key, value in data.items() if key != head}, data[head]
+    inner, value = _without(data[head], rest)
+    return {**data, head: inner}, value
+
+
+def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[Any], loss_packages: Iterable[str],
                    package: str = "") -> None:
     """Hydra ``defaults`` left in a config (their files were not composed): an entry that fills a package outside
     the loss is listed; one that fills a loss package must be the framework's stock entry (whose values the front
@@ -88,4 +162,4 @@ def check_defaults(entries: Any, where: str, framework: str, stock: Iterable[str
                              f"loss) from a file that was not read; compose and resolve the config first: "
                              f"{hydra_command(framework)}")
         warnings.warn(UnknownKeyWarning(f"{where}.defaults", f"{entry!r} fills {target}, outside the loss; not used."),
-                      stacklevel=2)
+                      stacklevel=4)
