@@ -101,8 +101,8 @@ def settle_defaults(data: Any, framework: str | None = None) -> Any:
     """
     if not isinstance(data, Mapping) or not _holds_defaults(data):
         return data
-    framework = framework or detect_framework(merge(_filled(data.get("defaults")), data))
-    out = dict(data)
+    out = nest(data, framework or "config")  # a dotted key means the nested keys, as in the front doors
+    framework = framework or detect_framework(merge(_filled(out.get("defaults")), out))
     for place, (package, where) in PLACES.get(framework, {}).items():
         *parents, leaf = place.split(".")
         parent = _block(out, parents)
@@ -113,7 +113,8 @@ def settle_defaults(data: Any, framework: str | None = None) -> Any:
 
 
 def _holds_defaults(data: Mapping) -> bool:
-    return any(key == "defaults" or isinstance(value, Mapping) and _holds_defaults(value)
+    """Whether a ``defaults`` key is anywhere in ``data`` (dotted or nested)."""
+    return any(str(key).rsplit(".", 1)[-1] == "defaults" or isinstance(value, Mapping) and _holds_defaults(value)
                for key, value in data.items())
 
 
