@@ -2,17 +2,16 @@
 
 ``from_verl``, ``from_skyrl``, ``from_slime`` and ``from_areal`` (and ``config_from_dict``) turn a framework's
 config block (plain data: a mapping, dotted keys, slime's command line) into a `corrections.CorrectionConfig`,
-checking every key against the framework's own names. Reading their files (YAML with its Hydra composition, launch
-scripts) and what their training keys become in a Tether run are the learner's: ``learner.rl.framework_files``,
-``learner.rl.framework_keys``. ``nest``, ``merge``, ``whole``, ``defaults_entry``, ``entry_package`` and
-``hydra_command`` are the block helpers those share with the front doors.
+checking every key against the framework's own names; ``detect_framework`` says which framework a block is.
+Reading their files (YAML with its Hydra composition and ``defaults`` lists, launch scripts) and what their
+training keys become in a Tether run are the learner's: ``learner.rl.framework_files``,
+``learner.rl.hydra_defaults``, ``learner.rl.framework_keys``; a front door refuses a block that still holds a
+Hydra ``defaults`` list. ``nest``, ``merge`` and ``whole`` are the block helpers those share with the front doors.
 """
 
 from corrections.frameworks._areal import from_areal
-from corrections.frameworks._defaults import defaults_entry
-from corrections.frameworks._defaults import entry_package
-from corrections.frameworks._defaults import hydra_command
 from corrections.frameworks._from_dict import config_from_dict
+from corrections.frameworks._from_dict import detect_framework
 from corrections.frameworks._keys import TrainingKeysWarning
 from corrections.frameworks._keys import UnknownKeyWarning
 from corrections.frameworks._keys import merge
@@ -29,13 +28,11 @@ __all__ = [
     "TrainingKeysWarning",
     "UnknownKeyWarning",
     "config_from_dict",
-    "defaults_entry",
-    "entry_package",
+    "detect_framework",
     "from_areal",
     "from_skyrl",
     "from_slime",
     "from_verl",
-    "hydra_command",
     "merge",
     "nest",
     "slime_arguments",

@@ -153,6 +153,14 @@ def unknown(where: str, key: str, known: Iterable[str], read: Iterable[str] | No
     warnings.warn(UnknownKeyWarning(f"{where}.{key}", "not a key this reader knows; not used."), stacklevel=3)
 
 
+def defaults_refused(where: str) -> ValueError:
+    """The error for a Hydra ``defaults`` list in a block: files to compose, which a front door (plain data) does
+    not read."""
+    return ValueError(f"{where}.defaults: a Hydra defaults list (files to compose) is not read here; read the file "
+                      "with learner.rl.framework_files.read_file (which composes its files and checks the entries "
+                      "left), or pass the resolved config.")
+
+
 def section(value: Any, where: str) -> dict:
     """A nested block that must be a mapping (None, as YAML writes an empty block, reads as {})."""
     if value is None:

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from corrections.frameworks._defaults import check_defaults
 from corrections.frameworks._keys import (
     check_keys,
     choice,
+    defaults_refused,
     ignored,
     merge_disjoint,
     nest,
@@ -96,7 +96,7 @@ def _skyrl_algorithm(data: dict) -> tuple[dict, dict]:
         elif key in known:
             algorithm = merge_disjoint(algorithm, {key: value}, "skyrl.trainer.algorithm")
         elif key == "defaults":
-            check_defaults(value, "skyrl", "skyrl", (), ("trainer.algorithm",))
+            raise defaults_refused("skyrl")
         elif key != "_target_":
             unknown("skyrl", key, known | {"trainer", "algorithm"}, set(ALGORITHM) | {"trainer", "algorithm"})
     check_keys(algorithm, known, "skyrl.trainer.algorithm", ALGORITHM)
@@ -139,7 +139,8 @@ def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     block (and the deprecated ``use_tis`` / ``tis_imp_ratio_cap``), the KL loss and the entropy bonus. Keys that
     do not touch the loss (advantage estimator, critic, batch sizes) are accepted and not applied, and listed in
     one ``TrainingKeysWarning``; unknown keys are listed (``UnknownKeyWarning``), or raise, naming the nearest
-    match, inside a loss block or close to a loss key.
+    match, inside a loss block or close to a loss key. A Hydra ``defaults`` list is refused:
+    ``learner.rl.framework_files.read_file`` composes a file and settles what is left.
     docs/from-other-frameworks.md has the key-by-key table.
 
     >>> config = from_skyrl({"trainer": {"algorithm": {"off_policy_correction": {"tis_ratio_type": "token"}}}})

@@ -24,10 +24,10 @@ from corrections._config import (
     Objective,
     RejectionRule,
 )
-from corrections.frameworks._defaults import check_defaults
 from corrections.frameworks._keys import (
     check_keys,
     choice,
+    defaults_refused,
     ignored,
     merge_disjoint,
     nest,
@@ -41,10 +41,8 @@ from corrections.frameworks._verl_keys import (
     ACTOR_IGNORED,
     ACTOR_ROLLOUT_REF_IGNORED,
     ALGORITHM_IGNORED,
-    LOSS_PACKAGES,
     POLICY_LOSS,
     ROLLOUT_CORRECTION,
-    STOCK_DEFAULTS,
 )
 
 
@@ -173,13 +171,12 @@ def _verl_blocks(data: dict) -> tuple[dict, dict, dict]:
         elif key in ACTOR or key in ACTOR_IGNORED:
             actor = merge_disjoint(actor, {key: value}, "verl.actor")
         elif key == "defaults":
-            check_defaults(value, where, "verl", STOCK_DEFAULTS, LOSS_PACKAGES)
+            raise defaults_refused(where)
         elif key != "_target_":
             unknown(where, key, sections | set(ROLLOUT_CORRECTION) | set(ACTOR) | ACTOR_IGNORED,
                     sections | set(ROLLOUT_CORRECTION) | set(ACTOR))
-    if "defaults" in actor:  # left by a composed actor file whose own defaults (optim, engine) were not read
-        check_defaults(actor.pop("defaults"), "verl.actor_rollout_ref.actor", "verl", STOCK_DEFAULTS, LOSS_PACKAGES,
-                       package="actor_rollout_ref.actor")
+    if "defaults" in actor:  # an actor file's own defaults (optim, engine), not composed
+        raise defaults_refused("verl.actor_rollout_ref.actor")
     check_keys(rollout_correction, ROLLOUT_CORRECTION, "verl.algorithm.rollout_correction")
     check_keys(actor, set(ACTOR) | ACTOR_IGNORED, "verl.actor_rollout_ref.actor", ACTOR)
     return rollout_correction, actor, outside | ignored(actor, ACTOR_IGNORED, "actor_rollout_ref.actor.")
@@ -228,7 +225,8 @@ def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_
     ``kl_loss_coef``, ``kl_loss_type``); keys that do not touch the loss (batch sizes, optimizer, engine, advantage
     estimator) are accepted and not applied, and listed in one ``TrainingKeysWarning``. Unknown keys are listed
     (``UnknownKeyWarning``), or raise, naming the nearest match, inside a loss block or close to a loss key;
-    Hydra's ``_target_`` and ``defaults`` are understood (``corrections.frameworks._defaults``).
+    Hydra's ``_target_`` (the class a block builds) is ignored; a Hydra ``defaults`` list (files to compose) is
+    refused: ``learner.rl.framework_files.read_file`` composes a file and settles what is left.
     docs/from-other-frameworks.md has the key-by-key table.
 
     verl divides by the kept token count after rejection (``denominator="kept"``) and applies dual clip. verl

@@ -28,7 +28,3 @@ ALGORITHM_IGNORED = frozenset((
     "use_pf_ppo", "pf_ppo", "filter_groups", "gdpo_reward_keys", "gdpo_reward_weights",
 ))
 ACTOR_ROLLOUT_REF_IGNORED = frozenset(("model", "rollout", "ref", "hybrid_engine", "nccl_timeout"))
-# Hydra defaults entries of verl's own config folder that fill the loss blocks: their values are the defaults above.
-STOCK_DEFAULTS = ({"actor@actor_rollout_ref.actor": "dp_actor"}, {"actor@actor_rollout_ref.actor": "megatron_actor"},
-                  {"algorithm@algorithm.rollout_correction": "rollout_correction"}, "actor")
-LOSS_PACKAGES = ("algorithm.rollout_correction", "actor_rollout_ref.actor.policy_loss")  # and the actor's own keys

@@ -28,8 +28,9 @@ from typing import Any
 import corrections
 from corrections.frameworks import TrainingKeysWarning, UnknownKeyWarning, merge, slime_arguments, whole
 from learner.reporting.run_files import write_atomically
-from learner.rl.framework_files import read_file
+from learner.rl.framework_files import read_composed
 from learner.rl.framework_keys import MAPS, Row, rows
+from learner.rl.hydra_defaults import settle_defaults
 
 FROM_KEYS = {"from_verl": "verl", "from_skyrl": "skyrl", "from_slime": "slime", "from_areal": "areal"}
 
@@ -67,7 +68,8 @@ def _show(value) -> str:
 
 @functools.lru_cache(maxsize=16)
 def migrate(framework: str, path: str) -> Migration:
-    """Reads a framework's config file (``learner.rl.framework_files.read_file``) into a ``Migration``.
+    """Reads a framework's config file (as ``learner.rl.framework_files.read_file`` does) into a ``Migration``; the
+    Hydra ``defaults`` entries left in it have one row.
 
     >>> import pathlib
     >>> root = pathlib.Path(__file__).parents[2] / "tests" / "fixtures" / "frameworks"
@@ -78,7 +80,7 @@ def migrate(framework: str, path: str) -> Migration:
     if framework not in MAPS:
         raise ValueError(f"framework {framework!r}: use one of {', '.join(MAPS)}.")
     try:
-        data = read_file(path)
+        data = read_composed(path)
     except ValueError as error:  # no such file, not a config file, not valid YAML
         raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     if framework == "slime":
@@ -92,7 +94,7 @@ def migrate(framework: str, path: str) -> Migration:
         warnings.simplefilter("always", UnknownKeyWarning)
         warnings.simplefilter("ignore", TrainingKeysWarning)  # for direct calls: the run's rows say what they become
         try:
-            config = getattr(corrections, f"from_{framework}")(data)
+            config = getattr(corrections, f"from_{framework}")(settle_defaults(data, framework))
         except ValueError as error:
             raise ValueError(f"corrections.from_{framework}={path!r}: {error}") from None
     unknown = {w.message.path.split(".", 1)[1] for w in caught if isinstance(w.message, UnknownKeyWarning)}

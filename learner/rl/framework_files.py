@@ -3,12 +3,14 @@ read into plain data for the front doors (``corrections.from_verl`` & co) and a 
 (``learner.rl.framework_config``).
 
 YAML files are read with PyYAML. Hydra's ``defaults`` list is composed against the file's own config folder (each
-entry ``group@package: option`` or a plain config name, ``_self_`` where the file's own keys go); an entry whose
-file is not in the folder stays in ``defaults`` for the front door, which accepts the framework's stock entries and
-refuses others, naming the command that composes the file. ``${a.b}``, ``${.sibling}`` and
-``${oc.select:a.b,default}`` interpolations are resolved; others (``${oc.env:HOME}``) stay text. Dotted keys
-(``actor_rollout_ref.rollout.n: 5``) are nested, so that they mean what the nested keys mean. A launch script
-(``.sh``) is read by ``learner.rl.launch_scripts``: a verl script's Hydra overrides, or a slime script's arguments.
+entry ``group@package: option`` or a plain config name, ``_self_`` where the file's own keys go); the entries whose
+files are not in the folder are settled by ``learner.rl.hydra_defaults`` (outside the loss: listed and dropped;
+the framework's stock entries of the loss blocks: dropped, the front door fills in their defaults; others:
+refused, naming the command that composes the file), so that the front door gets plain data. ``${a.b}``,
+``${.sibling}`` and ``${oc.select:a.b,default}`` interpolations are resolved; others (``${oc.env:HOME}``) stay
+text. Dotted keys (``actor_rollout_ref.rollout.n: 5``) are nested, so that they mean what the nested keys mean. A
+launch script (``.sh``) is read by ``learner.rl.launch_scripts``: a verl script's Hydra overrides, or a slime
+script's arguments.
 
 Files are read with limits, each refused with one error naming the file: at most ``MAX_FILE_BYTES``, at most
 ``MAX_VALUES`` values once YAML aliases are expanded (an alias bomb is tiny on disk), at most ``MAX_DEPTH`` levels,
@@ -22,19 +24,21 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from corrections.frameworks import defaults_entry, entry_package, merge, nest
+from corrections.frameworks import merge, nest
+from learner.rl.hydra_defaults import defaults_entry, entry_package, settle_defaults
 from learner.rl.launch_scripts import read_launch_script
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "read_file", "resolve_interpolations"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "read_composed", "read_file", "resolve_interpolations"]
 
 MAX_FILE_BYTES = 1 << 20  # verl's whole resolved config is 20 KB
 MAX_VALUES = 100_000  # values of a file with its YAML aliases expanded (verl's resolved config: ~700)
 MAX_DEPTH = 64  # nesting levels (verl's resolved config: 6)
 
 
-def read_file(path: str | pathlib.Path) -> Any:
-    """The config in a file: a mapping for a YAML file or a verl launch script (its Hydra overrides), the argument
-    tokens (a list) for a slime launch script. A file with nothing to read raises, naming what was expected.
+def read_file(path: str | pathlib.Path, framework: str | None = None) -> Any:
+    """The config in a file, as a front door takes it: ``read_composed``, with the Hydra ``defaults`` entries it
+    could not compose settled (``learner.rl.hydra_defaults.settle_defaults``; ``framework``: whose rules, recognised
+    from the keys when None).
 
     >>> import tempfile, os
     >>> with tempfile.TemporaryDirectory() as folder:
@@ -42,6 +46,13 @@ def read_file(path: str | pathlib.Path) -> Any:
     ...     read_file(os.path.join(folder, "run.sh"))
     ['--eps-clip', '0.2', '--use-tis']
     """
+    return settle_defaults(read_composed(path), framework)
+
+
+def read_composed(path: str | pathlib.Path) -> Any:
+    """The config in a file: a mapping for a YAML file (composed; the ``defaults`` entries whose files are not in its
+    folder left in ``defaults``) or a verl launch script (its Hydra overrides), the argument tokens (a list) for a
+    slime launch script. A file with nothing to read raises, naming what was expected."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file.")

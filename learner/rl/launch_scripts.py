@@ -22,7 +22,7 @@ import re
 import shlex
 from typing import Any
 
-from corrections.frameworks import hydra_command
+from learner.rl.hydra_defaults import hydra_command
 
 __all__ = ["hydra_value", "launch_script_arguments", "read_launch_script", "verl_arguments", "verl_overrides"]
 

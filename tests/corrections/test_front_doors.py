@@ -342,6 +342,25 @@ def test_unsupported_settings_say_why(door, config, match):
         door(config)
 
 
+@pytest.mark.parametrize("door, config, field", [
+    (corrections.from_verl, {"defaults": [{"actor@actor_rollout_ref.actor": "dp_actor"}, "_self_"]}, "verl.defaults"),
+    (corrections.from_verl, {"actor_rollout_ref.actor": {"clip_ratio": 0.2, "defaults": [{"../optim@optim": "x"}]}},
+     "verl.actor_rollout_ref.actor.defaults"),
+    (corrections.from_verl, {"actor": {"defaults": ["actor"]}}, "verl.actor_rollout_ref.actor.defaults"),
+    (corrections.from_skyrl, {"defaults": ["_self_"], "trainer": {"algorithm": {}}}, "skyrl.defaults"),
+])
+def test_a_hydra_defaults_list_is_refused_naming_the_field_and_the_fix(door, config, field):
+    """The front doors take plain data: a Hydra ``defaults`` list (files to compose, even verl's stock entries) is
+    refused, naming the field and the reader that composes the file, through ``config_from_dict`` too."""
+    message = (f"{field}: a Hydra defaults list (files to compose) is not read here; read the file with "
+               "learner.rl.framework_files.read_file (which composes its files and checks the entries left), or pass "
+               "the resolved config.")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        door(config)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        corrections.config_from_dict({door.__name__.removeprefix("from_"): config})
+
+
 def test_config_from_dict_routing():
     """Tether's own form still parses (errors name the field); keys that fit two frameworks ask which one."""
     assert corrections.config_from_dict({"importance": {"level": "token"}}).importance.level == "token"

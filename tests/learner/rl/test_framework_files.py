@@ -3,9 +3,9 @@ repository, path and commit): verl's resolved ``_generated_ppo_trainer.yaml``, i
 ``ppo_trainer.yaml``, ``actor/actor.yaml``, ``actor/dp_actor.yaml`` and ``algorithm/rollout_correction.yaml``,
 SkyRL's ``ppo_base_config.yaml``, a slime launch script and an AReaL example. Keys outside the loss and keys newer
 than the reader's framework commit are listed (``UnknownKeyWarning``), not fatal; a misspelt loss key and an
-unknown key inside a loss block still raise; a Hydra ``defaults`` entry that composes a loss block from a file
-that was not read is refused with the command that resolves it. Two files' losses are compared with the reference
-ports on the batch of test_front_doors.
+unknown key inside a loss block still raise. Hydra composition against the file's folder is here; the ``defaults``
+entries it leaves are test_hydra_defaults'. Two files' losses are compared with the reference ports on the batch of
+test_front_doors.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import warnings
 
 import numpy as np
 import pytest
-import yaml
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule, UnknownKeyWarning
-from learner.rl.framework_files import read_file
+from learner.rl.framework_files import read_composed, read_file
 from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
 from tests.reference_ports import areal, verl
 
@@ -86,15 +85,6 @@ def test_keys_outside_the_loss_and_newer_keys_are_listed():
 
 
 @pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
-def test_uncomposed_hydra_file_is_verls_by_its_sections():
-    """ppo_trainer.yaml as yaml.safe_load reads it (no composition): its algorithm block has no
-    rollout_correction (that comes from defaults), yet it is verl's (actor_rollout_ref), and verl's stock defaults
-    entries carry verl's defaults."""
-    data = yaml.safe_load((FILES / "verl/ppo_trainer.yaml").read_text())
-    assert corrections.config_from_dict(data) == VERL_DEFAULT
-
-
-@pytest.mark.filterwarnings("ignore::corrections.UnknownKeyWarning")
 def test_a_misspelt_loss_key_or_an_unknown_key_in_a_loss_block_still_raises():
     data = read_file(FILES / "verl/_generated_ppo_trainer.yaml")
     data["actor_rollout_ref"]["actor"]["clip_ratio_hgh"] = 0.28
@@ -109,8 +99,9 @@ def test_a_misspelt_loss_key_or_an_unknown_key_in_a_loss_block_still_raises():
 def test_hydra_composition_is_resolved_against_its_folder():
     """ppo_trainer.yaml's defaults pull actor/dp_actor.yaml (which pulls actor/actor.yaml) into
     actor_rollout_ref.actor and algorithm/rollout_correction.yaml into algorithm.rollout_correction, the file's own
-    keys last (``_self_``); entries whose files are not in the folder stay listed under ``defaults``."""
-    data = read_file(FILES / "verl/ppo_trainer.yaml")
+    keys last (``_self_``); entries whose files are not in the folder stay listed under ``defaults`` in
+    ``read_composed``, and ``read_file`` settles them (outside the loss here: dropped)."""
+    data = read_composed(FILES / "verl/ppo_trainer.yaml")
     actor = data["actor_rollout_ref"]["actor"]
     assert actor["clip_ratio_c"] == 3.0 and actor["strategy"] == "fsdp"  # actor.yaml's, then dp_actor's own
     assert actor["_target_"] == "verl.workers.config.FSDPActorConfig"  # dp_actor's _self_ after actor.yaml
@@ -118,15 +109,12 @@ def test_hydra_composition_is_resolved_against_its_folder():
     assert data["algorithm"]["rollout_correction"]["loss_type"] == "ppo_clip"
     assert data["algorithm"]["adv_estimator"] == "gae"
     assert {"critic@critic": "dp_critic"} in data["defaults"]
-
-
-def test_composition_of_a_loss_block_from_a_missing_file_is_refused_with_the_command(tmp_path):
-    """A user's composition whose actor comes from their own file, not given: the loss cannot be known, so the
-    front door names the command that composes and resolves the config."""
-    (tmp_path / "my_ppo.yaml").write_text("defaults:\n  - actor@actor_rollout_ref.actor: my_actor\n  - _self_\n"
-                                          "algorithm:\n  adv_estimator: grpo\n")
-    with pytest.raises(ValueError, match=r"my_actor.*python -m verl\.trainer\.main_ppo .*--cfg job --resolve"):
-        corrections.from_verl(read_file(tmp_path / "my_ppo.yaml"))
+    assert actor["defaults"] == [{"../optim@optim": "fsdp"}, {"../engine@fsdp_config": "fsdp"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownKeyWarning)
+        settled = read_file(FILES / "verl/ppo_trainer.yaml")
+    assert set(settled) == set(data) - {"defaults"}
+    assert settled["actor_rollout_ref"]["actor"] == {k: v for k, v in actor.items() if k != "defaults"}
 
 
 def test_areal_example_gives_areals_loss():
