@@ -11,9 +11,9 @@ import numpy as np
 
 from learner.distributed import initialize
 from learner.model.sharding import make_mesh
-from tests.learner.update_problem import FAST_COMPILE, run_update
+from tests.support.update_problem import FAST_COMPILE, run_update
 
-WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+WORKER = pathlib.Path(__file__).resolve().parents[1] / "support" / "multiprocess_worker.py"
 TIMEOUT_S = 300
 
 

@@ -10,7 +10,7 @@ import pytest
 import corrections
 from learner.reporting.metrics_writers import read_metrics
 from learner.reporting.rollout_log import RolloutLogWriter
-from tests.learner.test_rollout_log import make_batch
+from tests.learner.reporting.test_rollout_log import make_batch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "recompute_diagnostics.py"
 PRESET = "decoupled_token_is"

@@ -1,7 +1,7 @@
 """The scripted reference server, except that it ends the first ``--cancel-attempts`` Generate calls of every request
 id with ``--status`` (default CANCELLED, as a server shutting down or a transport that drops a call does).
 
-Run as ``python -m tests.faults.cancelling_server --cancel-attempts N [--status NAME] [server args]``.
+Run as ``python -m tests.support.cancelling_server --cancel-attempts N [--status NAME] [server args]``.
 """
 
 import collections
@@ -23,14 +23,14 @@ class CancellingServicer(RolloutServicer):
     async def Generate(self, request, context):
         self.attempts[request.request_id] += 1
         if self.attempts[request.request_id] <= CANCEL_ATTEMPTS:
-            await context.abort(STATUS, f"{STATUS.name} from tests.faults.cancelling_server")
+            await context.abort(STATUS, f"{STATUS.name} from tests.support.cancelling_server")
         async for message in super().Generate(request, context):
             yield message
 
 
 def main() -> None:
     global CANCEL_ATTEMPTS, STATUS
-    parser = server_parser("python -m tests.faults.cancelling_server")
+    parser = server_parser("python -m tests.support.cancelling_server")
     add_scripted_arguments(parser)
     parser.add_argument("--cancel-attempts", type=int, default=1)
     parser.add_argument("--status", default="CANCELLED", help="a grpc.StatusCode name")

@@ -1,4 +1,4 @@
-"""``python -m tests.accelerator.cpu_update OUT.npz [PRECISION]``: `tests.accelerator.test_update_matches_cpu`'s update
+"""``python -m tests.support.cpu_update OUT.npz [PRECISION]``: `tests.accelerator.test_update_matches_cpu`'s update
 on whatever backend this process has (the test runs it with ``JAX_PLATFORMS=cpu``), saved for comparison."""
 
 import sys

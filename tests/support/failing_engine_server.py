@@ -1,13 +1,13 @@
 """The scripted reference server, except that its engine fails at its Nth step, as a device out of memory would.
 
-Run as ``python -m tests.faults.failing_engine_server --fail-at-step N [rollout_client.server args]``.
+Run as ``python -m tests.support.failing_engine_server --fail-at-step N [rollout_client.server args]``.
 """
 
 from rollout_client.server.__main__ import add_scripted_arguments
 from rollout_client.server.cli import run, server_parser
 from rollout_client.server.scripted import ScriptedGenerator
 
-FAILURE = "CUDA_ERROR_OUT_OF_MEMORY: out of memory (simulated by tests.faults.failing_engine_server)"
+FAILURE = "CUDA_ERROR_OUT_OF_MEMORY: out of memory (simulated by tests.support.failing_engine_server)"
 
 
 class FailingGenerator(ScriptedGenerator):
@@ -25,7 +25,7 @@ class FailingGenerator(ScriptedGenerator):
 
 
 def main() -> None:
-    parser = server_parser("python -m tests.faults.failing_engine_server")
+    parser = server_parser("python -m tests.support.failing_engine_server")
     add_scripted_arguments(parser)
     parser.add_argument("--fail-at-step", type=int, default=1)
 

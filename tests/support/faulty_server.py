@@ -1,6 +1,6 @@
 """A deliberately faulty rollout server: the scripted engine, with final messages corrupted.
 
-Run as ``python -m tests.rollout_client.faulty_server --fault FAULT [server args]``.
+Run as ``python -m tests.support.faulty_server --fault FAULT [server args]``.
 """
 
 import argparse
@@ -53,7 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", required=True, choices=FAULTS)
     known, rest = parser.parse_known_args()
-    server = server_parser("python -m tests.rollout_client.faulty_server")
+    server = server_parser("python -m tests.support.faulty_server")
     add_scripted_arguments(server)
     run(server, {"scripted": scripted_engine}, rest, faulty_servicer(known.fault))
 

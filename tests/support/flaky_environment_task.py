@@ -1,5 +1,5 @@
 """A plug-in environment task for real-run tests
-(``task.name = "tests.faults.flaky_environment_task:FlakyCalculator"``): the calculator whose environment
+(``task.name = "tests.support.flaky_environment_task:FlakyCalculator"``): the calculator whose environment
 misbehaves in 25% of its step calls, the 1st, 5th, 9th... step call of each group's episodes (those of one prompt
 record), each time in the next way of ``failures`` (a rotation over the process). So every group loses at least
 one episode."""

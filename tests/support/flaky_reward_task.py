@@ -1,4 +1,4 @@
-"""Plug-in tasks for real-run tests (``task.name = "tests.faults.flaky_reward_task:<class>"``): one-digit addition
+"""Plug-in tasks for real-run tests (``task.name = "tests.support.flaky_reward_task:<class>"``): one-digit addition
 whose rewards misbehave."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Rewards for the hung-reward tests (``tests.faults.hanging_rewards:<function>``): rows whose ``hang`` is true never
+"""Rewards for the hung-reward tests (``tests.support.hanging_rewards:<function>``): rows whose ``hang`` is true never
 return, as a reward stuck on a network call or a pathological regex does."""
 
 import time

@@ -4,7 +4,7 @@ The fault is named by the request id, ``"<fault>/<anything>"`` (no fault for oth
 every fault. The server also advertises a vocabulary of `ADVERTISED_VOCAB_SIZE` while its engine draws tokens
 from ``--vocab-size``, as a server for a larger model would.
 
-Run as ``python -m tests.faults.hostile_server [server args]``.
+Run as ``python -m tests.support.hostile_server [server args]``.
 """
 
 import grpc
@@ -100,7 +100,7 @@ class HostileServicer(RolloutServicer):
     async def Generate(self, request, context):
         fault = request.request_id.split("/")[0]
         if fault == "internal":
-            await context.abort(grpc.StatusCode.INTERNAL, "tests.faults.hostile_server: internal")
+            await context.abort(grpc.StatusCode.INTERNAL, "tests.support.hostile_server: internal")
         async for message in super().Generate(request, context):
             if not (message.HasField("final") and message.sample_index == 0 and fault in FAULTS):
                 yield message
@@ -129,7 +129,7 @@ class HostileServicer(RolloutServicer):
 
 
 def main() -> None:
-    parser = server_parser("python -m tests.faults.hostile_server")
+    parser = server_parser("python -m tests.support.hostile_server")
     add_scripted_arguments(parser)
     run(parser, {"scripted": scripted_engine}, None, HostileServicer)
 

@@ -21,7 +21,7 @@ def main(port: int, num_processes: int, process_id: int, out: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     from learner.distributed import initialize
     from learner.model.sharding import make_mesh
-    from tests.learner.update_problem import run_update
+    from tests.support.update_problem import run_update
 
     initialize(f"127.0.0.1:{port}", num_processes, process_id)
     before, after, metrics = run_update(make_mesh(2, 2, 2))

@@ -1,6 +1,6 @@
 """The reference model server, except that every sample's first logprob is NaN (a broken kernel, say).
 
-Run as ``python -m tests.faults.nan_server [learner.serving args]``.
+Run as ``python -m tests.support.nan_server [learner.serving args]``.
 """
 
 import numpy as np
@@ -21,7 +21,7 @@ class NanServicer(RolloutServicer):
 
 
 def main() -> None:
-    parser = server_parser("python -m tests.faults.nan_server")
+    parser = server_parser("python -m tests.support.nan_server")
     add_model_arguments(parser)
     run(parser, {"model": model_engine}, servicer_class=NanServicer)
 

@@ -1,6 +1,6 @@
 """Subprocess for the kill-mid-save test: saves checkpoint 1, then starts checkpoint 2 and stalls before committing it.
 
-Usage: ``python tests/learner/save_until_killed.py DIRECTORY MARKER``. Checkpoint ``k`` holds ``{"w": full((256,
+Usage: ``python tests/support/save_until_killed.py DIRECTORY MARKER``. Checkpoint ``k`` holds ``{"w": full((256,
 256), k), "step": k}``. Orbax commits a checkpoint by renaming its temporary directory; the commit of checkpoint 2
 is hooked to create the file MARKER and sleep, so the parent can SIGKILL this process at a known point mid-save
 (arrays written, nothing committed).

@@ -3,7 +3,7 @@ no heartbeat), while its health check, GetServerInfo and the weight updates answ
 loop is wedged does. ``--engine scripted`` (default) or ``--engine model`` (the reference model server's engine and
 arguments).
 
-Run as ``python -m tests.faults.silent_server [server args]``.
+Run as ``python -m tests.support.silent_server [server args]``.
 """
 
 import asyncio
@@ -23,7 +23,7 @@ class SilentServicer(RolloutServicer):
 
 
 def main() -> None:
-    parser = server_parser("python -m tests.faults.silent_server")
+    parser = server_parser("python -m tests.support.silent_server")
     add_scripted_arguments(parser)
     add_model_arguments(parser)
     run(parser, {"scripted": scripted_engine, "model": model_engine}, None, SilentServicer)

@@ -2,7 +2,7 @@
 (``lm_head/kernel``), as vLLM's in-place reload does for a tied-embedding model (vllm#48312): every update succeeds,
 the version moves, and the engine silently samples with a stale head.
 
-Run as ``python -m tests.faults.stale_head_server [learner.serving args]``.
+Run as ``python -m tests.support.stale_head_server [learner.serving args]``.
 """
 
 import jax
@@ -24,7 +24,7 @@ def keep_startup_head(generator: ModelGenerator) -> ModelGenerator:
 
 
 def main() -> None:
-    parser = server_parser("python -m tests.faults.stale_head_server")
+    parser = server_parser("python -m tests.support.stale_head_server")
     add_model_arguments(parser)
     run(parser, {"model": lambda args: keep_startup_head(served_engine(args))})
 

@@ -22,7 +22,7 @@ from learner.model.sharding import make_mesh, state_shardings
 from learner.model.transformer import Transformer, model_config
 from learner.rl.prompt_dataset import prompt_dataset, prompt_iterator
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _random_like(abstract_tree, seed: int):
@@ -158,7 +158,7 @@ def test_save_killed_mid_way_leaves_previous_checkpoint(tmp_path):
     directory, marker = tmp_path / "checkpoints", tmp_path / "committing"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
     with open(tmp_path / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests/learner/save_until_killed.py"),
+        process = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests/support/save_until_killed.py"),
                                     str(directory), str(marker)], cwd=REPO_ROOT, env=env, stderr=stderr)
     try:
         deadline = time.monotonic() + 60

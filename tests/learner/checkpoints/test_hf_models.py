@@ -22,7 +22,7 @@ from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
 from learner.checkpoints.safetensors_io import config_from_hf, config_to_hf, load_safetensors
 from learner.model.transformer import Llama3RopeScaling, ModelConfig, Transformer, model_config
 
-GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf_golden"
+GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "hf_golden"
 CASES = sorted(path.name for path in GOLDEN.iterdir() if (path / "golden.npz").is_file())
 
 
@@ -233,7 +233,7 @@ def test_config_to_hf_refuses_an_architecture_that_cannot_hold_the_config():
 
 # --- run configs for Hugging Face models --------------------------------------------------------------------------
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("name", ["gsm8k_qwen2.5.toml", "hf_model_template.toml"])

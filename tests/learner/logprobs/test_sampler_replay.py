@@ -27,9 +27,9 @@ from learner.update.logprob_mode import check_logprob_mode, rebuild_batch_logpro
 from learner.update.step import UpdateConfig, make_update_fn
 from learner.update.train_state import create_sharded_train_state
 from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequest, SamplingParams, collate
-from tests.learner.sort_reference import full_sort_cut
-from tests.learner.update_problem import FAST_COMPILE
 from tests.rollout_client.conftest import ServerProcess
+from tests.support.sort_reference import full_sort_cut
+from tests.support.update_problem import FAST_COMPILE
 
 B, T, D, V = 3, 9, 16, 40
 TRUNCATED = dict(top_k=5, top_p=0.9, min_p=0.05)

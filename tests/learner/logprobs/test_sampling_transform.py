@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 
 from learner.logprobs.sampler_replay import SamplerParams, replayed_thresholds
 from learner.logprobs.sampling_transform import NETWORK_MAX_VOCAB, descending, kept_threshold, top_candidates
-from tests.learner.sort_reference import descending_jitted, full_sort_cut
+from tests.support.sort_reference import descending_jitted, full_sort_cut
 
 
 def reference_kept(scaled: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, float]:

@@ -21,8 +21,8 @@ from learner.logprobs.sampler_replay import SamplerParams
 from learner.model.sharding import make_mesh
 from learner.update.step import UpdateConfig, update_step
 from learner.update.train_state import create_sharded_train_state
-from tests.learner import update_problem
-from tests.learner.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
+from tests.support import update_problem
+from tests.support.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
 
 D, V = 8, 24
 

@@ -18,7 +18,7 @@ from learner.rl.config import load_config
 from learner.rl.trainer import learner_model_config
 from learner.update import make_update_fn
 from learner.update.train_state import create_sharded_train_state
-from tests.learner import update_problem
+from tests.support import update_problem
 
 EXACT = dataclasses.replace(update_problem.MODEL, num_layers=1)  # one layer: half the compile time
 BF16 = dataclasses.replace(EXACT, dtype="bfloat16")

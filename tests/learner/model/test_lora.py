@@ -23,7 +23,7 @@ from learner.model.transformer import Projection, Transformer, model_config
 from learner.update.optimizer import OptimizerConfig, make_optimizer
 from learner.update.step import make_update_fn, merge_model
 from learner.update.train_state import create_sharded_frozen, create_sharded_train_state
-from tests.learner.update_problem import FAST_COMPILE, global_batch, rollout_batch, update_config
+from tests.support.update_problem import FAST_COMPILE, global_batch, rollout_batch, update_config
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 MODEL = model_config("tiny", lora=LORA)

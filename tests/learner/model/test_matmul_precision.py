@@ -24,8 +24,8 @@ from learner.tasks import load_task
 from learner.update.step import make_update_fn
 from learner.update.train_state import create_sharded_train_state
 from rollout_client.server.cli import server_parser
-from tests.learner import update_problem
-from tests.learner.test_update import SAMPLING
+from tests.learner.update.test_update import SAMPLING
+from tests.support import update_problem
 
 HIGHEST = "precision = [HIGHEST, HIGHEST]"
 

@@ -47,7 +47,7 @@ from learner.update.train_state import (
     create_train_state,
     train_state_shardings,
 )
-from tests.learner.update_problem import FAST_COMPILE, global_batch, rollout_batch, update_config
+from tests.support.update_problem import FAST_COMPILE, global_batch, rollout_batch, update_config
 
 NAMES = ("math", "code")
 LORA = LoraConfig(rank=4, alpha=8.0, adapters=NAMES)

@@ -19,7 +19,7 @@ from rollout_client import ClientConfig, LogprobMode, RolloutClient, RolloutRequ
 from rollout_client.protocol import pb
 from tests.rollout_client.conftest import ServerProcess
 
-GOLDEN = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "hf_golden"
+GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "hf_golden"
 
 PROMPTS = ([3, 17, 42, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12])
 PROCESSED = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.02, max_new_tokens=24, stop_token_ids=())

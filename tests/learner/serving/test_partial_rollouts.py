@@ -14,8 +14,8 @@ from learner.model import Transformer, model_config
 from rollout_client import ClientConfig, KvCache, LogprobMode, PauseMode, RolloutClient, RolloutRequest, SamplingParams
 from rollout_client.protocol import pb, pb_grpc
 from rollout_client.samples import StreamAssembler, versions_per_token
+from tests.learner.serving.test_model_server import learner_weights
 from tests.rollout_client.conftest import ServerProcess
-from tests.rollout_client.test_model_server import learner_weights
 
 PROMPT = np.array([3, 17, 42, 5, 9, 8, 7, 6], np.int32)
 MAX_NEW_TOKENS = 240  # the tiny model's 256 positions, less the prompt: the publish falls inside the request

@@ -9,8 +9,9 @@ corrections.md section 5, with ``l = lp - ref``: k1 ``l``, k3 ``exp(-l) - 1 + l`
 What is independent of the code under test: the estimator's value, its clamp, its derivative ``d k / d lp``, the
 masked reduction and the coefficient are written here from corrections.md in NumPy float64; the optimizer step is
 plain SGD with learning rate 1 (`update_problem.OPTIMIZER`), so a parameter change IS minus the gradient. What is
-the learner's own: the per-token logprobs (``learner.logprobs.token_logprobs``, tested in test_logprobs.py) and
-their pull-back to the parameters (``jax.vjp`` of that same function, float32). So:
+the learner's own: the per-token logprobs (``learner.logprobs.token_logprobs``, tested in
+tests/learner/logprobs/test_logprobs.py) and their pull-back to the parameters (``jax.vjp`` of that same function,
+float32). So:
 
 - ``actor/kl_loss`` must equal the float64 token mean of the estimator of the learner's float32 logprobs;
 - ``(params after the update with kl_coef = c) - (after it with kl_coef = 0)`` (same state, same batch, token-TIS
@@ -34,8 +35,8 @@ from learner.logprobs.chunked import token_logprobs
 from learner.model.sharding import make_mesh
 from learner.update.step import make_update_fn, update_step
 from learner.update.train_state import create_sharded_train_state
-from tests.learner import update_problem
-from tests.learner.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
+from tests.support import update_problem
+from tests.support.update_problem import FAST_COMPILE, MODEL, OPTIMIZER
 
 KL_COEF = 0.25  # not 1, so that a dropped or squared coefficient shows; a power of 2, so c * x is exact.
 NUM_MICROBATCHES = 2  # the KL's token mean must be global over the micro-batches, not a mean of their means.

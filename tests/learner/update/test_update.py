@@ -29,8 +29,8 @@ from learner.update.step import (
     update_step,
 )
 from learner.update.train_state import create_sharded_train_state
-from tests.learner import update_problem
-from tests.learner.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, OPTIMIZER, PAD_TOKEN, ROWS, run_update
+from tests.support import update_problem
+from tests.support.update_problem import EMPTY_ROW_TOKEN, FAST_COMPILE, MODEL, OPTIMIZER, PAD_TOKEN, ROWS, run_update
 
 
 def _grads_and_loss(result):

@@ -13,7 +13,7 @@ from learner.model.sharding import make_mesh
 from learner.update.bucketing import BucketConfig, cut_batch, pad_batch
 from learner.update.step import make_update_fn
 from learner.update.train_state import create_sharded_train_state
-from tests.learner.update_problem import (
+from tests.support.update_problem import (
     FAST_COMPILE,
     LENGTH,
     MODEL,
