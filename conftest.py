@@ -16,7 +16,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tether-tests-jax-cache-")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 # XLA:CPU with LLVM at -O0, in this process and every subprocess: the tests' programs are tiny and take far longer
-# to compile than to run (tests/learner/test_update.py + test_sampling_transform.py: 142 s -> 99 s on 2 cores).
+# to compile than to run (tests/learner/update/test_update.py + logprobs/test_sampling_transform.py: 142 s -> 99 s on
+# 2 cores).
 # Users' runs keep XLA's default level; the tests compare to tolerances where code generation may round differently.
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):

@@ -4,8 +4,8 @@ For each case below this writes ``tests/fixtures/hf_golden/<case>/``: the ``conf
 spells its config the way some transformers version writes it: top-level ``rope_theta``, legacy ``rope_scaling``,
 transformers 5's ``rope_parameters``), ``model.safetensors`` with random weights (scaled so that every part of the
 network moves the logits), and ``golden.npz`` with the input ids ``[T]`` and transformers' float32 logits ``[T, V]``
-of that one sequence. tests/learner/test_hf_models.py checks Tether's logits (and mlx-lm's) against them without
-torch.
+of that one sequence. tests/learner/checkpoints/test_hf_models.py checks Tether's logits (and mlx-lm's) against
+them without torch.
 
 Regenerate (torch is not a dependency of the project; use a separate venv)::
 

@@ -240,7 +240,7 @@ class ModelGenerator(Generator):
         rows = self._info.max_batch_size if self._batch_invariant else decode_rows(self._active)
         decode = self._compiled.get(("decode", rows), self._decode)
         # One upload of the rows' state, one program, one wait for its tokens: per call of `decode_steps_per_call`
-        # tokens a row (tests/learner/test_decode_dispatches.py pins these counts).
+        # tokens a row (tests/learner/serving/test_decode_dispatches.py pins these counts).
         row_inputs = jax.device_put(tuple(array[:rows] for array in self._row_arrays()))
         self._cache, self._valid, row_tokens, row_logprobs = decode(self._params, self._cache, self._valid,
                                                                     *row_inputs)

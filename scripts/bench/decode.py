@@ -12,8 +12,8 @@ read + write, best of 5), next to the spec's when the device is known. The engin
 slot of a row (``max_seq_len``), masked: its own bytes per step are reported too (``implementation_floor``).
 
 Each `ModelGenerator.step` call is one program dispatch, one upload of the rows' state and one wait for the tokens
-(tests/learner/test_decode_dispatches.py): per generated token 1 / (rows x ``--steps-per-call``) of each. Sampling
-without top-k, top-p or min-p (``--top-p 1``, the default, as the RL recipes sample) skips the sort of the
+(tests/learner/serving/test_decode_dispatches.py): per generated token 1 / (rows x ``--steps-per-call``) of each.
+Sampling without top-k, top-p or min-p (``--top-p 1``, the default, as the RL recipes sample) skips the sort of the
 vocabulary; ``--top-p 0.9`` measures the decode with it.
 
     python -m scripts.bench.decode --model qwen2-0.5b --dtype bfloat16 --rows 128 --new-tokens 512   # a GPU

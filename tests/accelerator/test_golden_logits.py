@@ -12,7 +12,7 @@ from learner.checkpoints.hf_checkpoint import model_config_from_checkpoint
 from learner.checkpoints.safetensors_io import load_safetensors
 from learner.model.precision import resolve_matmul_precision, with_matmul_precision
 from learner.model.transformer import Transformer
-from tests.learner.test_hf_models import CASES, GOLDEN, _golden
+from tests.learner.checkpoints.test_hf_models import CASES, GOLDEN, _golden
 
 
 def logits(model: Transformer, input_ids: jax.Array) -> jax.Array:

@@ -1,10 +1,10 @@
-"""The update on the accelerator equals the CPU's: the update problem of tests/learner/update_problem (decoupled PPO,
+"""The update on the accelerator equals the CPU's: the update problem of tests/support/update_problem (decoupled PPO,
 token TIS, KL to a reference, the proximal and reference passes, SGD with learning rate 1 so that the parameter
 change IS minus the gradient), on one device, at the float32 default precision ("highest"), against the same
 update computed by a CPU process (``JAX_PLATFORMS=cpu``).
 
 Tolerance: the loss to a relative 1e-5, every parameter change to 1e-4 relative + 2e-6 absolute (the bound the CPU
-meshes are held to against each other in tests/learner/test_update.py: only the order of float32 sums differs).
+meshes are held to against each other in tests/learner/update/test_update.py: only the order of float32 sums differs).
 """
 
 import os
@@ -19,7 +19,7 @@ from flax import nnx
 from learner.model.sharding import make_mesh
 from learner.update.step import make_update_fn
 from learner.update.train_state import create_sharded_train_state
-from tests.learner import update_problem
+from tests.support import update_problem
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_the_update_on_the_accelerator_equals_the_cpus(tmp_path):
     cpu_file = tmp_path / "cpu.npz"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
                                                                                os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-m", "tests.accelerator.cpu_update", str(cpu_file)], check=True, env=env,
+    subprocess.run([sys.executable, "-m", "tests.support.cpu_update", str(cpu_file)], check=True, env=env,
                    cwd=REPO_ROOT, timeout=600)
     cpu = dict(np.load(cpu_file))
     here = one_update("highest")

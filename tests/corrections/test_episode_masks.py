@@ -1,13 +1,13 @@
 """Episodes' masks: environment tokens inside a sequence (observations between policy turns, mask 0) count in no
 denominator or sequence statistic. Two checks per preset: the corrections on the episode equal those on the same
 batch with the environment tokens removed (policy tokens only, padded at the end), and the sequence-level weights
-and rejections equal the NumPy float64 references (numpy_reference.py) under the episode's mask."""
+and rejections equal the NumPy float64 references (tests/support/corrections_reference.py) under the episode's mask."""
 
 import numpy as np
 import pytest
 
 import corrections
-from tests.corrections import numpy_reference as ref
+from tests.support import corrections_reference as ref
 
 B, T = 6, 24
 PRESETS = ["decoupled_token_is", "decoupled_seq_is", "decoupled_geo_rs_seq_tis", "decoupled_k3_rs_token_tis",

@@ -1,5 +1,5 @@
 """Golden tests: every public function of ``corrections`` against the NumPy float64 reference in
-``numpy_reference.py`` (written from ../shared/reference/corrections.md), on random padded batches.
+``tests/support/corrections_reference.py`` (written from ../shared/reference/corrections.md), on random padded batches.
 
 The batch has an all-padding row, a row of length 1, leading and trailing padding, and garbage (NaN, +-inf,
 1e30) at every padded position of every input given to JAX; the reference only ever sees valid values. Log-ratio
@@ -17,7 +17,7 @@ import pytest
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from tests.corrections import numpy_reference as ref
+from tests.support import corrections_reference as ref
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T = 8, 12

@@ -1,7 +1,7 @@
 """``corrections.OBJECTIVES`` is the one list of objectives: ``Objective.name`` validation, the dispatch in
 ``compute`` and its input checks all read it, so one entry is all a new objective takes.
 
-Values are checked against the float64 reference (tests/corrections/numpy_reference.py) on test_golden's batch.
+Values are checked against the float64 reference (tests/support/corrections_reference.py) on test_golden's batch.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 import corrections
 from corrections import CorrectionConfig, Objective, ObjectiveSpec
-from tests.corrections import numpy_reference as ref
 from tests.corrections.test_golden import batch, check_compute, close
+from tests.support import corrections_reference as ref
 
 NAMES = ("ppo", "gspo", "cispo", "sapo", "reinforce", "rollout_is", "clip_cov", "kl_cov", "cross_entropy")
 # Ratio 1 makes clip-cov cut every eligible token (count = n_valid), so its random choice does not matter; the

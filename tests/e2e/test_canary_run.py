@@ -1,7 +1,7 @@
 """The publish canary (`learner.rl.canary`) on real engines: a healthy publish passes within the tolerance, and an
 engine that silently keeps its start-up output head (vLLM's reload of a tied model, vllm#48312) stops the run at its
 first publish that loads weights, with one error line. Reference server: a real process whose weight updates keep
-the start-up head (tests/faults/stale_head_server.py), driven by the real command line. MLX: the real engine, its
+the start-up head (tests/support/stale_head_server.py), driven by the real command line. MLX: the real engine, its
 checkpoints written with the start-up head."""
 
 import functools
@@ -28,7 +28,7 @@ MLX_SHORT = ["warmup.steps=2", "warmup.batch_size=16", "rollout.prompts_per_step
 
 @pytest.mark.slow
 def test_a_stale_head_on_the_reference_server_stops_the_run_at_its_first_publish_with_one_error_line(tmp_path):
-    server = EngineProcess("tests.faults.stale_head_server", ["--model-config", "tiny", "--max-seq-len", "64"],
+    server = EngineProcess("tests.support.stale_head_server", ["--model-config", "tiny", "--max-seq-len", "64"],
                            tmp_path / "server.log")
     try:
         result = subprocess.run(train_command(tmp_path / "run", f"server.address={json.dumps(server.address)}",

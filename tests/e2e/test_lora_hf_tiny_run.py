@@ -65,7 +65,7 @@ def _sha256(directory: pathlib.Path) -> str:
 
 # ~100 s against the MLX engine on the shared 2-core machine (two warm-up and two RL steps with a KL term, three
 # checkpoints, both exports, a refused resume): slow, as the default suite's budget is tight; the pieces have fast
-# tests of their own (tests/learner/test_lora.py, tests/rollout_client/engines).
+# tests of their own (tests/learner/model/test_lora.py, tests/rollout_client/engines).
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["mlx", "tether"])
 def test_lora_run_publishes_merged_weights_checkpoints_adapters_and_exports_peft(engine, files, tmp_path):

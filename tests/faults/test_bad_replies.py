@@ -51,5 +51,5 @@ def test_any_other_error_status_is_one_line_naming_the_engine_and_the_status(ser
     finally:
         pool.close()
     assert str(raised.value) == (f"a request to the engine at {server.target} failed: AioRpcError: INTERNAL: "
-                                 "tests.faults.hostile_server: internal")
+                                 "tests.support.hostile_server: internal")
     assert EngineCallError in USER_ERRORS  # the command line prints it as one error: line

@@ -24,7 +24,7 @@ from rollout_client.engines.pool import EnginePool, EnginesDownError, Member, Po
 from rollout_client.server.app import ENGINE_FAILED_EXIT_CODE
 from rollout_client.server.scheduler import Scheduler
 from tests.e2e.test_main_job import train_command, train_env
-from tests.faults.failing_engine_server import FAILURE, FailingGenerator
+from tests.support.failing_engine_server import FAILURE, FailingGenerator
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUEST = RolloutRequest([5, 6, 7], SamplingParams(max_new_tokens=20, stop_token_ids=(), seed=3), num_samples=2)
@@ -46,7 +46,7 @@ def test_a_failing_generation_loop_reports_its_error_instead_of_dying_silently()
 
 
 def launch_failing(tmp_path, name: str, fail_at_step: int) -> TetherEngine:
-    process = EngineProcess("tests.faults.failing_engine_server",
+    process = EngineProcess("tests.support.failing_engine_server",
                             ["--engine", "failing", "--vocab-size", "1000", "--fail-at-step", str(fail_at_step)],
                             tmp_path / f"{name}.log", start_timeout_s=120)
     return TetherEngine(ClientConfig(target=process.address, **CLIENT), process=process)

@@ -143,7 +143,7 @@ def test_a_calculator_run_whose_environment_fails_in_25_percent_of_steps_trains_
     from learner.reporting.metrics_writers import read_metrics
 
     run_dir = tmp_path / "run"
-    sets = ['task.name="tests.faults.flaky_environment_task:FlakyCalculator"',
+    sets = ['task.name="tests.support.flaky_environment_task:FlakyCalculator"',
             "task.args={num_prompts=64, max_turns=3, max_turn_tokens=8, step_timeout_s=3.0}",
             "warmup.steps=150", "warmup.batch_size=32", "warmup.noise=0.0",  # right answers, and wrong ones
             "rollout.prompts_per_step=4", "rollout.num_samples=4",

@@ -1,6 +1,6 @@
 """Evaluation under faults: its requests are retried as training requests are (the client's retries, the engine
 pool's resends), and a final failure ends the CLI with one ``error:`` line. Against a real server process that ends
-Generate calls with CANCELLED (`tests.faults.cancelling_server`)."""
+Generate calls with CANCELLED (`tests.support.cancelling_server`)."""
 
 import dataclasses
 import json
@@ -26,7 +26,7 @@ def _evaluation_run(tmp_path, cancel_attempts: int, status: str = "CANCELLED"):
     config = dataclasses.replace(config, task=dataclasses.replace(config.task, name="dataset", args=args))
     task = load_task(config.task.name, config.task.args)
     vocab = task.tokenizer.vocab_size
-    process = EngineProcess("tests.faults.cancelling_server", ["--cancel-attempts", str(cancel_attempts),
+    process = EngineProcess("tests.support.cancelling_server", ["--cancel-attempts", str(cancel_attempts),
                                                               "--status", status, "--vocab-size", str(vocab)],
                             tmp_path / "server.log", start_timeout_s=60)
     engine = TetherEngine(client_config(config, process.address, auth_token=None, vocab_size=vocab), process=process)

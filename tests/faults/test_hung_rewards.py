@@ -27,7 +27,7 @@ def _score(reward_set: RewardSet, hung_every: int | None) -> tuple[float, np.nda
 
 
 def test_a_quarter_of_hung_calls_costs_one_timeout_per_batch_and_no_thread_or_process_after():
-    reward_set = RewardSet([make_reward("tests.faults.hanging_rewards:hang_where_asked", None)],
+    reward_set = RewardSet([make_reward("tests.support.hanging_rewards:hang_where_asked", None)],
                            timeout_s=TIMEOUT_S, workers=16)
     _score(reward_set, None)  # starts the worker processes (not timed: their start is not the reward's time)
     clean = min(_score(reward_set, None)[0] for _ in range(2))

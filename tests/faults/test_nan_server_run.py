@@ -20,7 +20,7 @@ from tests.e2e.test_main_job import REPO_ROOT, train_command, train_env
 
 @pytest.mark.slow  # 23 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_a_nan_producing_server_stops_the_run_and_leaves_a_finite_checkpoint(tmp_path):
-    server = EngineProcess("tests.faults.nan_server", ["--model-config", "tiny", "--eos-ids", "2", "--max-batch-size",
+    server = EngineProcess("tests.support.nan_server", ["--model-config", "tiny", "--eos-ids", "2", "--max-batch-size",
                                                         "16", "--max-seq-len", "8", "--seed", "0"],
                            tmp_path / "nan_server.log", start_timeout_s=240)
     try:

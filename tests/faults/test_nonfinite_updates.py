@@ -41,7 +41,7 @@ def _host(tree):
 @pytest.mark.slow  # 41 s on a quiet 2-core run: out of the default run's 15 minutes
 def test_run_stops_after_max_consecutive_skips_and_its_checkpoint_is_finite(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "train", _nan_advantages_from(2))
-    # 3 in a row (not the default 10) keeps the run short; tests/learner/test_optimizer.py skips 12 in a row at a
+    # 3 in a row (not the default 10) keeps the run short; tests/learner/update/test_optimizer.py skips 12 in a row at a
     # lower limit, so an optimizer that applied after a fixed count (optax.apply_if_finite) still fails there.
     config = short_config(tmp_path / "run", "loop.steps=10", "optimizer.max_consecutive_skips=3")
     steps = []
@@ -96,7 +96,7 @@ def test_a_plugin_tasks_reward_beyond_the_bound_is_skipped_and_counted(tmp_path)
     """A task computing its own rewards (no RewardSet) returns 1e300 for one sample a step: its group is left out,
     the sample counted in reward/skipped_samples, and the update trains on finite rewards."""
     config = short_config(tmp_path / "run", "loop.steps=2", "task.args={num_prompts=64}",
-                          'task.name="tests.faults.flaky_reward_task:HugeFirstReward"')
+                          'task.name="tests.support.flaky_reward_task:HugeFirstReward"')
     with Run(config, hooks=[]) as run:
         records = list(run.steps())
     for record in records:

@@ -87,7 +87,7 @@ def test_a_batched_reward_returning_too_few_scores_is_refused_before_the_warm_up
     (tmp_path / "sums.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = (f'{{path = "{tmp_path / "sums.jsonl"}", prompt_column = "question", answer_column = "answer", '
             'demonstration_column = "answer", tokenizer = "char", max_completion_tokens = 3, '
-            'rewards = ["tests.faults.hanging_rewards:one_value"]}')
+            'rewards = ["tests.support.hanging_rewards:one_value"]}')
     line = _refusal(tmp_path, 'task.name="dataset"', f"task.args={args}")
     assert line == ("error: task.args.rewards: reward 'one_value': NotANumberError: returned 1 values for 2 samples "
                     "(called once on the first training prompts, before training); fix the reward function")

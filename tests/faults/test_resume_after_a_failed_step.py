@@ -15,7 +15,7 @@ STEPS = 2
 def test_a_reward_that_raised_at_step_1_then_the_same_command_resumes(tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "raised"
     overrides = ("warmup.steps=0", f"loop.steps={STEPS}", "checkpoints.every=50",
-                 'task.name="tests.faults.flaky_reward_task:FlakyAddition"',
+                 'task.name="tests.support.flaky_reward_task:FlakyAddition"',
                  f'task.args={{num_prompts=64, marker="{marker}"}}')
     first = subprocess.run(train_command(run_dir, *overrides), cwd=REPO_ROOT, env=train_env(), capture_output=True,
                            text=True, timeout=240)

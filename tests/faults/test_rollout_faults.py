@@ -1,6 +1,6 @@
 """Issue #15: a hostile rollout.v1 server's bad samples are counted drops, never trained on, never a crash.
 
-One hostile server process (tests/faults/hostile_server.py) serves every fault: the request id names the fault,
+One hostile server process (tests/support/hostile_server.py) serves every fault: the request id names the fault,
 which corrupts sample 0. Each test asserts that exactly sample 0 is dropped, counted under its own metric, and
 that samples 1 and 2 come back as an honest request returns them.
 """
@@ -16,8 +16,8 @@ from rollout_client import ClientConfig, RolloutBuffer, RolloutClient, RolloutRe
 from rollout_client.protocol import pb
 from rollout_client.samples import RawSample
 from rollout_client.validation import Expected, find_problem
-from tests.faults.hostile_server import STOP_TOKEN
 from tests.rollout_client.conftest import ServerProcess
+from tests.support.hostile_server import STOP_TOKEN
 
 LEARNER_VOCAB_SIZE = 128
 PARAMS = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=30,
@@ -27,7 +27,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    argv = [sys.executable, "-m", "tests.faults.hostile_server", "--engine", "scripted",
+    argv = [sys.executable, "-m", "tests.support.hostile_server", "--engine", "scripted",
             "--vocab-size", str(LEARNER_VOCAB_SIZE), "--step-delay-s", "0.002"]
     process = ServerProcess(argv, tmp_path_factory.mktemp("hostile"))
     yield process

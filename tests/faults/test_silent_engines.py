@@ -1,5 +1,5 @@
 """Issue #49, item 2, for the engines that stream (smg: vLLM, SGLang, MLX share `SmgAdapter`), protocol conformance
-only: against the fake vLLM of tests/rollout_client/engines/conformance_servers.py (a real gRPC server on 127.0.0.1),
+only: against the fake vLLM of tests/support/conformance_servers.py (a real gRPC server on 127.0.0.1),
 an engine that stops streaming mid-sample is found by its silence, and one whose every token takes longer than a
 quarter of the silence timeout, with samples far longer than it, is never cut: its chunks are progress, relayed to
 the client as heartbeats."""
@@ -16,7 +16,7 @@ from rollout_client import (
     ValidationConfig,
 )
 from rollout_client.engines.vllm import VllmEngine
-from tests.rollout_client.engines.conformance_servers import VOCAB, vllm_servers, write_fake_checkpoint
+from tests.support.conformance_servers import VOCAB, vllm_servers, write_fake_checkpoint
 
 SILENCE_S = 4.0
 PROMPT = [2, 7, 1, 8]

@@ -1,7 +1,7 @@
 """Issue #49, item 2: a server that sends nothing on a Generate stream is found by its silence, a slow one that
 sends heartbeats never is (real server processes on 127.0.0.1).
 
-- Client level: a silent server (tests/faults/silent_server.py) raises `ServerSilentError` after ``max_silences``
+- Client level: a silent server (tests/support/silent_server.py) raises `ServerSilentError` after ``max_silences``
   silences of ``silence_timeout_s``, not after the growing deadlines (~31 first deadlines); a scripted server whose
   every step takes longer than the silence timeout finishes, with no retry.
 - Pool level: the silent engine is taken out and not probed back (its health check answers), so the request fails
@@ -35,7 +35,7 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
 
 @pytest.fixture(scope="module")
 def silent(tmp_path_factory):
-    process = ServerProcess([sys.executable, "-m", "tests.faults.silent_server", "--engine", "scripted"],
+    process = ServerProcess([sys.executable, "-m", "tests.support.silent_server", "--engine", "scripted"],
                             tmp_path_factory.mktemp("silent"))
     yield process
     process.stop()
@@ -105,7 +105,7 @@ def test_a_run_against_a_silent_server_ends_in_one_error_line_within_two_minutes
     from rollout_client import EngineProcess
     from tests.e2e.test_main_job import REPO_ROOT, train_command, train_env
 
-    server = EngineProcess("tests.faults.silent_server", ["--engine", "model", "--model-config", "tiny", "--eos-ids",
+    server = EngineProcess("tests.support.silent_server", ["--engine", "model", "--model-config", "tiny", "--eos-ids",
                                                            "2", "--max-batch-size", "16", "--max-seq-len", "8"],
                            tmp_path / "silent_server.log", start_timeout_s=240)
     try:

@@ -47,7 +47,7 @@ def test_server_killed_mid_stream_and_restarted_loses_and_duplicates_nothing(sta
     ("empty", "empty_completion"),
 ])
 def test_faulty_server_samples_are_dropped_and_counted_or_raise(start_server, fault, problem):
-    server = start_server("--fault", fault, *SCRIPTED, module="tests.rollout_client.faulty_server")
+    server = start_server("--fault", fault, *SCRIPTED, module="tests.support.faulty_server")
     request = RolloutRequest([5], PARAMS, num_samples=3)
     with RolloutClient(ClientConfig(target=server.target)) as client:
         samples = client.generate(request)

@@ -95,7 +95,7 @@ def test_the_launched_server_process_runs_with_its_budget_and_device(tmp_path, m
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # what the learner's process was given
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.setattr(rollout_engines, "EngineProcess",
-                        lambda module, *args, **kwargs: EngineProcess("tests.learner.rl.env_reporting_server", *args,
+                        lambda module, *args, **kwargs: EngineProcess("tests.support.env_reporting_server", *args,
                                                                       **kwargs))
     config = load_config(None, overrides)
     trainer = types.SimpleNamespace(model_config=model_config("tiny"), length=32)
@@ -121,7 +121,7 @@ def test_each_process_of_a_distributed_run_reads_its_index_and_budget_before_any
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO_ROOT)}
-    processes = [subprocess.Popen([sys.executable, "-m", "tests.learner.rl.budget_reporting_process",
+    processes = [subprocess.Popen([sys.executable, "-m", "tests.support.budget_reporting_process",
                                    f"127.0.0.1:{port}", str(i)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:

@@ -81,7 +81,7 @@ def test_an_engine_is_refused_naming_every_missing_capability_and_its_key():
     assert lines[1].startswith("- rollout.logprob_mode='processed': it returns only raw logprobs")
     assert lines[2].startswith("- rollout.max_staleness=1: requests kept running across a weight update need "
                                "per-token versions; this engine reports none")
-    # What MLX can do: RAW logprobs, any sampler (replayed in its order, tests/learner/test_sampler_order.py),
+    # What MLX can do: RAW logprobs, any sampler (replayed in its order, tests/learner/logprobs/test_sampler_order.py),
     # synchronous.
     check_capabilities("mlx", MLX_LIKE, requirements(load_config(
         None, ["rollout.logprob_mode='raw'", "rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.top_k=5",

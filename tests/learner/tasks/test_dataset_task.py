@@ -19,7 +19,7 @@ from learner.rl import demonstration_batch
 from learner.rl.prompt_stream import PromptStream
 from learner.tasks import Demonstrations, Task, load_task, pass_at_k
 from rollout_client import LogprobMode, SamplingParams
-from tests.learner.tasks.hf_files import write_tokenizer
+from tests.support.hf_files import write_tokenizer
 
 transformers = importlib.import_module("transformers")
 

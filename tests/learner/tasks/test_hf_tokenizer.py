@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.tasks import ChatTemplateError, HFTokenizer, Tokenizer, decode_completion, render_chat
-from tests.learner.tasks.hf_files import ALTERNATING_TEMPLATE, write_tokenizer
+from tests.support.hf_files import ALTERNATING_TEMPLATE, write_tokenizer
 
 transformers = importlib.import_module("transformers")
 

@@ -9,7 +9,7 @@ import corrections
 from learner.reporting.metrics_writers import read_metrics
 from learner.reporting.rollout_log import RolloutLogWriter
 from learner.tools import recompute_diagnostics
-from tests.learner.test_rollout_log import make_batch
+from tests.learner.reporting.test_rollout_log import make_batch
 
 PRESET = "decoupled_token_is"
 VERSION_KEYS = {"rollout/partial_fraction", "rollout/versions_per_sample_max", "rollout_corr/staleness_mean",

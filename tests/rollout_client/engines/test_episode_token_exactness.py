@@ -5,7 +5,7 @@ Mistral) on tiny tokenizers built here.
 - MLX (real, on CPU): one engine serves a tiny model whose vocabulary covers the four tokenizers; besides the ids,
   its RAW logprobs of every policy token equal the learner's logprobs of the trained sequence at that position: the
   engine conditioned on exactly the ids trained on, no re-tokenized history, no added bos.
-- SGLang and vLLM: protocol conformance only (`tests.rollout_client.engines.conformance_servers`: real gRPC servers,
+- SGLang and vLLM: protocol conformance only (`tests.support.conformance_servers`: real gRPC servers,
 fake model):
   the ``input_ids`` each Generate call carried are the trained prefix, and its streamed ids are the trained tokens.
 """
@@ -26,15 +26,15 @@ from rollout_client import ClientConfig, LogprobMode, MlxEngine, SamplingParams,
 from rollout_client.engines.sglang import SGLangEngine
 from rollout_client.engines.vllm import VllmEngine
 from tests.learner.rl.test_episodes import Recording
-from tests.learner.tasks.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
-from tests.rollout_client.engines.conformance_servers import (
+from tests.rollout_client.engines.conftest import host_weights
+from tests.support.conformance_servers import (
     VOCAB,
     sglang_servers,
     token,
     vllm_servers,
     write_fake_checkpoint,
 )
-from tests.rollout_client.engines.conftest import host_weights
+from tests.support.hf_files import ALTERNATING_TEMPLATE, QWEN25_TEMPLATE, write_tokenizer
 
 LLAMA3_TEMPLATE = (  # Meta-Llama-3-Instruct's (tokenizer_config.json)
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "

@@ -1,7 +1,7 @@
 """Partial rollouts on SGLang and vLLM, protocol conformance only (neither runs on this CPU): with ``partial=True`` a
 publish pauses with ABORT and every sample it interrupts is continued, once the new weights serve, by one more
 engine request whose prompt is the prompt and the exact token ids received so far, for the tokens left; the
-continued tokens carry the new version. Driven against `tests.rollout_client.engines.conformance_servers` (smg's
+continued tokens carry the new version. Driven against `tests.support.conformance_servers` (smg's
 servicer base classes and each engine's HTTP control endpoints), whose fake model's tokens are computed here
 independently."""
 
@@ -11,7 +11,7 @@ import pytest
 from rollout_client import ClientConfig, FinishReason, LogprobMode, RolloutRequest, SamplingParams, ValidationConfig
 from rollout_client.engines.sglang import SGLangEngine
 from rollout_client.engines.vllm import VllmEngine
-from tests.rollout_client.engines.conformance_servers import (
+from tests.support.conformance_servers import (
     VOCAB,
     logprob,
     sglang_servers,

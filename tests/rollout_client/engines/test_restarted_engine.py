@@ -1,5 +1,5 @@
 """An SGLang or vLLM engine restarted by its operator (same address, start-up weights) is republished before the pool
-takes it back: protocol conformance against the fake servers of `tests.rollout_client.engines.conformance_servers`.
+takes it back: protocol conformance against the fake servers of `tests.support.conformance_servers`.
 
 The engine object remembers the version it published before the restart; the restarted engine serves its start-up
 weights (or, with LoRA adapters, holds no adapter). The pool must load the current version's directory again before
@@ -19,7 +19,7 @@ from rollout_client.engines.pool import EnginePool, Member, PoolConfig
 from rollout_client.engines.sglang import SGLangEngine, adapter_name
 from rollout_client.engines.vllm import VllmEngine
 from rollout_client.engines.weight_dirs import version_dir
-from tests.rollout_client.engines.conformance_servers import (
+from tests.support.conformance_servers import (
     VOCAB,
     sglang_servers,
     token,

@@ -1,7 +1,7 @@
 """SGLang backend, protocol conformance only: SGLang does not run on this CPU.
 
 `rollout_client.SGLangEngine` is driven against a gRPC server built from smg's own ``SglangSchedulerServicer``
-base class and an HTTP server with SGLang's control endpoints (`tests.rollout_client.engines.conformance_servers`). What
+base class and an HTTP server with SGLang's control endpoints (`tests.support.conformance_servers`). What
 is checked:
 what goes on the wire (every sampling field explicit, with the value meant), how the streamed answer is assembled
 (the final message repeats the last chunk), ``n``, abort, the publish sequence, and errors. What is not: that a real
@@ -22,7 +22,7 @@ from rollout_client.engines.http_control import ControlPlaneError, ControlPlaneU
 from rollout_client.engines.sglang import STREAM_INTERVAL, SGLangEngine
 from rollout_client.errors import ServerNotReadyError
 from rollout_client.request_guards import RequestRefusedError
-from tests.rollout_client.engines.conformance_servers import (
+from tests.support.conformance_servers import (
     EOS,
     VOCAB,
     logprob,

@@ -1,7 +1,7 @@
 """vLLM backend, protocol conformance only: vLLM does not run on this CPU.
 
 `rollout_client.VllmEngine` is driven against a gRPC server built from smg's own ``VllmEngineServicer`` base class
-and an HTTP server with vLLM's pause / reload / resume endpoints (`tests.rollout_client.engines.conformance_servers`).
+and an HTTP server with vLLM's pause / reload / resume endpoints (`tests.support.conformance_servers`).
 What is
 checked: the wire (every sampling field explicit, logprobs of the sampled token asked for, ``n``), stream assembly,
 abort, the publish sequence, errors. What is not: that a real vLLM samples and reloads as its source says.
@@ -22,7 +22,7 @@ from rollout_client import (
 from rollout_client.engines.http_control import ControlPlaneError, ControlPlaneUnavailableError
 from rollout_client.engines.vllm import VllmEngine
 from rollout_client.request_guards import RequestRefusedError
-from tests.rollout_client.engines.conformance_servers import VOCAB, logprob, token, vllm_servers, write_fake_checkpoint
+from tests.support.conformance_servers import VOCAB, logprob, token, vllm_servers, write_fake_checkpoint
 
 PROMPT = [2, 7, 1, 8]
 
