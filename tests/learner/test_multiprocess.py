@@ -31,7 +31,8 @@ def test_two_processes_make_the_same_update_as_one(tmp_path: pathlib.Path):
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {fast_compile}", "PYTHONPATH": str(REPO_ROOT)}
     logs = [tmp_path / f"worker{i}.log" for i in range(2)]
     workers = [subprocess.Popen([sys.executable, "-m", WORKER, str(port), "2", str(i), str(out)], env=env,
-                                cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+                                cwd=REPO_ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+               for i, log in enumerate(logs)]
     try:
         before, after, metrics = run_update(make_mesh(1, 1, 1, devices=jax.devices()[:1]))
         for worker in workers:
