@@ -48,11 +48,11 @@ PROX_METHODS = {"recompute": "recompute", "metrics": "recompute"}
 SEQUENCE_AGGREGATES = {"sum": "seq_sum", "mean": "seq_mean", "max": "seq_max"}
 
 
-def _log_bound(value):
+def _log_bound(value: float | None) -> float | None:
     return None if value is None else math.exp(value)
 
 
-def _rejection_sampling(rs: dict, where: str) -> tuple[ImportanceWeights, tuple[RejectionRule, ...]]:
+def _rejection_sampling(rs: Mapping[str, Any], where: str) -> tuple[ImportanceWeights, tuple[RejectionRule, ...]]:
     """AReaL's behaviour weight and filter: the weight is ``exp(prox - old)`` (its geometric mean per sequence for
     the ratio metric at sequence level); ``mask`` drops what falls outside the bounds, ``clamp`` clips the weight."""
     level = choice(where, "level", rs["level"], {"token": "token", "sequence": "sequence"})
@@ -85,7 +85,7 @@ def _rejection_sampling(rs: dict, where: str) -> tuple[ImportanceWeights, tuple[
     return weights, (RejectionRule(f"{aggregate}_k1", lower, upper),)
 
 
-def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> CorrectionConfig:
+def from_areal(config: Mapping[str, Any] | None = None, /, **keys: Any) -> CorrectionConfig:
     """The ``CorrectionConfig`` of an AReaL actor config: AReaL 4aef98d8's loss.
 
     Takes AReaL's own keys nested (``{"actor": {...}}``, as in an AReaL YAML), dotted (``"actor.eps_clip"``, as on
@@ -109,8 +109,8 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     ValueError: areal.actor: unknown key 'eps_clip_high'; did you mean 'eps_clip_higher'?
     """
     data = merge_disjoint(nest(config or {}, "areal"), nest(keys, "areal"), "areal")
-    given: dict = {}
-    outside: dict = {}
+    given: dict[str, Any] = {}
+    outside: dict[str, Any] = {}
     for key, value in data.items():
         if key == "actor":
             given = merge_disjoint(given, section(value, "areal.actor"), "areal.actor")
@@ -129,7 +129,8 @@ def from_areal(config: Mapping[str, Any] | None = None, /, **keys) -> Correction
     choice(where, "prox_logp_method", actor["prox_logp_method"], PROX_METHODS,
            {"loglinear": "the interpolated proximal policy is not implemented; pass recomputed logprobs."})
     decoupled = bool(actor["use_decoupled_loss"])
-    importance, rejection = None, ()
+    importance: ImportanceWeights | None = None
+    rejection: tuple[RejectionRule, ...] = ()
     if actor["rejection_sampling"] is not None:
         if not decoupled:
             raise unsupported(where, "rejection_sampling", actor["rejection_sampling"],

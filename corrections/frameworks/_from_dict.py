@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from corrections import _config
-from corrections.frameworks import _areal, _skyrl, _slime, _verl
+from corrections.frameworks import _areal, _skyrl, _slime, _verl, _verl_keys
 from corrections.frameworks._keys import nearest, nest
 
 FRONT_DOORS: Mapping[str, Callable[..., _config.CorrectionConfig]] = {
@@ -22,8 +22,8 @@ FRONT_DOORS: Mapping[str, Callable[..., _config.CorrectionConfig]] = {
 }
 # The top-level keys each front door reads (a dotted key is recognised by its first part).
 TOP_LEVEL_KEYS = {
-    "verl": {"algorithm", "actor_rollout_ref", "rollout_correction", "actor"} | set(_verl.ROLLOUT_CORRECTION)
-    | set(_verl.ACTOR) | _verl.ACTOR_IGNORED,
+    "verl": {"algorithm", "actor_rollout_ref", "rollout_correction", "actor"} | set(_verl_keys.ROLLOUT_CORRECTION)
+    | set(_verl_keys.ACTOR) | _verl_keys.ACTOR_IGNORED,
     "skyrl": {"trainer", "algorithm"} | set(_skyrl.ALGORITHM) | _skyrl.ALGORITHM_IGNORED,
     "slime": set(_slime.ARGUMENTS) | _slime.IGNORED,
     "areal": {"actor"} | set(_areal.ACTOR) | _areal.IGNORED,
@@ -58,7 +58,9 @@ def detect_framework(data: Mapping[str, Any]) -> str | None:
         return "verl"
     if "actor" in names:  # verl's flat "actor" section and AReaL's: verl's actor has loss_agg_mode and clip_ratio*
         actor = data.get("actor")
-        verl_like = isinstance(actor, Mapping) and any(k in _verl.ACTOR or k in _verl.ACTOR_IGNORED for k in actor)
+        if not isinstance(actor, Mapping):
+            return "areal"
+        verl_like = any(k in _verl_keys.ACTOR or k in _verl_keys.ACTOR_IGNORED for k in actor)
         return "verl" if verl_like and not any(k in _areal.ACTOR for k in actor) else "areal"
     if "algorithm" in names:  # verl's algorithm holds rollout_correction; SkyRL's holds policy_loss_type & co
         algorithm = data.get("algorithm")

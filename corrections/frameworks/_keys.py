@@ -16,7 +16,9 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 TYPO = 0.8  # difflib ratio above which an unknown key is taken for a misspelt loss key (clip_ratio_hgh: 0.97)
 
@@ -77,7 +79,7 @@ def unsupported(where: str, key: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{where}.{key}={value!r} is not supported: {why}")
 
 
-def nest(data: Mapping[str, Any], where: str) -> dict:
+def nest(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``data`` with dotted keys (``"algorithm.rollout_correction.rollout_is"``, as on a Hydra command line)
     expanded into nested dicts; nested mappings are copied, and a key given twice is an error.
 
@@ -86,7 +88,7 @@ def nest(data: Mapping[str, Any], where: str) -> dict:
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} must be a mapping of keys, got {type(data).__name__}.")
-    out: dict = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
             raise ValueError(f"{where}: keys must be strings, got {key!r}.")
@@ -107,7 +109,7 @@ def nest(data: Mapping[str, Any], where: str) -> dict:
     return out
 
 
-def merge(base: Mapping, update: Mapping) -> dict:
+def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     """Hydra's (and the presets') merge: mappings merge key by key, anything else replaces; the inputs are not
     changed (their values are shared, not copied).
 
@@ -123,7 +125,7 @@ def merge(base: Mapping, update: Mapping) -> dict:
     return out
 
 
-def merge_disjoint(first: dict, second: dict, where: str) -> dict:
+def merge_disjoint(first: Mapping[str, Any], second: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The union of two nested dicts that must not set the same leaf."""
     out = dict(first)
     for key, value in second.items():
@@ -161,7 +163,7 @@ def defaults_refused(where: str) -> ValueError:
                       "left), or pass the resolved config.")
 
 
-def section(value: Any, where: str) -> dict:
+def section(value: Any, where: str) -> dict[str, Any]:
     """A nested block that must be a mapping (None, as YAML writes an empty block, reads as {})."""
     if value is None:
         return {}
@@ -170,7 +172,7 @@ def section(value: Any, where: str) -> dict:
     return dict(value)
 
 
-def choice(where: str, key: str, value: Any, mapping: Mapping[Any, Any], why: Mapping[Any, str] | None = None):
+def choice(where: str, key: str, value: Any, mapping: Mapping[Any, T], why: Mapping[Any, str] | None = None) -> T:
     """``mapping[value]``; a value with a reason in ``why`` is unsupported, any other value unknown."""
     if value in mapping:
         return mapping[value]

@@ -13,12 +13,12 @@ SECTIONS = {"verl": ("algorithm", "actor_rollout_ref", "data", "trainer"), "skyr
             "slime": None, "areal": ("actor", "gconfig", "train_dataset")}
 
 
-def _verl(data: dict) -> dict:
+def _verl(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"algorithm": {"rollout_correction": {k: v for k, v in data.items() if k in ROLLOUT_CORRECTION}},
             "actor_rollout_ref": {"actor": {k: v for k, v in data.items() if k not in ROLLOUT_CORRECTION}}}
 
 
-NESTS: Mapping[str, Callable[[dict], dict]] = {
+NESTS: Mapping[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "verl": _verl, "skyrl": lambda data: {"trainer": {"algorithm": data}}, "areal": lambda data: {"actor": data},
 }
 

@@ -36,7 +36,7 @@ ALGORITHM = dict(
     tis_imp_ratio_cap=-1.0, use_tis=False, max_seq_len=None, off_policy_correction=None, sapo=None, clip_cov=None,
     kl_cov=None, cispo=None, dppo=None,
 )
-SUBSECTIONS = dict(
+SUBSECTIONS: Mapping[str, Mapping[str, Any]] = dict(
     sapo=dict(tau_pos=1.0, tau_neg=1.05),
     clip_cov=dict(clip_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0),
     kl_cov=dict(kl_cov_frac=0.2, ppo_kl_coef=1.0),
@@ -78,11 +78,11 @@ LOSSES_UNSUPPORTED = {
 }
 
 
-def _skyrl_algorithm(data: dict) -> tuple[dict, dict]:
+def _skyrl_algorithm(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``trainer.algorithm`` block of a SkyRL config given whole, as ``trainer``/``algorithm``, or flat, and the
     keys outside the loss it gives (dotted)."""
-    algorithm: dict = {}
-    outside: dict = {}
+    algorithm: dict[str, Any] = {}
+    outside: dict[str, Any] = {}
     known = set(ALGORITHM) | ALGORITHM_IGNORED
     for key, value in data.items():
         if key == "trainer":
@@ -103,7 +103,8 @@ def _skyrl_algorithm(data: dict) -> tuple[dict, dict]:
     return algorithm, outside | ignored(algorithm, ALGORITHM_IGNORED, "trainer.algorithm.")
 
 
-def _skyrl_corrections(opc: dict, where: str) -> tuple[ImportanceWeights | None, tuple[RejectionRule, ...]]:
+def _skyrl_corrections(opc: Mapping[str, Any],
+                       where: str) -> tuple[ImportanceWeights | None, tuple[RejectionRule, ...]]:
     """The weights and masks of SkyRL's ``off_policy_correction`` block."""
     rules = []
     if opc["outlier_token_is_threshold_low"] is not None or opc["outlier_token_is_threshold_high"] is not None:
@@ -128,7 +129,7 @@ def _skyrl_corrections(opc: dict, where: str) -> tuple[ImportanceWeights | None,
     return importance, tuple(rules)
 
 
-def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys) -> CorrectionConfig:
+def from_skyrl(config: Mapping[str, Any] | None = None, /, **keys: Any) -> CorrectionConfig:
     """The ``CorrectionConfig`` of a SkyRL ``trainer.algorithm`` block: SkyRL a9564572's losses.
 
     Takes SkyRL's own keys nested (``{"trainer": {"algorithm": {...}}}``, ``{"algorithm": {...}}``), dotted

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from corrections._config import CorrectionConfig, ImportanceWeights, Objective
 from corrections.frameworks._keys import check_keys, choice, merge_disjoint, unsupported, warn_ignored
@@ -41,9 +41,18 @@ IGNORED = frozenset((
 ESTIMATORS = {"grpo": "ppo", "reinforce_plus_plus": "ppo", "reinforce_plus_plus_baseline": "ppo", "ppo": "ppo",
               "gspo": "gspo", "cispo": "cispo"}
 KL_LOSS_TYPES = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl"}
+
+
+class TisFields(TypedDict, total=False):
+    """The ``ImportanceWeights`` fields a TIS function sets."""
+
+    overflow: str
+    numerator: str
+
+
 # slime's TIS functions: vanilla TIS (default) and IcePop in loss.py, and PR #2084's off_policy_is_function in
 # ppo_utils.py, whose weight holds the current policy sg(lp) instead of the recomputed one.
-TIS_FUNCTIONS = {
+TIS_FUNCTIONS: dict[str, TisFields] = {
     "vanilla_tis_function": dict(overflow="truncate"),
     "icepop_function": dict(overflow="mask"),
     "off_policy_is_function": dict(overflow="truncate", numerator="current"),
@@ -55,17 +64,20 @@ def _name(key: str) -> str:
     return key.lstrip("-").replace("-", "_")
 
 
-def _parse_argv(tokens: Sequence[str]) -> dict:
+def _parse_argv(tokens: Sequence[str]) -> dict[str, Any]:
     """Command-line tokens (``--use-tis --tis-clip 2.0``) as a dict; values are parsed as numbers where they are."""
-    out, i = {}, 0
+    out: dict[str, Any] = {}
+    i = 0
     while i < len(tokens):
         token = tokens[i]
         if not token.startswith("--"):
             raise ValueError(f"slime: {token!r} is not an argument; arguments start with '--'.")
         name = _name(token.split("=", 1)[0])
-        values, i = [], i + 1
+        values: list[str] = []
+        i += 1
         while "=" not in token and name not in FLAGS and i < len(tokens) and not tokens[i].startswith("--"):
             values, i = values + [tokens[i]], i + 1  # an nargs='+' argument takes several
+        value: str | bool | list[str]
         if "=" in token:
             value = token.split("=", 1)[1]
         elif name in ARGUMENTS and name not in FLAGS and not values:
@@ -78,7 +90,7 @@ def _parse_argv(tokens: Sequence[str]) -> dict:
     return out
 
 
-def _value(value):
+def _value(value: object) -> object:
     """A command-line value as slime's argparse reads it: numbers parsed, ``None`` as None, other text kept."""
     if not isinstance(value, str):
         return value
@@ -88,14 +100,14 @@ def _value(value):
         return None if value == "None" else value
 
 
-def slime_arguments(config) -> dict:
+def slime_arguments(config: Mapping[str, Any] | str | Sequence[str] | None) -> dict[str, Any]:
     """slime's arguments (a mapping, a command-line string or a list of tokens) as ``{flag name: value}``."""
     if config is None:
         return {}
     if isinstance(config, str):
         return _parse_argv(shlex.split(config))
     if isinstance(config, Mapping):
-        out: dict = {}
+        out: dict[str, Any] = {}
         for key, value in config.items():
             out = merge_disjoint(out, {_name(key): _value(value)}, "slime")
         return out
@@ -105,7 +117,7 @@ def slime_arguments(config) -> dict:
                      f"{type(config).__name__}.")
 
 
-def _tis_function(path: str | None) -> dict:
+def _tis_function(path: str | None) -> TisFields:
     """The ``ImportanceWeights`` fields of ``--custom-tis-function-path`` (None: slime's vanilla TIS)."""
     function = "vanilla_tis_function" if path is None else path.replace(":", ".").rsplit(".", 1)[-1]
     if function not in TIS_FUNCTIONS:
@@ -114,7 +126,7 @@ def _tis_function(path: str | None) -> dict:
     return TIS_FUNCTIONS[function]
 
 
-def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /, **keys) -> CorrectionConfig:
+def from_slime(config: Mapping[str, Any] | str | Sequence[str] | None = None, /, **keys: Any) -> CorrectionConfig:
     """The ``CorrectionConfig`` of slime's algorithm arguments: slime 624b824a's losses.
 
     Takes the arguments as a command line (``"--use-tis --tis-clip 2.0"`` or its tokens, as in a slime launch

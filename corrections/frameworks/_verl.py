@@ -12,7 +12,7 @@ verl checks k1 bounds on ``-log rho`` and so keeps ``1/up <= rho <= 1/lo``, the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from corrections._config import (
@@ -46,7 +46,7 @@ from corrections.frameworks._verl_keys import (
 )
 
 
-def _positive(field: str, text) -> float:
+def _positive(field: str, text: str | float) -> float:
     if isinstance(text, bool):
         raise ValueError(f"{field}={text!r}: give a number or a 'lo_up' string, not a bool.")
     try:
@@ -58,7 +58,7 @@ def _positive(field: str, text) -> float:
     return value
 
 
-def _bounds(field: str, spec) -> tuple[float | None, float]:
+def _bounds(field: str, spec: str | float) -> tuple[float | None, float]:
     """``"lo_up"`` -> (lo, up); a bare number -> (None, up)."""
     if isinstance(spec, str) and "_" in spec:
         low_text, high_text = spec.strip().split("_", 1)
@@ -69,7 +69,8 @@ def _bounds(field: str, spec) -> tuple[float | None, float]:
     return None, _positive(field, spec.strip() if isinstance(spec, str) else spec)
 
 
-def verl_importance(rollout_is: str | None, rollout_is_threshold=2.0, batch_normalize: bool = False):
+def verl_importance(rollout_is: str | None, rollout_is_threshold: str | float | None = 2.0,
+                    batch_normalize: bool = False) -> ImportanceWeights | None:
     """``ImportanceWeights`` for verl's ``rollout_is`` / ``rollout_is_threshold`` (None when ``rollout_is`` is None).
 
     >>> weights = verl_importance("token", "0.5_5.0")
@@ -86,7 +87,8 @@ def verl_importance(rollout_is: str | None, rollout_is_threshold=2.0, batch_norm
     return ImportanceWeights(rollout_is, high=high, low=low, overflow="mask", batch_normalize=batch_normalize)
 
 
-def verl_rejection_rules(rollout_rs: str | None, rollout_rs_threshold=None, *, reproduce_inverted_k1: bool = False):
+def verl_rejection_rules(rollout_rs: str | None, rollout_rs_threshold: str | float | None = None, *,
+                         reproduce_inverted_k1: bool = False) -> tuple[RejectionRule, ...]:
     """``RejectionRule``s for verl's ``rollout_rs`` / ``rollout_rs_threshold``.
 
     >>> [(r.name, r.low, r.high) for r in verl_rejection_rules("seq_mean_k1,seq_max_k3", "0.999_1.001,0.01")]
@@ -103,6 +105,7 @@ def verl_rejection_rules(rollout_rs: str | None, rollout_rs_threshold=None, *, r
             raise ValueError(f"rollout_rs: {name!r} is not an option; use a comma list of {options}.")
     if rollout_rs_threshold is None:
         raise ValueError("rollout_rs_threshold is required when rollout_rs is set (e.g. '0.999_1.001' or 0.01).")
+    specs: list[str | float]
     specs = [s.strip() for s in rollout_rs_threshold.split(",")] if isinstance(rollout_rs_threshold, str) else [
         rollout_rs_threshold
     ]
@@ -142,11 +145,13 @@ LOSS_MODES_UNSUPPORTED = {
 }
 
 
-def _verl_blocks(data: dict) -> tuple[dict, dict, dict]:
+def _verl_blocks(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Splits a verl config (full, sections, or flat keys) into its rollout_correction and actor blocks, and the
     keys outside the loss it gives (dotted)."""
     where = "verl"
-    rollout_correction, actor, outside = {}, {}, {}
+    rollout_correction: dict[str, Any] = {}
+    actor: dict[str, Any] = {}
+    outside: dict[str, Any] = {}
     sections = {"algorithm", "actor_rollout_ref", "rollout_correction", "actor"}
     for key, value in data.items():
         if key == "algorithm":
@@ -182,7 +187,8 @@ def _verl_blocks(data: dict) -> tuple[dict, dict, dict]:
     return rollout_correction, actor, outside | ignored(actor, ACTOR_IGNORED, "actor_rollout_ref.actor.")
 
 
-def _verl_objective(actor: dict, policy_loss: dict, bypass: bool, loss_type: str) -> tuple[Objective, str | None]:
+def _verl_objective(actor: Mapping[str, Any], policy_loss: Mapping[str, Any], bypass: bool,
+                    loss_type: str) -> tuple[Objective, str | None]:
     """The objective and, for GSPO and SAPO, the reduction verl forces (seq-mean-token-mean)."""
     where = "verl.actor_rollout_ref.actor"
     clip = actor["clip_ratio"]
@@ -195,7 +201,7 @@ def _verl_objective(actor: dict, policy_loss: dict, bypass: bool, loss_type: str
                           "dropping your choice; set loss_mode='vanilla'.")
     if bypass and loss_type == "reinforce":
         return Objective("reinforce"), None
-    objectives = {
+    objectives: dict[str, Callable[[], tuple[Objective, str | None]]] = {
         "vanilla": lambda: (Objective("ppo", clip_low=low, clip_high=high, dual_clip=actor["clip_ratio_c"]), None),
         "gspo": lambda: (Objective("gspo", clip_low=low, clip_high=high), "seq-mean-token-mean"),
         "sapo": lambda: (Objective("sapo", tau_pos=actor["tau_pos"], tau_neg=actor["tau_neg"]),
@@ -212,7 +218,7 @@ def _verl_objective(actor: dict, policy_loss: dict, bypass: bool, loss_type: str
 
 
 def from_verl(config: Mapping[str, Any] | None = None, /, *, reproduce_inverted_k1: bool = False,
-              **keys) -> CorrectionConfig:
+              **keys: Any) -> CorrectionConfig:
     """The ``CorrectionConfig`` of a verl config: the same losses and ``rollout_corr/`` metrics as verl 1dda039b.
 
     Takes verl's own keys, as a nested config (``{"algorithm": {"rollout_correction": {...}},
