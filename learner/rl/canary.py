@@ -172,7 +172,8 @@ class PublishCanary:
         every process, compares on process 0; returns ``canary/*`` metrics there (empty elsewhere).
 
         Raises:
-            CanaryMismatchError: the difference exceeds the tolerance (process 0).
+            CanaryMismatchError: the difference exceeds the tolerance, or the engine returned no canary token of
+                this version or no valid sample at all (process 0).
         """
         started = time.monotonic()
         completions = np.full((CANARY_PROMPTS, self.new_tokens), -1, np.int32)  # -1: past a sample's end
@@ -181,8 +182,8 @@ class PublishCanary:
         if leader:
             requests = canary_requests(self.prompts, self.new_tokens, self.logprob_mode)
             futures = [engine.submit(request) for request in requests]
-            for row, future in enumerate(futures):
-                sample = future.result()[0]
+            samples = [future.result() for future in futures]  # [] where the client dropped the sample
+            for row, (sample,) in ((row, result) for row, result in enumerate(samples) if result):
                 tokens = sample.completion_token_ids[:self.new_tokens]
                 completions[row, :tokens.size] = tokens
                 engine_logprobs[row, :tokens.size] = sample.logprobs[:tokens.size]
@@ -198,6 +199,12 @@ class PublishCanary:
             mask = compared[index][:scored.size]
             engine_rows.append(engine_logprobs[index][:scored.size][mask])
             learner_rows.append(scored[mask])
+        if not any(samples):  # nothing to compare, and not for a version's sake: say why
+            dropped = {name: count for name, count in engine.metrics().items()
+                       if name.startswith("samples/dropped/") and count}
+            raise CanaryMismatchError(f"publish canary: the {self.engine_name} engine returned no valid canary "
+                                      f"sample at policy version {policy_version}: the client dropped every one "
+                                      f"({dropped}); it serves invalid samples")
         if not sum(row.size for row in engine_rows):
             raise CanaryMismatchError(f"publish canary: the {self.engine_name} engine returned no canary token of "
                                       f"policy version {policy_version}, the version just published")

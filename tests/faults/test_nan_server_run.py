@@ -1,7 +1,8 @@
 """End to end: the main job against a server whose every sample carries a NaN logprob.
 
 Nothing of it is trained on: the client drops every sample (counted), the run stops with a clear error and a
-non-zero exit, and the newest checkpoint is the finite one it had.
+non-zero exit, and the newest checkpoint is the finite one it had. With the publish canary on (the default), the run
+stops at its start instead: the canary's samples were dropped too, and its error line says so.
 """
 
 import subprocess
@@ -24,11 +25,19 @@ def test_a_nan_producing_server_stops_the_run_and_leaves_a_finite_checkpoint(tmp
                                                         "16", "--max-seq-len", "8", "--seed", "0"],
                            tmp_path / "nan_server.log", start_timeout_s=240)
     try:
-        run_dir = tmp_path / "run"
-        result = subprocess.run(train_command(run_dir, "loop.steps=3", f'server.address="{server.address}"'),
+        run_dir = tmp_path / "run"  # no canary: the rollout batch's path
+        result = subprocess.run(train_command(run_dir, "loop.steps=3", f'server.address="{server.address}"',
+                                              "canary.every=0"),
                                 cwd=REPO_ROOT, env=train_env(), capture_output=True, text=True, timeout=400)
+        canaried = subprocess.run(train_command(tmp_path / "canaried", "loop.steps=3",
+                                                f'server.address="{server.address}"'),
+                                  cwd=REPO_ROOT, env=train_env(), capture_output=True, text=True, timeout=400)
     finally:
         server.stop()
+    assert canaried.returncode == 1, canaried.stderr[-3000:]
+    assert ("error: publish canary: the tether engine returned no valid canary sample at policy version 2: the "
+            "client dropped every one ({'samples/dropped/non_finite_logprobs': ") in canaried.stderr
+    assert "Traceback" not in canaried.stderr
     assert result.returncode == 1, result.stderr[-3000:]
     assert "error: step 1: every sample of this rollout batch was dropped (stale or invalid samples)" in result.stderr
     assert "'samples/dropped/non_finite_logprobs'" in result.stderr

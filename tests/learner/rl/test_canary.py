@@ -172,3 +172,24 @@ def test_verify_scores_whole_samples_and_compares_only_the_tokens_of_the_publish
     assert metrics["canary/max_abs_diff"] < 2e-5  # the later tokens scored after the earlier ones, in place
     with pytest.raises(CanaryMismatchError, match="no canary token of policy version 4"):
         canary_of(model).verify(ReferenceEngine(model, version=3), policy_version=4, leader=True)
+
+
+class DroppingEngine:
+    """An engine stand-in (protocol level) whose every sample the client dropped (a NaN-logprob server's)."""
+
+    def submit(self, request) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        future.set_result([])
+        return future
+
+    def metrics(self) -> dict[str, float]:
+        return {"samples/accepted": 0, "samples/dropped/non_finite_logprobs": CANARY_PROMPTS,
+                "samples/dropped/bad_token_ids": 0}
+
+
+def test_verify_names_the_drops_when_the_engine_returned_no_valid_sample(model):
+    with pytest.raises(CanaryMismatchError) as caught:
+        canary_of(model).verify(DroppingEngine(), policy_version=2, leader=True)
+    assert str(caught.value) == (f"publish canary: the tether engine returned no valid canary sample at policy version "
+                                 f"2: the client dropped every one ({{'samples/dropped/non_finite_logprobs': "
+                                 f"{CANARY_PROMPTS}}}); it serves invalid samples")
