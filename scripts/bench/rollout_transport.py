@@ -30,12 +30,14 @@ tokens/s with a full batch.
 
 import argparse
 import asyncio
+import contextlib
 import os
 import pathlib
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -46,9 +48,10 @@ from rollout_client.protocol import CLIENT_OPTIONS, SERVER_OPTIONS, pb, pb_grpc
 from scripts.bench.common import REPO_ROOT, checkout_env
 
 
-def start_server(tokens: int, floor: bool = False, smg: bool = False) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def served(tokens: int, floor: bool = False, smg: bool = False) -> Iterator[tuple[int, str]]:
     """The reference server (scripted engine), or with `floor` this script's bare server, or with `smg` its scripted
-    MLX-proto server."""
+    MLX-proto server, as a child process: its (pid, address), terminated on exit."""
     if floor or smg:
         argv = ["-m", "scripts.bench.rollout_transport", "--serve-floor" if floor else "--serve-smg", "--tokens",
                 str(tokens)]
@@ -57,8 +60,11 @@ def start_server(tokens: int, floor: bool = False, smg: bool = False) -> tuple[s
                 "--tokens-per-step", str(tokens), "--max-seq-len", str(4 * tokens), "--max-batch-size", "64"]
     process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                                env=checkout_env())
-    line = process.stdout.readline()
-    return process, re.search(r"listening on (\S+)", line).group(1)
+    try:
+        yield process.pid, re.search(r"listening on (\S+)", process.stdout.readline()).group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -311,35 +317,22 @@ def main() -> None:
     if args.serve_floor or args.serve_smg:
         asyncio.run((serve_floor if args.serve_floor else serve_smg)(args.tokens))
         return
-    process, target = start_server(args.tokens)
-    try:
+    with served(args.tokens) as (pid, target):
         for concurrency, samples_per_request in ((1, 1), (8, 1), (8, 8)):
-            result = asyncio.run(transport(target, process.pid, args.tokens, args.rounds, concurrency,
-                                           samples_per_request))
+            result = asyncio.run(transport(target, pid, args.tokens, args.rounds, concurrency, samples_per_request))
             print(f"transport {args.tokens} tokens/sample, {concurrency} concurrent requests of "
                   f"{samples_per_request} samples: {result}")
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    process, target = start_server(args.tokens, smg=True)
-    try:
+    with served(args.tokens, smg=True) as (pid, target):
         for concurrency, samples_per_request in ((1, 1), (8, 1), (8, 8)):
-            result = asyncio.run(smg_transport(target, process.pid, args.tokens, args.smg_rounds, concurrency,
+            result = asyncio.run(smg_transport(target, pid, args.tokens, args.smg_rounds, concurrency,
                                                samples_per_request))
             print(f"smg transport (MLX proto, one message per token) {args.tokens} tokens/sample, {concurrency} "
                   f"concurrent requests of {samples_per_request} samples: {result}")
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    process, target = start_server(args.tokens, floor=True)
-    try:
+    with served(args.tokens, floor=True) as (pid, target):
         for concurrency in (1, 8):
-            result = asyncio.run(floor_transport(target, process.pid, args.tokens, args.rounds, concurrency))
+            result = asyncio.run(floor_transport(target, pid, args.tokens, args.rounds, concurrency))
             print(f"floor (bare grpc.aio stub and server) {args.tokens} tokens/sample, {concurrency} concurrent "
                   f"requests of 1 sample: {result}")
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
     for line in [*engines_end_to_end(args.engine_tokens, args.engine_rounds), *mlx_publish_costs()]:
         print(line, flush=True)
     print(f"model decode (tiny, float32, batch 16, CPU): {decode_tokens_per_second():.0f} tokens/s")
