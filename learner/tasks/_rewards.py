@@ -116,7 +116,7 @@ class Reward:
     batched: bool = False  # fn takes lists (completions, prompts, rows) and returns a number per sample
     inline: bool = False  # called in the caller's thread, without the timeout (the built-ins: pure and fast)
     # ``(import path, args)`` of a reward named by its import path: a synchronous one then runs in worker processes
-    # (`learner.tasks._reward_workers`), killed at the timeout; None: called here (threads, or inline).
+    # (`learner.reward_workers`), killed at the timeout; None: called here (threads, or inline).
     source: tuple[str, dict] | None = None
 
     @property
