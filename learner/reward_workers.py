@@ -3,7 +3,7 @@
 hangs forever holds no thread and no process beyond its timeout, and a batch with hung calls takes at most one
 timeout longer than without them: each call's limit runs from its own start, ``size`` calls at a time.
 
-A worker is ``python -m learner.reward_workers FD``, FD a socket to the learner: it loads each reward
+A worker is ``python -m learner.reward_workers PID FD``, PID the learner's and FD a socket to it: it loads each reward
 ``target`` it is sent (`load_function`; not timed: a worker's start and imports are not the
 reward's time), then for each pickled ``(target, args, call_args)`` sends back ``(value, None)`` or
 ``(None, exception)``. Its stdout and stderr are the learner's. This module imports the standard library alone,
