@@ -114,9 +114,9 @@ def test_a_run_against_a_silent_server_ends_in_one_error_line_within_two_minutes
                                    cwd=REPO_ROOT, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True)
         lines, waiting_since = [], None
-        for line in process.stdout:  # the run's output as it comes: when did it start waiting for rollouts?
-            lines.append(line.rstrip("\n"))
-            if waiting_since is None and "waiting for the first rollouts" in line:
+        for line in process.stdout:  # the run's output as it comes: when did it first ask for samples? (the publish
+            lines.append(line.rstrip("\n"))  # canary's, announced by its line, comes before the first rollouts)
+            if waiting_since is None and line.startswith("canary: the tether engine's logprobs"):
                 waiting_since = time.monotonic()
         process.wait(timeout=60)
         reported_after = time.monotonic() - waiting_since
