@@ -1,7 +1,7 @@
 """The migration front doors: a config written as a verl, SkyRL, slime or AReaL user writes it (key for key from
 upstream defaults and examples) goes through ``from_<framework>`` and through ``config_from_dict``, and
 ``corrections.compute`` on one fixed batch gives the loss of the NumPy float64 port of that framework
-(``tests/reference_ports``) to rtol 1e-5 (float32 JAX against float64 NumPy; XLA may reorder sums).
+(``tests/support/reference_ports``) to rtol 1e-5 (float32 JAX against float64 NumPy; XLA may reorder sums).
 
 Also: unknown keys name the nearest match, unsupported settings say why, keys outside the loss are listed by their
 own names, verl's preset arguments, the ``skyrl_*`` presets' loss, and ``preset(..., rejection=...)`` merging by rule
@@ -22,7 +22,7 @@ import pytest
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
 from corrections.frameworks import _areal, _skyrl, _slime, _verl
-from tests.reference_ports import areal, skyrl, slime, verl
+from tests.support.reference_ports import areal, skyrl, slime, verl
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T = 6, 8

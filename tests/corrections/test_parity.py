@@ -1,7 +1,7 @@
 """Issue #16: a metric with a reference's name has that reference's meaning and value.
 
 One golden test per item (C1-C10, Dr. GRPO after rejection, slime's off_policy_is), each number checked against
-NumPy float64 written from the formula AND against the reference's port (tests/reference_ports); then the added
+NumPy float64 written from the formula AND against the reference's port (tests/support/reference_ports); then the added
 metrics and options against the ports. Floats are compared at 1e-5 relative: JAX computes in float32.
 """
 
@@ -12,7 +12,7 @@ import pytest
 
 import corrections as c
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from tests.reference_ports import areal, fw_cookbook, skyrl, slime, verl
+from tests.support.reference_ports import areal, fw_cookbook, skyrl, slime, verl
 
 P = "rollout_corr/"
 RTOL, ATOL = 1e-5, 1e-6

@@ -1,5 +1,5 @@
 """The parity remainder of issue 30, each against the reference's own code (the NumPy ports under
-tests/reference_ports, re-checked against the upstream lines cited in each test):
+tests/support/reference_ports, re-checked against the upstream lines cited in each test):
 
 1. the KL estimators k1 and k2 take no exp and are not clamped (slime ``compute_approx_kl``, verl
    ``kl_penalty_forward``), nor is verl's REINFORCE ``actor/ppo_kl``;
@@ -18,7 +18,7 @@ import pytest
 import corrections
 from corrections import CorrectionConfig, Objective
 from tests.corrections.test_reference_compat import AREAL_RS_ROWS, close, data, run, same_mask
-from tests.reference_ports import areal, slime, verl
+from tests.support.reference_ports import areal, slime, verl
 
 
 @pytest.mark.parametrize("estimator, value, gradient", [("k1", 25.0, 1.0), ("k2", 312.5, 25.0)])

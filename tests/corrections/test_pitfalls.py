@@ -1,7 +1,7 @@
 """One regression test per pitfall of section 8 of ../shared/reference/corrections.md (items 1-9).
 
 Each builds a small batch by hand on which the buggy behaviour gives a different number, asserts Tether's value,
-and shows the buggy number through the reference port (tests/reference_ports) where one exists.
+and shows the buggy number through the reference port (tests/support/reference_ports) where one exists.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from tests.reference_ports import areal, skyrl, slime, verl
+from tests.support.reference_ports import areal, skyrl, slime, verl
 
 P = "rollout_corr/"
 EAGER = {"rows_per_chunk": 0}  # one vmap, no row loop: many configs, each traced once

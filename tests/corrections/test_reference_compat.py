@@ -1,5 +1,5 @@
 """Compatibility with the reference frameworks: configured alike, ``corrections`` gives verl's, SkyRL's, slime's
-and AReaL's numbers (float32 JAX vs the float64 NumPy ports in ``tests/reference_ports``, rtol 1e-5); where this
+and AReaL's numbers (float32 JAX vs the float64 NumPy ports in ``tests/support/reference_ports``, rtol 1e-5); where this
 project deliberately differs (a reference bug or quirk), a test shows both numbers and names the setting that
 reproduces the reference.
 
@@ -21,7 +21,7 @@ import pytest
 
 import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule
-from tests.reference_ports import areal, skyrl, slime, verl
+from tests.support.reference_ports import areal, skyrl, slime, verl
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T = 8, 12
@@ -873,9 +873,9 @@ def test_areal_dual_clip_and_intermediate_modes():
 
 def verl_token_veto(n, mask, threshold):
     """Older verl's ``rollout_token_veto_threshold`` (rollout_corr_helper, "Step 4: apply token veto"; the port in
-    tests/reference_ports/verl.py is of the newer helper, which has no veto): ``log_ratio = old - roll``; a row with
-    any valid token where ``log_ratio < log(threshold)`` has its whole modified response mask zeroed; the IS
-    weights are left as they are."""
+    tests/support/reference_ports/verl.py is of the newer helper, which has no veto): ``log_ratio = old - roll``; a
+    row with any valid token where ``log_ratio < log(threshold)`` has its whole modified response mask zeroed; the
+    IS weights are left as they are."""
     catastrophic = (n["old"] - n["roll"] < math.log(threshold)) & (n["m"] > 0)
     return mask * (~catastrophic.any(-1, keepdims=True))
 
@@ -1004,7 +1004,7 @@ def test_skyrl_kl_cov_coef_is_tethers_divided_by_n(frac, coef):
 
 
 # slime ``tis_batch_normalize`` (docs: ``importance.batch_normalize=True``) is not tested here: the slime port
-# (tests/reference_ports/slime.py, compute_mis_weights) has no batch-normalisation option.
+# (tests/support/reference_ports/slime.py, compute_mis_weights) has no batch-normalisation option.
 
 def _areal_rows():
     tok, geo = ImportanceWeights("token", high=None), ImportanceWeights("geometric", high=None)

@@ -20,7 +20,7 @@ import corrections
 from corrections import CorrectionConfig, ImportanceWeights, Objective, RejectionRule, UnknownKeyWarning
 from learner.rl.framework_files import read_composed, read_file
 from tests.corrections.test_front_doors import ATOL, RTOL, batch, run
-from tests.reference_ports import areal, verl
+from tests.support.reference_ports import areal, verl
 
 # The keys outside the loss the front doors list are tested in tests/corrections/test_front_doors.py, not here.
 pytestmark = pytest.mark.filterwarnings("ignore::corrections.TrainingKeysWarning")
