@@ -130,7 +130,8 @@ def inputs(batch, length, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.corrections",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["256x4096", "1024x1024"])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

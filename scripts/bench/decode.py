@@ -49,7 +49,7 @@ def measured_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="learner.model.model_config name")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--rows", type=int, default=8)

@@ -159,7 +159,7 @@ def table(results: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--compare", default="qwen2-0.5b", help="model shape of Tether vs tunix ('' skips)")
     parser.add_argument("--mfu", default="llama-1b", help="model shape of the MFU measurement ('' skips)")
     parser.add_argument("--rows", type=int, default=8)

@@ -133,7 +133,7 @@ def bench(name: str, batch_size: int, length: int, steps: int, repeats: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.learner", description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["tiny", "100m"])
     parser.add_argument("--batch", nargs="+", type=int, default=[16, 4], help="rows B, one per config")
     parser.add_argument("--length", nargs="+", type=int, default=[128, 128], help="tokens T, one per config")

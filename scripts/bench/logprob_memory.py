@@ -37,7 +37,7 @@ def temp_bytes(logprob_fn, batch, seq_len, width, vocab):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.logprob_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--width", type=int, default=256)

@@ -109,7 +109,7 @@ def measure(mode: str, model: str, rank: int, batch: int, length: int, steps: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.lora", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2-0.5b", help="learner.model.model_config name")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8)

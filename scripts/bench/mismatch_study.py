@@ -256,7 +256,8 @@ def plot_source(source: str, runs: dict[str, list[list[dict]]], path: pathlib.Pa
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.mismatch_study",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/default.toml", help="base run config (TOML)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/mismatch_study"))
     parser.add_argument("--quick", action="store_true",

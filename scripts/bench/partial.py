@@ -110,7 +110,8 @@ def start(run_dir: pathlib.Path, partial: bool, steps: int, overrides: list[str]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.partial",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=80, help="RL steps of each run")
     parser.add_argument("--repeats", type=int, default=1, help="alternate the two settings this many times")
     parser.add_argument("--out", type=pathlib.Path, help="where the run directories go (default: a temporary one)")

@@ -473,7 +473,7 @@ def parse_case(text: str, recompute: bool, epochs: int, minibatches: int, scored
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.peers", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["tiny:16:128", "100m:4:128"], help="MODEL:ROWS:TOKENS")
     parser.add_argument("--recompute", nargs="+", choices=["on", "off"], default=["on", "off"])
     parser.add_argument("--epochs", type=int, default=1)

@@ -236,7 +236,8 @@ def run_worker(spec: dict, path: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.profile_compile",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["tiny:16:128", "100m:4:128"], help="model:rows:length")
     parser.add_argument("--presets", nargs="+", default=["bypass_ppo_clip", "decoupled_token_is"])
     parser.add_argument("--variants", nargs="+", default=["full", "no_metrics", "trivial"],

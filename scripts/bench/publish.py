@@ -81,7 +81,7 @@ def time_publishes(engine, params, dtype: str, repeats: int, memcpy: Memcpy) -> 
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.publish", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="100m", help="learner.model.model_config name")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the server's dtype")
     parser.add_argument("--repeats", type=int, default=5, help="publishes per transport (the first is reported "

@@ -71,7 +71,7 @@ def summarize(run_dir: pathlib.Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.recipe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2-0.5b", choices=("qwen2-0.5b", "17m"))
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)

@@ -304,7 +304,8 @@ def decode_tokens_per_second(batch_size: int = 16, steps: int = 8, calls: int = 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.rollout_transport",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--smg-rounds", type=int, default=10, help="rounds of the smg transport (per-token messages "

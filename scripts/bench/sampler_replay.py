@@ -25,7 +25,7 @@ ORDERS = {"first": SamplerOrder.TEMPERATURE_FIRST, "last": SamplerOrder.TEMPERAT
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.sampler_replay", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--width", type=int, default=1024)

@@ -62,7 +62,8 @@ def timed_update(trainer, batch, state) -> tuple[float, float]:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.update_buckets",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="17m", choices=("qwen2-0.5b", "17m"))
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4)

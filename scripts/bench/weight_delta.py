@@ -35,7 +35,7 @@ def best_seconds(function, repeats: int = 3) -> float:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.weight_delta", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="learner.model.model_config name")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the published dtype")
     parser.add_argument("--learning-rate", type=float, default=1e-6)
